@@ -1,0 +1,1 @@
+"""batchgen client: sync and async HTTP clients and the `batchgen` CLI."""

@@ -1,0 +1,109 @@
+"""Batch objects (``/v1/batches``), with the batchgen batch-level generation defaults."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from ._base import Body, Wire
+
+BatchStatus = Literal[
+    "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"
+]
+TERMINAL_STATUSES: frozenset[str] = frozenset({"failed", "completed", "expired", "cancelled"})
+
+BatchEndpoint = Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
+ENDPOINTS: tuple[str, ...] = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+
+Metadata = dict[str, str]
+
+
+class BatchError(Wire, kw_only=True):
+    code: str | None = None
+    message: str | None = None
+    param: str | None = None
+    line: int | None = None
+
+
+class BatchErrors(Wire, kw_only=True):
+    object: Literal["list"] = "list"
+    data: list[BatchError]
+
+
+class BatchRequestCounts(Wire, kw_only=True):
+    total: int = 0
+    completed: int = 0
+    failed: int = 0
+
+
+class InputTokensDetails(Wire, kw_only=True):
+    cached_tokens: int = 0
+
+
+class OutputTokensDetails(Wire, kw_only=True):
+    reasoning_tokens: int = 0
+
+
+class BatchUsage(Wire, kw_only=True):
+    input_tokens: int = 0
+    input_tokens_details: InputTokensDetails = msgspec.field(default_factory=InputTokensDetails)
+    output_tokens: int = 0
+    output_tokens_details: OutputTokensDetails = msgspec.field(default_factory=OutputTokensDetails)
+    total_tokens: int = 0
+
+
+class BatchObject(Wire, kw_only=True):
+    id: str
+    object: Literal["batch"] = "batch"
+    endpoint: str
+    model: str | None = None
+    errors: BatchErrors | None = None
+    input_file_id: str
+    completion_window: str
+    status: BatchStatus
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    created_at: int
+    in_progress_at: int | None = None
+    expires_at: int | None = None
+    finalizing_at: int | None = None
+    completed_at: int | None = None
+    failed_at: int | None = None
+    expired_at: int | None = None
+    cancelling_at: int | None = None
+    cancelled_at: int | None = None
+    request_counts: BatchRequestCounts = msgspec.field(default_factory=BatchRequestCounts)
+    usage: BatchUsage = msgspec.field(default_factory=BatchUsage)
+    metadata: Metadata | None = None
+    # batchgen extensions: batch-level defaults that per-request values override.
+    max_decoding_length: int | None = None
+    max_context_length: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+
+
+class BatchList(Wire, kw_only=True):
+    object: Literal["list"] = "list"
+    data: list[BatchObject]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False
+
+
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class CreateBatchRequest(Body, kw_only=True, forbid_unknown_fields=True):
+    """Body of ``POST /v1/batches``. Unknown fields are rejected so that typos do not pass silently."""
+
+    input_file_id: str
+    endpoint: str = "/v1/chat/completions"
+    completion_window: str = "24h"
+    metadata: Metadata | None = None
+    max_decoding_length: PositiveInt | None = None
+    max_context_length: PositiveInt | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] | None = None
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+    top_k: Annotated[int, msgspec.Meta(ge=-1)] | None = None

@@ -1,0 +1,24 @@
+"""Health and pool-status objects (``/health``, ``/v1/pool/status``)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from ._base import Wire
+
+
+class HealthStatus(Wire, kw_only=True):
+    status: Literal["healthy", "unhealthy"]
+    reason: str | None = None
+    model: str | None = None
+
+
+class PoolStatus(Wire, kw_only=True):
+    object: Literal["pool.status"] = "pool.status"
+    queued_requests: int
+    running_requests: int
+    capacity: int
+    """Most requests the server accepts into its queue before ``POST /v1/batches`` answers 429."""
+    active_batches: int
+    kv_blocks_total: int
+    kv_blocks_free: int

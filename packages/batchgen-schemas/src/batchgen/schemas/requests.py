@@ -1,0 +1,106 @@
+"""Batch input lines ``{custom_id, method, url, body}`` and the typed request bodies of each endpoint.
+
+msgspec allows one array-like type per union, so prompts/inputs that may be text, a list of texts, token ids or a
+list of token-id lists are typed as ``str | list[str | int | list[int]]``; the validator checks that a list is
+homogeneous.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from ._base import Body
+
+NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
+Temperature = Annotated[float, msgspec.Meta(ge=0, le=2)]
+TopP = Annotated[float, msgspec.Meta(gt=0, le=1)]
+TopK = Annotated[int, msgspec.Meta(ge=-1)]
+"""``-1`` or ``0`` disable top-k filtering (the vLLM convention)."""
+Penalty = Annotated[float, msgspec.Meta(ge=-2, le=2)]
+MaxTokens = Annotated[int, msgspec.Meta(ge=1)]
+ChoiceCount = Annotated[int, msgspec.Meta(ge=1, le=128)]
+Stop = str | Annotated[list[str], msgspec.Meta(max_length=4)]
+Prompt = str | list[str | int | list[int]]
+
+
+class TextContentPart(Body, kw_only=True, tag_field="type", tag="text"):
+    text: str
+
+
+class ChatMessage(Body, kw_only=True):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """The message's text, with text parts joined as OpenAI does (no separator)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ResponseFormat(Body, kw_only=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class SamplingFields(Body, kw_only=True):
+    """Fields shared by the generating endpoints."""
+
+    model: str
+    max_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    seed: int | None = None
+    stop: Stop | None = None
+    n: ChoiceCount = 1
+    ignore_eos: bool = False
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    stream: bool | None = None
+    user: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
+    max_completion_tokens: MaxTokens | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    response_format: ResponseFormat | None = None
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    prompt: Prompt
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    echo: bool = False
+
+
+class EmbeddingRequest(Body, kw_only=True):
+    model: str
+    input: Prompt
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    user: str | None = None
+
+
+RequestBody = ChatCompletionRequest | CompletionRequest | EmbeddingRequest
+
+BODY_TYPES: dict[str, type[RequestBody]] = {
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/completions": CompletionRequest,
+    "/v1/embeddings": EmbeddingRequest,
+}
+
+
+class BatchInputLine(Body, kw_only=True):
+    """One line of a batch input file, its body decoded into the type of its ``url``."""
+
+    custom_id: str
+    method: str
+    url: str
+    body: RequestBody

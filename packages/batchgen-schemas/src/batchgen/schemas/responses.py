@@ -1,0 +1,155 @@
+"""Response bodies of each endpoint and the output/error file lines that carry them."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from ._base import Wire
+from .errors import ErrorResponse
+
+FinishReason = Literal["stop", "length"]
+
+
+class PromptTokensDetails(Wire, kw_only=True):
+    cached_tokens: int = 0
+
+
+class CompletionUsage(Wire, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = msgspec.field(default_factory=PromptTokensDetails)
+
+
+class TopLogprob(Wire, kw_only=True):
+    token: str
+    bytes: list[int] | None = None
+    logprob: float
+
+
+class TokenLogprob(Wire, kw_only=True):
+    token: str
+    bytes: list[int] | None = None
+    logprob: float
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(Wire, kw_only=True):
+    content: list[TokenLogprob] | None = None
+    refusal: list[TokenLogprob] | None = None
+
+
+class ChatCompletionMessage(Wire, kw_only=True):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    refusal: str | None = None
+
+
+class ChatCompletionChoice(Wire, kw_only=True):
+    index: int
+    message: ChatCompletionMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: FinishReason
+
+
+class ChatCompletion(Wire, kw_only=True, tag_field="object", tag="chat.completion"):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: CompletionUsage
+    system_fingerprint: str | None = None
+
+
+class CompletionLogprobs(Wire, kw_only=True):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None = None
+    text_offset: list[int]
+
+
+class CompletionChoice(Wire, kw_only=True):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReason
+
+
+class TextCompletion(Wire, kw_only=True, tag_field="object", tag="text_completion"):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: CompletionUsage
+    system_fingerprint: str | None = None
+
+
+class Embedding(Wire, kw_only=True, tag_field="object", tag="embedding"):
+    index: int
+    embedding: list[float] | str
+    """Floats, or a base64 string of little-endian float32 when ``encoding_format`` is ``base64``."""
+
+
+class EmbeddingUsage(Wire, kw_only=True):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(Wire, kw_only=True, tag_field="object", tag="list"):
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
+ResponseBody = ChatCompletion | TextCompletion | EmbeddingList | ErrorResponse
+
+
+class BatchResponse(Wire, kw_only=True):
+    status_code: int
+    request_id: str
+    body: ResponseBody
+
+
+class BatchLineError(Wire, kw_only=True):
+    code: str
+    message: str
+
+
+class BatchOutputLine(Wire, kw_only=True):
+    """One line of a batch's output or error file."""
+
+    id: str
+    custom_id: str
+    response: BatchResponse | None
+    error: BatchLineError | None
+
+
+class _RawResponse(msgspec.Struct):
+    status_code: int
+    request_id: str
+    body: msgspec.Raw
+
+
+class _RawOutputLine(msgspec.Struct):
+    id: str
+    custom_id: str
+    response: _RawResponse | None = None
+    error: BatchLineError | None = None
+
+
+_SUCCESS_BODIES = msgspec.json.Decoder(ChatCompletion | TextCompletion | EmbeddingList)
+_ERROR_BODY = msgspec.json.Decoder(ErrorResponse)
+_RAW_LINE = msgspec.json.Decoder(_RawOutputLine)
+
+
+def parse_output_line(line: bytes | str) -> BatchOutputLine:
+    """Decode one output/error file line; the body type is chosen by its ``object`` tag or its ``error`` key."""
+    raw = _RAW_LINE.decode(line)
+    response = None
+    if raw.response is not None:
+        body: Any = raw.response.body
+        decoded = _ERROR_BODY.decode(body) if raw.response.status_code >= 400 else _SUCCESS_BODIES.decode(body)
+        response = BatchResponse(status_code=raw.response.status_code, request_id=raw.response.request_id, body=decoded)
+    return BatchOutputLine(id=raw.id, custom_id=raw.custom_id, response=response, error=raw.error)
