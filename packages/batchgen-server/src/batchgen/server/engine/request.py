@@ -1,0 +1,80 @@
+"""What goes into the engine and what comes out: token-level, free of any HTTP or OpenAI shape."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length"]
+Task = Literal["generate", "embed"]
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int | None = None
+    """Most tokens to generate per choice; ``None`` runs until a stop condition or the context is full."""
+    temperature: float = 0.0
+    """``0`` is greedy decoding."""
+    top_p: float = 1.0
+    top_k: int = 0
+    """``0`` or ``-1`` disable top-k."""
+    seed: int | None = None
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: bool = False
+    top_logprobs: int = 0
+    max_context_length: int | None = None
+    """Cap on prompt + generated tokens (the batch's ``max_context_length``); the model's own limit always applies."""
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    task: Task = "generate"
+    group: str = ""
+    """Scheduling group (the batch id): groups are served first come, first served; all of a group can be aborted."""
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+    """The ``top_logprobs`` most likely tokens at this position, most likely first."""
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineError:
+    code: str
+    """OpenAI-style code, e.g. ``context_length_exceeded``."""
+    message: str
+
+
+@dataclass(slots=True)
+class EngineResult:
+    request_id: str
+    prompt_tokens: int
+    cached_tokens: int = 0
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    embedding: list[float] | None = None
+    error: EngineError | None = None
+    group: str = ""
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(output.token_ids) for output in self.outputs)
