@@ -16,6 +16,7 @@ from batchgen.server.engine import LLMEngine
 from batchgen.server.serving import BatchDefaults, OpenAIServing, RequestRejected, decode_input_line
 
 Run = Callable[..., Any]
+NO_DEFAULTS = BatchDefaults()
 
 
 def _line(url: str, body: dict[str, Any], custom_id: str = "req-1") -> Any:
@@ -27,7 +28,7 @@ def _line(url: str, body: dict[str, Any], custom_id: str = "req-1") -> Any:
 def serve(make_engine: Callable[..., LLMEngine], run_to_completion: Run) -> Callable[..., Any]:
     """Run one input line through OpenAIServing and a fresh engine; return the output line (re-parsed from JSON)."""
 
-    def run(line: Any, defaults: BatchDefaults = BatchDefaults(), **engine_overrides: Any) -> Any:
+    def run(line: Any, defaults: BatchDefaults = NO_DEFAULTS, **engine_overrides: Any) -> Any:
         engine = make_engine(**engine_overrides)
         serving = OpenAIServing(engine.tokenizer, engine.model_name, engine.max_context_length)
         requests = serving.to_engine_requests(line, request_id="rid", defaults=defaults, group="batch_1")
