@@ -151,6 +151,7 @@ def test_batch_object_output_and_error_files(live_server: LiveServer) -> None:
         content = live_server.http.get(f"/v1/files/{file_id}/content").content
         assert (file["purpose"], file["status"], file["bytes"]) == ("batch_output", "processed", len(content))
         assert file["filename"] == f"{batch['id']}_{kind}.jsonl"
+        assert file["checksum"] == f"sha256:{hashlib.sha256(content).hexdigest()}"
 
 
 def test_all_requests_failing_completes_without_output(live_server: LiveServer) -> None:

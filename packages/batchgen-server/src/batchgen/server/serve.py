@@ -73,6 +73,7 @@ def serve(args: argparse.Namespace) -> int:
         port=settings.port,
         log_level=args.log_level,
         timeout_graceful_shutdown=30,
+        access_log=False,
     )
     return 0
 

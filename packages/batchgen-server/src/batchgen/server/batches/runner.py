@@ -393,7 +393,7 @@ class BatchRunner:
                 self.blobs.delete(file_id)
                 cleared[column] = None
             else:
-                self.db.update_file(file_id, status="processed", bytes=size)
+                self.db.update_file(file_id, status="processed", bytes=size, checksum=self.blobs.checksum(file_id))
         if cleared:
             self.db.update_batch(active.batch_id, **cleared)
 

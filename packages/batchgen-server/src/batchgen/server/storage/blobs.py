@@ -42,6 +42,12 @@ class BlobStore:
                 length -= len(chunk)
                 yield chunk
 
+    def checksum(self, file_id: str) -> str:
+        digest = hashlib.sha256()
+        for chunk in self.read(file_id, length=self.size(file_id)):
+            digest.update(chunk)
+        return f"sha256:{digest.hexdigest()}"
+
     def complete_lines_length(self, file_id: str) -> int:
         """Bytes up to the last newline: what a reader may see of a file still being appended to."""
         path = self.path(file_id)
