@@ -20,7 +20,7 @@ from .api.health import HealthController, PoolController
 from .api.legacy import legacy_inference
 from .api.models import ModelsController
 from .batches.runner import BatchRunner
-from .engine import EngineConfig, EngineWorker, LLMEngine
+from .engine import EngineWorker, LLMEngine
 from .serving import OpenAIServing
 from .settings import MIB, Settings
 from .storage.blobs import BlobStore
@@ -35,8 +35,7 @@ def create_app(settings: Settings) -> Litestar:
         settings.storage_dir.mkdir(parents=True, exist_ok=True)
         db = Database(settings.database_path)
         blobs = BlobStore(settings.blobs_dir)
-        config = EngineConfig(model=settings.model, **settings.engine)
-        engine = await asyncio.to_thread(LLMEngine.from_config, config)
+        engine = await asyncio.to_thread(LLMEngine.from_config, settings.engine)
         worker = EngineWorker(engine)
         worker.start()
         serving = OpenAIServing(engine.tokenizer, engine.model_name, engine.max_context_length)

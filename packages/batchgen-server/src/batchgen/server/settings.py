@@ -1,5 +1,5 @@
 """Every setting of the server in one place: defaults here, overridden by ``BATCHGEN_*`` environment variables,
-overridden by command-line flags (``cli.py`` builds its ``serve`` flags from these fields)."""
+overridden by command-line flags (``serve.py``)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .engine.config import EngineConfig
+
 MIB = 1024 * 1024
 
 
 @dataclass(slots=True)
 class Settings:
-    model: str = "demo"
-    """``demo`` (a tiny model built in code), a local directory or a Hugging Face hub id."""
     host: str = "127.0.0.1"
     port: int = 10900
     storage_dir: Path = Path("batchgen-data")
@@ -32,8 +32,8 @@ class Settings:
     max_line_bytes: int = 8 * MIB
     flush_interval_s: float = 0.5
     """How often finished results are fsynced and the live counts published (at most once a second)."""
-    engine: dict[str, Any] = field(default_factory=dict)
-    """Extra ``EngineConfig`` fields (device, dtype, max_num_seqs, ...), passed through to the engine."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """The model and the engine's knobs (``BATCHGEN_MODEL`` names the model when no config is given)."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
@@ -44,6 +44,8 @@ class Settings:
             raw = environ.get(f"BATCHGEN_{f.name.upper()}")
             if raw is not None and f.name != "engine":
                 values[f.name] = _parse(f.name, raw)
+        if "BATCHGEN_MODEL" in environ:
+            values["engine"] = EngineConfig(model=environ["BATCHGEN_MODEL"])
         values.update({key: value for key, value in overrides.items() if value is not None})
         return cls(**values)
 
