@@ -174,7 +174,7 @@ class _LineScanner:
             self.requests + len(lines) <= self._limits.max_requests
             and all(map(_IS_OBJECT, lines))  # so none is blank
             and (size <= self._limits.max_line_bytes or max(map(len, lines), default=0) <= self._limits.max_line_bytes)
-            and not any(map(_utf8_error, compress(lines, map(not_, map(bytes.isascii, lines)))))
+            and _utf8_error(b"\n".join(compress(lines, map(not_, map(bytes.isascii, lines))))) is None
         )
 
     def _add(self, numbers: list[int], lines: list[bytes | LineError], line: bytes | None) -> None:
@@ -312,8 +312,8 @@ class _RequestValidator:
         self._custom_ids: dict[str, int] = {}
         self._decoder = None if endpoint is None else _REQUEST_DECODERS[endpoint]
 
-    def validate(self, scanned: _Lines) -> Iterator[_Request[RequestBody] | LineError]:
-        """Each scanned line's request, or its error (the scanner's own errors pass through)."""
+    def validate(self, scanned: _Lines, *, requests: bool = True) -> Iterator[_Request[RequestBody] | LineError]:
+        """Each scanned line's request (only when ``requests``), or its error (the scanner's pass through)."""
         custom_ids, check_body = self._custom_ids, self._check_body
         decoder, endpoint = self._decoder, self.endpoint
         for line, data in zip(*scanned, strict=True):
@@ -333,9 +333,12 @@ class _RequestValidator:
                         and custom_ids.setdefault(request.custom_id, line) == line
                         and check_body(line, request.body) is None
                     ):
-                        yield request
+                        if requests:
+                            yield request
                         continue
-            yield self._diagnose(line, data)
+            result = self._diagnose(line, data)
+            if requests or isinstance(result, LineError):
+                yield result
             decoder, endpoint = self._decoder, self.endpoint
 
     def _diagnose(self, line: int, data: bytes) -> _Request[RequestBody] | LineError:
@@ -494,12 +497,11 @@ def validate_input_file(
     errors: list[LineError] = []
     error_count = 0
     for scanned in scanner.scan(source):
-        # Each request is dropped as soon as it is checked: keeping many alive would make the GC work harder.
-        for result in validator.validate(scanned):
-            if isinstance(result, LineError):
-                error_count += 1
-                if len(errors) < max_errors:
-                    errors.append(result)
+        for error in validator.validate(scanned, requests=False):
+            assert isinstance(error, LineError)
+            error_count += 1
+            if len(errors) < max_errors:
+                errors.append(error)
     return ValidationReport(
         request_count=scanner.requests,
         error_count=error_count,
