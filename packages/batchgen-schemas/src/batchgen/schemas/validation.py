@@ -1,9 +1,10 @@
 """Streaming validation of batch input files (JSONL), shared by the server and the client.
 
-The file is read in chunks and split into lines, so memory stays bounded by the longest allowed line. Each line is
-decoded into a small envelope whose ``body`` stays raw, then the body is decoded with a pre-built decoder for its
-endpoint. Every problem becomes a :class:`LineError` with a 1-based line number and an OpenAI-style ``code``; the
-validator itself never raises on bad input.
+The file is read in chunks and split into lines, so memory stays bounded by the longest allowed line. Once the
+batch's endpoint is known, each line is decoded in one pass with a pre-built decoder for that endpoint's requests; a
+line that fails is decoded again in two steps (an envelope whose ``body`` stays raw, then the body) to name its first
+problem precisely. Every problem becomes a :class:`LineError` with a 1-based line number and an OpenAI-style
+``code``; the validator never raises on bad input.
 
 - :func:`iter_input_lines` yields a typed :class:`~batchgen.schemas.BatchInputLine` or a :class:`LineError` per line.
 - :func:`validate_input_file` summarises a whole file into a :class:`ValidationReport`.
