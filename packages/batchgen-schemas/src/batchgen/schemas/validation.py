@@ -1,9 +1,10 @@
 """Streaming validation of batch input files (JSONL), shared by the server and the client.
 
-The file is read in chunks and split into lines, so memory stays bounded by the longest allowed line. Each line is
-decoded into a small envelope whose ``body`` stays raw, then the body is decoded with a pre-built decoder for its
-endpoint. Every problem becomes a :class:`LineError` with a 1-based line number and an OpenAI-style ``code``; the
-validator itself never raises on bad input.
+The file is read in chunks and split into lines, so memory stays bounded by the longest allowed line. Once the
+batch's endpoint is known, each line is decoded in one pass with a pre-built decoder for that endpoint's requests; a
+line that fails is decoded again in two steps (an envelope whose ``body`` stays raw, then the body) to name its first
+problem precisely. Every problem becomes a :class:`LineError` with a 1-based line number and an OpenAI-style
+``code``; the validator never raises on bad input.
 
 - :func:`iter_input_lines` yields a typed :class:`~batchgen.schemas.BatchInputLine` or a :class:`LineError` per line.
 - :func:`validate_input_file` summarises a whole file into a :class:`ValidationReport`.
@@ -15,10 +16,12 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
-from typing import Annotated, BinaryIO
+from itertools import compress
+from operator import methodcaller, not_
+from typing import Annotated, BinaryIO, Generic, NamedTuple, TypeVar
 
 import msgspec
 
@@ -87,11 +90,22 @@ Source = BinaryIO | str | os.PathLike[str]
 # --- line scanning: chunks -> numbered non-blank lines, with the encoding and size limits -----------------------
 
 
+class _Lines(NamedTuple):
+    """A chunk's worth of scanned lines: each a line's bytes or the error that rejected it, and its number."""
+
+    numbers: list[int]
+    lines: list[bytes | LineError]
+
+
+_IS_OBJECT = methodcaller("startswith", b"{")
+
+
 class _LineScanner:
     """Splits a byte stream fed in chunks into numbered, non-blank, UTF-8 lines within the limits.
 
-    Yields ``(line_number, line)`` or a :class:`LineError`. ``file_too_large`` and ``too_many_requests`` are fatal:
-    nothing is yielded after them.
+    This is the hot loop, so a chunk whose lines are all usual (start with '{', within the limits, UTF-8) is
+    checked at C speed, with no Python code per line; other chunks go line by line. ``file_too_large`` and
+    ``too_many_requests`` are fatal: nothing follows them.
     """
 
     def __init__(self, limits: ValidationLimits) -> None:
@@ -105,39 +119,73 @@ class _LineScanner:
         self._overlong = False
         self.stopped = False
 
-    def feed(self, chunk: bytes) -> Iterator[tuple[int, bytes] | LineError]:
+    def feed(self, chunk: bytes) -> _Lines:
         if self.stopped:
-            return
+            return _Lines([], [])
         self._bytes += len(chunk)
         if self._bytes > self._limits.max_file_bytes:
             self.stopped = True
-            yield LineError(
-                line=None,
-                code="file_too_large",
-                message=f"The file exceeds the limit of {self._limits.max_file_bytes} bytes.",
-            )
-            return
+            message = f"The file exceeds the limit of {self._limits.max_file_bytes} bytes."
+            return _Lines([0], [LineError(line=None, code="file_too_large", message=message)])
         pieces = chunk.split(b"\n")
         tail = pieces.pop()
-        for piece in pieces:
-            self._line += 1
-            yield from self._emit(self._take_pending(piece) if self._pending or self._overlong else piece)
+        numbers: list[int] = []
+        lines: list[bytes | LineError] = []
+        if pieces and (self._pending or self._overlong):  # the end of a line that started in an earlier chunk
+            self._add(numbers, lines, self._take_pending(pieces.pop(0)))
+        if self.stopped:
+            return _Lines(numbers, lines)
+        if self._all_usual(pieces, len(chunk)):
+            numbers += range(self._line + 1, self._line + 1 + len(pieces))
+            lines += pieces
+            self._line += len(pieces)
+            self.requests += len(pieces)
+        else:
+            for piece in pieces:
+                self._add(numbers, lines, piece)
+                if self.stopped:
+                    return _Lines(numbers, lines)
+        self._hold(tail)
+        return _Lines(numbers, lines)
+
+    def finish(self) -> _Lines:
+        if self.stopped:
+            return _Lines([], [])
+        numbers: list[int] = []
+        lines: list[bytes | LineError] = []
+        if self._pending or self._overlong:
+            self._add(numbers, lines, self._take_pending(b""))
+        if self.requests == 0:
+            numbers.append(0)
+            lines.append(LineError(line=None, code="empty_file", message="The file contains no requests."))
+        return _Lines(numbers, lines)
+
+    def scan(self, source: Source) -> Iterator[_Lines]:
+        """The lines of a whole file, a chunk's worth at a time."""
+        for chunk in _read_chunks(source):
+            yield self.feed(chunk)
             if self.stopped:
                 return
-        if tail:
-            self._hold(tail)
+        yield self.finish()
 
-    def finish(self) -> Iterator[tuple[int, bytes] | LineError]:
-        if self.stopped:
-            return
-        if self._pending or self._overlong:
-            self._line += 1
-            yield from self._emit(self._take_pending(b""))
-        if self.requests == 0:
-            yield LineError(line=None, code="empty_file", message="The file contains no requests.")
+    def _all_usual(self, lines: list[bytes], size: int) -> bool:
+        """Whether ``_classify`` would pass every line as is (with Python code only for non-ASCII lines); ``size``
+        bounds the lines' lengths (the chunk's)."""
+        return (
+            self.requests + len(lines) <= self._limits.max_requests
+            and all(map(_IS_OBJECT, lines))  # so none is blank
+            and (size <= self._limits.max_line_bytes or max(map(len, lines), default=0) <= self._limits.max_line_bytes)
+            and _utf8_error(b"\n".join(compress(lines, map(not_, map(bytes.isascii, lines))))) is None
+        )
+
+    def _add(self, numbers: list[int], lines: list[bytes | LineError], line: bytes | None) -> None:
+        self._line += 1
+        if (item := self._classify(line)) is not None:
+            numbers.append(self._line)
+            lines.append(item)
 
     def _hold(self, tail: bytes) -> None:
-        if self._overlong:
+        if not tail or self._overlong:
             return
         self._pending.append(tail)
         self._pending_bytes += len(tail)
@@ -153,34 +201,22 @@ class _LineScanner:
         self._overlong = False
         return line
 
-    def _emit(self, line: bytes | None) -> Iterator[tuple[int, bytes] | LineError]:
+    def _classify(self, line: bytes | None) -> bytes | LineError | None:
+        """The current line, or the error that rejects it (``line`` is ``None`` when it was too long to hold);
+        ``None`` for a blank line."""
         if line is not None and not line.strip():
-            return  # blank lines (a trailing newline, "\r\n" endings) are not requests
+            return None  # blank lines (a trailing newline, "\r\n" endings) are not requests
         self.requests += 1
         if self.requests > self._limits.max_requests:
             self.stopped = True
-            yield LineError(
-                line=self._line,
-                code="too_many_requests",
-                message=f"The file has more than the limit of {self._limits.max_requests} requests.",
-            )
-        elif line is None or len(line) > self._limits.max_line_bytes:
-            yield LineError(
-                line=self._line,
-                code="line_too_long",
-                message=f"The line exceeds the limit of {self._limits.max_line_bytes} bytes.",
-            )
-        elif not line.isascii() and (error := _utf8_error(line)) is not None:
-            yield LineError(line=self._line, code="invalid_encoding", message=error)
-        else:
-            yield self._line, line
-
-    def scan(self, source: Source) -> Iterator[tuple[int, bytes] | LineError]:
-        for chunk in _read_chunks(source):
-            yield from self.feed(chunk)
-            if self.stopped:
-                return
-        yield from self.finish()
+            message = f"The file has more than the limit of {self._limits.max_requests} requests."
+            return LineError(line=self._line, code="too_many_requests", message=message)
+        if line is None or len(line) > self._limits.max_line_bytes:
+            message = f"The line exceeds the limit of {self._limits.max_line_bytes} bytes."
+            return LineError(line=self._line, code="line_too_long", message=message)
+        if not line.isascii() and (error := _utf8_error(line)) is not None:
+            return LineError(line=self._line, code="invalid_encoding", message=error)
+        return line
 
 
 def _utf8_error(line: bytes) -> str | None:
@@ -231,21 +267,42 @@ def _decode_error(line: int, exc: Exception, prefix: str) -> LineError:
 # --- request validation -------------------------------------------------------------------------------------------
 
 
-class _Envelope(msgspec.Struct):
-    custom_id: Annotated[str, msgspec.Meta(min_length=1)]
+CustomId = Annotated[str, msgspec.Meta(min_length=1)]
+BodyT = TypeVar("BodyT")
+
+
+class _Envelope(msgspec.Struct, gc=False):
+    custom_id: CustomId
     method: str
     url: str
     body: msgspec.Raw
+
+
+class _Request(msgspec.Struct, Generic[BodyT], gc=False):
+    """A whole line of a known endpoint, decoded in one pass: the fast path for lines without errors."""
+
+    custom_id: CustomId
+    method: str
+    url: str
+    body: BodyT
 
 
 _ENVELOPE = msgspec.json.Decoder(_Envelope)
 _BODY_DECODERS: dict[str, msgspec.json.Decoder[RequestBody]] = {
     url: msgspec.json.Decoder(body_type) for url, body_type in BODY_TYPES.items()
 }
+_REQUEST_DECODERS: dict[str, msgspec.json.Decoder[_Request[RequestBody]]] = {
+    url: msgspec.json.Decoder(_Request[body_type])  # type: ignore[valid-type]
+    for url, body_type in BODY_TYPES.items()
+}
 
 
 class _RequestValidator:
-    """The per-line checks that need state across lines: endpoint, model, unique custom_ids."""
+    """The per-line checks, with the state they need across lines: endpoint, model, unique custom_ids.
+
+    Once the endpoint is known, a line is decoded in one pass; a line that fails it is decoded again in two steps
+    (envelope, then body) to report its first problem precisely. ``validate`` is the hot loop.
+    """
 
     def __init__(self, endpoint: str | None, model: str | None) -> None:
         if endpoint is not None and endpoint not in BODY_TYPES:
@@ -254,8 +311,38 @@ class _RequestValidator:
         self.model = model
         self._model_line: int | None = None
         self._custom_ids: dict[str, int] = {}
+        self._decoder = None if endpoint is None else _REQUEST_DECODERS[endpoint]
 
-    def validate(self, line: int, data: bytes) -> BatchInputLine | LineError:
+    def validate(self, scanned: _Lines, *, requests: bool = True) -> Iterator[_Request[RequestBody] | LineError]:
+        """Each scanned line's request (only when ``requests``), or its error (the scanner's pass through)."""
+        custom_ids, check_body = self._custom_ids, self._check_body
+        decoder, endpoint = self._decoder, self.endpoint
+        for line, data in zip(*scanned, strict=True):
+            if isinstance(data, LineError):
+                yield data
+                continue
+            if decoder is not None:  # the fast path, for lines without errors
+                try:
+                    request = decoder.decode(data)
+                except (msgspec.DecodeError, RecursionError):
+                    pass
+                else:
+                    # Claiming the custom_id is idempotent for a line, so _diagnose may claim it again.
+                    if (
+                        request.method == "POST"
+                        and request.url == endpoint
+                        and custom_ids.setdefault(request.custom_id, line) == line
+                        and check_body(line, request.body) is None
+                    ):
+                        if requests:
+                            yield request
+                        continue
+            result = self._diagnose(line, data)
+            if requests or isinstance(result, LineError):
+                yield result
+            decoder, endpoint = self._decoder, self.endpoint
+
+    def _diagnose(self, line: int, data: bytes) -> _Request[RequestBody] | LineError:
         try:
             envelope = _ENVELOPE.decode(data)
         except (msgspec.DecodeError, RecursionError) as exc:
@@ -276,7 +363,7 @@ class _RequestValidator:
                 param="url",
             )
         if self.endpoint is None:
-            self.endpoint = envelope.url
+            self.endpoint, self._decoder = envelope.url, _REQUEST_DECODERS[envelope.url]
         elif envelope.url != self.endpoint:
             return LineError(
                 line=line,
@@ -284,21 +371,26 @@ class _RequestValidator:
                 message=f"The url {envelope.url!r} does not match the batch endpoint {self.endpoint!r}.",
                 param="url",
             )
-        first = self._custom_ids.setdefault(envelope.custom_id, line)
-        if first != line:
-            return LineError(
-                line=line,
-                code="duplicate_custom_id",
-                message=f"The custom_id {envelope.custom_id!r} is already used on line {first}.",
-                param="custom_id",
-            )
+        if (error := self._claim(line, envelope.custom_id)) is not None:
+            return error
         try:
             body = decoder.decode(envelope.body)
         except (msgspec.DecodeError, RecursionError) as exc:
             return _decode_error(line, exc, "body")
         if (error := self._check_body(line, body)) is not None:
             return error
-        return BatchInputLine(custom_id=envelope.custom_id, method="POST", url=envelope.url, body=body)
+        return _Request(custom_id=envelope.custom_id, method="POST", url=envelope.url, body=body)
+
+    def _claim(self, line: int, custom_id: str) -> LineError | None:
+        first = self._custom_ids.setdefault(custom_id, line)
+        if first == line:
+            return None
+        return LineError(
+            line=line,
+            code="duplicate_custom_id",
+            message=f"The custom_id {custom_id!r} is already used on line {first}.",
+            param="custom_id",
+        )
 
     def _check_body(self, line: int, body: RequestBody) -> LineError | None:
         if self.model is None:
@@ -384,8 +476,12 @@ def iter_input_lines(
     errors (``empty_file``, ``file_too_large``, ``too_many_requests``) come last and end the iteration.
     """
     validator = _RequestValidator(endpoint, model)
-    for item in _LineScanner(limits).scan(source):
-        yield item if isinstance(item, LineError) else validator.validate(*item)
+    for scanned in _LineScanner(limits).scan(source):
+        for result in validator.validate(scanned):
+            if isinstance(result, LineError):
+                yield result
+            else:
+                yield BatchInputLine(custom_id=result.custom_id, method="POST", url=result.url, body=result.body)
 
 
 def validate_input_file(
@@ -401,12 +497,12 @@ def validate_input_file(
     scanner = _LineScanner(limits)
     errors: list[LineError] = []
     error_count = 0
-    for item in scanner.scan(source):
-        result = item if isinstance(item, LineError) else validator.validate(*item)
-        if isinstance(result, LineError):
+    for scanned in scanner.scan(source):
+        for error in validator.validate(scanned, requests=False):
+            assert isinstance(error, LineError)
             error_count += 1
             if len(errors) < max_errors:
-                errors.append(result)
+                errors.append(error)
     return ValidationReport(
         request_count=scanner.requests,
         error_count=error_count,
@@ -443,16 +539,15 @@ class UploadChecker:
             self._check(self._scanner.finish())
         return self.error
 
-    def _check(self, items: Iterable[tuple[int, bytes] | LineError]) -> None:
-        for item in items:
-            if isinstance(item, LineError):
-                self.error = item
+    def _check(self, scanned: _Lines) -> None:
+        for number, line in zip(*scanned, strict=True):
+            if isinstance(line, LineError):
+                self.error = line
                 return
-            line, data = item
             try:
-                _ANY_OBJECT.decode(data)
+                _ANY_OBJECT.decode(line)
             except (msgspec.DecodeError, RecursionError) as exc:
-                self.error = _decode_error(line, exc, "")
+                self.error = _decode_error(number, exc, "")
                 return
 
 
