@@ -319,3 +319,4 @@ def test_operations_endpoints(live_server: LiveServer) -> None:
         assert f"# TYPE {name} " in metrics.text
     schema = live_server.http.get("/schema/openapi.json").json()
     assert {"/v1/files", "/v1/batches", "/v1/batches/{batch_id}/cancel", "/health"} <= set(schema["paths"])
+    assert live_server.http.get("/schema/swagger").status_code == 200

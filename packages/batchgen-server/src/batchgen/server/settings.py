@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from batchgen.schemas.validation import ValidationLimits
+
 from .engine.config import EngineConfig
 
 MIB = 1024 * 1024
@@ -56,6 +58,15 @@ class Settings:
     @property
     def blobs_dir(self) -> Path:
         return self.storage_dir / "blobs"
+
+    @property
+    def validation_limits(self) -> ValidationLimits:
+        """What the upload check and the batch validation enforce on an input file."""
+        return ValidationLimits(
+            max_requests=self.max_requests_per_file,
+            max_line_bytes=self.max_line_bytes,
+            max_file_bytes=self.max_upload_bytes,
+        )
 
 
 def _parse(name: str, raw: str) -> Any:

@@ -9,7 +9,6 @@ from litestar.params import Parameter
 from litestar.response import Stream
 
 from batchgen.schemas import FileDeleted, FileList, FileObject
-from batchgen.schemas.validation import ValidationLimits
 
 from ..ids import new_file_id
 from .deps import ServerContext, now
@@ -51,13 +50,7 @@ class FilesController(Controller):
 
     @staticmethod
     async def _store_upload(request: Request[Any, Any, Any], context: ServerContext, owner: str) -> FileObject:
-        settings = context.settings
-        limits = ValidationLimits(
-            max_requests=settings.max_requests_per_file,
-            max_line_bytes=settings.max_line_bytes,
-            max_file_bytes=settings.max_upload_bytes,
-        )
-        form = await read_upload(request, context.blobs, limits)
+        form = await read_upload(request, context.blobs, context.settings.validation_limits)
         writer = form.file
         try:
             purpose = form.fields.get("purpose")

@@ -25,7 +25,7 @@ from typing import Protocol
 import msgspec
 
 from batchgen.schemas import BatchError, BatchErrors, BatchInputLine, BatchObject, BatchOutputLine, FileObject
-from batchgen.schemas.validation import LineError, ValidationLimits, iter_input_lines
+from batchgen.schemas.validation import LineError, iter_input_lines
 
 from ..engine.request import EngineRequest, EngineResult
 from ..ids import new_file_id, new_request_id
@@ -134,6 +134,10 @@ class BatchRunner:
             await asyncio.to_thread(self._prepare, batch)
         except Exception as exc:
             log.exception("batch %s failed", batch.id)
+            with self._lock:
+                active = self._active.pop(batch.id, None)
+            if active is not None:
+                self.engine.abort_group(batch.id)
             error = BatchError(code="internal_error", message=f"The server could not run the batch: {exc}")
             self.db.update_batch(batch.id, status="failed", failed_at=_now(), errors=BatchErrors(data=[error]))
 
@@ -168,12 +172,8 @@ class BatchRunner:
         self._submit(batch, active, [line for line in lines if line.custom_id not in tally.done])
 
     def _read_lines(self, batch: BatchObject) -> list[BatchInputLine | LineError]:
-        limits = ValidationLimits(
-            max_requests=self.settings.max_requests_per_file,
-            max_line_bytes=self.settings.max_line_bytes,
-            max_file_bytes=self.settings.max_upload_bytes,
-        )
-        return list(iter_input_lines(self.blobs.path(batch.input_file_id), endpoint=batch.endpoint, limits=limits))
+        path, limits = self.blobs.path(batch.input_file_id), self.settings.validation_limits
+        return list(iter_input_lines(path, endpoint=batch.endpoint, limits=limits))
 
     def _validate(self, batch: BatchObject) -> list[BatchInputLine] | None:
         """The requests of a valid file; ``None`` after failing the batch with the errors found."""
