@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from server_helpers import LiveServer, chat_line, jsonl
 
 
@@ -174,6 +176,24 @@ CASES = [
         {"json": {"input_file_id": "file-x", "max_context_length": 1_000_000}},
     ),
     Case(
+        "batch max_decoding_length over the model",
+        "POST",
+        "/v1/batches",
+        400,
+        "invalid_value",
+        "max_decoding_length",
+        {"json": {"input_file_id": "file-x", "max_decoding_length": 10**23}},
+    ),
+    Case(
+        "batch huge top_k",
+        "POST",
+        "/v1/batches",
+        400,
+        "invalid_value",
+        "top_k",
+        {"json": {"input_file_id": "file-x", "top_k": 10**23}},
+    ),
+    Case(
         "batch too much metadata",
         "POST",
         "/v1/batches",
@@ -249,3 +269,48 @@ def test_request_id_is_echoed_when_sane(live_server: LiveServer) -> None:
     assert live_server.http.get("/health", headers={"x-request-id": "abc-123"}).headers["x-request-id"] == "abc-123"
     generated = live_server.http.get("/health", headers={"x-request-id": "bad id\twith tab"}).headers["x-request-id"]
     assert generated.startswith("req_")
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=8), children, max_size=3),
+    max_leaves=8,
+)
+BATCH_FIELDS = st.sampled_from(
+    [
+        "input_file_id",
+        "endpoint",
+        "completion_window",
+        "metadata",
+        "max_decoding_length",
+        "max_context_length",
+        "temperature",
+        "top_p",
+        "top_k",
+    ]
+)
+
+
+@pytest.fixture(scope="module")
+def input_file_id(live_server: LiveServer) -> str:
+    return str(live_server.upload([chat_line("fuzz", max_tokens=1)])["id"])
+
+
+@settings(max_examples=150, deadline=None)
+@given(body=st.dictionaries(BATCH_FIELDS, JSON_VALUES, max_size=5) | JSON_VALUES, real_file=st.booleans())
+def test_no_body_makes_the_server_fail(live_server: LiveServer, input_file_id: str, body: Any, real_file: bool) -> None:
+    if real_file and isinstance(body, dict):  # get past the file lookup to the insert
+        body = {**body, "input_file_id": input_file_id}
+    response = live_server.http.post("/v1/batches", json=body)
+    assert response.status_code < 500, response.text
+    if response.status_code >= 400:
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    params=st.dictionaries(st.sampled_from(["limit", "order", "after", "purpose"]), st.text(max_size=12), max_size=4)
+)
+def test_no_query_makes_the_server_fail(live_server: LiveServer, params: dict[str, str]) -> None:
+    for path in ("/v1/files", "/v1/batches"):
+        assert live_server.http.get(path, params=params).status_code < 500

@@ -17,6 +17,7 @@ from .files import get_owned_file
 from .idempotency import IDEMPOTENCY_KEY, idempotent
 
 MIN_WINDOW_H, MAX_WINDOW_H = 24, 336
+MAX_TOP_K = 1_000_000
 MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
 
 
@@ -105,11 +106,14 @@ def _create_batch(data: CreateBatchRequest, context: ServerContext, owner: str) 
     window_s = completion_window_seconds(data.completion_window)
     _check_metadata(data.metadata)
     max_context = context.model.max_context_length
-    if data.max_context_length is not None and data.max_context_length > max_context:
-        raise invalid(
-            f"max_context_length {data.max_context_length} exceeds the model's maximum of {max_context} tokens.",
-            param="max_context_length",
-        )
+    for param, value in (
+        ("max_context_length", data.max_context_length),
+        ("max_decoding_length", data.max_decoding_length),
+    ):
+        if value is not None and value > max_context:
+            raise invalid(f"{param} {value} exceeds the model's maximum of {max_context} tokens.", param=param)
+    if data.top_k is not None and data.top_k > MAX_TOP_K:
+        raise invalid(f"top_k must be at most {MAX_TOP_K}.", param="top_k")
     file = get_owned_file(context, data.input_file_id, owner)
     if file.purpose != "batch":
         raise invalid(
