@@ -272,22 +272,27 @@ def test_request_id_is_echoed_when_sane(live_server: LiveServer) -> None:
 
 
 JSON_VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20),
     lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=8), children, max_size=3),
     max_leaves=8,
 )
-BATCH_FIELDS = st.sampled_from(
-    [
-        "input_file_id",
-        "endpoint",
-        "completion_window",
-        "metadata",
-        "max_decoding_length",
-        "max_context_length",
-        "temperature",
-        "top_p",
-        "top_k",
-    ]
+INTS = st.integers() | st.sampled_from([2**63, 10**30, -(2**63) - 1])  # also past SQLite's 64-bit integers
+# Each field is mostly well-typed (so the request gets deep into the server) and sometimes any JSON at all.
+BATCH_BODIES = st.fixed_dictionaries(
+    {},
+    optional={
+        name: st.one_of(values, values, values, JSON_VALUES)
+        for name, values in {
+            "endpoint": st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]),
+            "completion_window": st.sampled_from(["24h", "7d", "336h"]),
+            "metadata": st.dictionaries(st.text(max_size=70), st.text(max_size=600), max_size=17),
+            "max_decoding_length": INTS,
+            "max_context_length": INTS,
+            "temperature": st.floats(0, 2),
+            "top_p": st.floats(0.01, 1),
+            "top_k": INTS,
+        }.items()
+    },
 )
 
 
@@ -297,7 +302,7 @@ def input_file_id(live_server: LiveServer) -> str:
 
 
 @settings(max_examples=150, deadline=None)
-@given(body=st.dictionaries(BATCH_FIELDS, JSON_VALUES, max_size=5) | JSON_VALUES, real_file=st.booleans())
+@given(body=BATCH_BODIES | JSON_VALUES, real_file=st.booleans())
 def test_no_body_makes_the_server_fail(live_server: LiveServer, input_file_id: str, body: Any, real_file: bool) -> None:
     if real_file and isinstance(body, dict):  # get past the file lookup to the insert
         body = {**body, "input_file_id": input_file_id}
@@ -314,3 +319,11 @@ def test_no_body_makes_the_server_fail(live_server: LiveServer, input_file_id: s
 def test_no_query_makes_the_server_fail(live_server: LiveServer, params: dict[str, str]) -> None:
     for path in ("/v1/files", "/v1/batches"):
         assert live_server.http.get(path, params=params).status_code < 500
+
+
+@pytest.mark.parametrize("field", ["max_decoding_length", "max_context_length", "top_k"])
+@pytest.mark.parametrize("value", [2**63, 10**23])
+def test_huge_integers_are_refused(live_server: LiveServer, input_file_id: str, field: str, value: int) -> None:
+    response = live_server.http.post("/v1/batches", json={"input_file_id": input_file_id, field: value})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == field
