@@ -238,7 +238,7 @@ class BatchRunner:
         )
         chunk: list[EngineRequest] = []
         for line in lines:
-            if active.cancelled or batch.id in self._cancel_requested:
+            if active.cancelled or self._is_cancelling(batch.id):
                 break
             request_id = new_request_id()
             try:
