@@ -86,3 +86,32 @@ def test_backpressure(server: LiveServer) -> None:
     assert server.wait(busy["id"], timeout_s=20)["status"] == "cancelled"
     accepted = server.create_batch(five)
     assert server.wait(accepted["id"])["request_counts"] == {"total": 5, "completed": 5, "failed": 0}
+
+
+@pytest.fixture(scope="module")
+def fast_clock(server_factory: Callable[..., LiveServer]) -> LiveServer:
+    """A server where an hour of completion_window lasts 0.1 s: "24h" expires after about 2 s."""
+    return server_factory("--window-hour-s", "0.1")
+
+
+def test_expiry_keeps_finished_results_and_answers_the_rest(fast_clock: LiveServer) -> None:
+    short = [chat_line(f"short-{i}", max_tokens=2, ignore_eos=True) for i in range(3)]
+    long = [chat_line(f"long-{i}", max_tokens=2000, ignore_eos=True) for i in range(3)]
+    created = fast_clock.create_batch(fast_clock.upload(short + long)["id"])
+    assert created["expires_at"] == created["created_at"] + 2  # round(24 h x 0.1 s)
+    batch = fast_clock.wait(created["id"], timeout_s=30)
+    assert batch["status"] == "expired" and batch["expired_at"] >= batch["expires_at"]
+    assert batch["completed_at"] is None and batch["cancelled_at"] is None
+    assert batch["request_counts"] == {"total": 6, "completed": 3, "failed": 3}
+    assert sorted(line["custom_id"] for line in fast_clock.lines(batch["output_file_id"])) == [
+        "short-0",
+        "short-1",
+        "short-2",
+    ]
+    expired = fast_clock.lines(batch["error_file_id"])
+    assert sorted(line["custom_id"] for line in expired) == ["long-0", "long-1", "long-2"]
+    for line in expired:
+        assert line["response"] is None and line["id"].startswith("batch_req_")
+        assert line["error"]["code"] == "batch_expired" and line["error"]["message"]
+    conflict = fast_clock.http.post(f"/v1/batches/{batch['id']}/cancel")
+    assert (conflict.status_code, conflict.json()["error"]["code"]) == (409, "batch_not_cancellable")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from batchgen.server.api.batches import completion_window_seconds
+from batchgen.server.api.batches import completion_window_hours
 from batchgen.server.api.errors import APIError
 from batchgen.server.cli import build_parser, engine_config_from_args
 from batchgen.server.serve import settings_from_args
@@ -42,11 +42,11 @@ def test_flags_override_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize(("window", "hours"), [("24h", 24), ("336h", 336), ("1d", 24), ("7d", 168), ("14d", 336)])
 def test_completion_windows(window: str, hours: int) -> None:
-    assert completion_window_seconds(window) == hours * 3600
+    assert completion_window_hours(window) == hours
 
 
 @pytest.mark.parametrize("window", ["23h", "337h", "15d", "0d", "24", "24 h", "1w", "-24h", "24.5h", ""])
 def test_bad_completion_windows(window: str) -> None:
     with pytest.raises(APIError) as raised:
-        completion_window_seconds(window)
+        completion_window_hours(window)
     assert (raised.value.status_code, raised.value.param) == (400, "completion_window")

@@ -13,5 +13,9 @@ def new_batch_id() -> str:
     return f"batch_{secrets.token_hex(12)}"
 
 
+def new_line_id() -> str:
+    return f"batch_req_{secrets.token_hex(16)}"
+
+
 def new_request_id() -> str:
     return f"req_{secrets.token_hex(16)}"

@@ -22,6 +22,7 @@ _SERVER_FLAGS: dict[str, dict[str, Any]] = {
     "max_requests_per_file": {"type": int},
     "max_line_bytes": {"type": int},
     "flush_interval_s": {"type": float, "help": "how often results are fsynced (at most 1 s)"},
+    "window_hour_s": {"type": float, "help": "seconds per hour of completion_window (tests shrink time with it)"},
 }
 
 

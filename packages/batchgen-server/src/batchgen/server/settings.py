@@ -32,6 +32,8 @@ class Settings:
     max_upload_bytes: int = 200 * MIB
     max_requests_per_file: int = 50_000
     max_line_bytes: int = 8 * MIB
+    window_hour_s: float = 3600.0
+    """Seconds in one hour of a ``completion_window``: tests shrink it to see batches expire without waiting."""
     flush_interval_s: float = 0.5
     """How often finished results are fsynced and the live counts published (at most once a second)."""
     engine: EngineConfig = field(default_factory=EngineConfig)

@@ -21,7 +21,7 @@ MAX_TOP_K = 1_000_000
 MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
 
 
-def completion_window_seconds(window: str) -> int:
+def completion_window_hours(window: str) -> int:
     """``"24h"`` .. ``"336h"``, or whole days ``"1d"`` .. ``"14d"``."""
     match = re.fullmatch(r"([1-9][0-9]{0,3})([hd])", window)
     hours = 0 if match is None else int(match.group(1)) * (24 if match.group(2) == "d" else 1)
@@ -30,7 +30,7 @@ def completion_window_seconds(window: str) -> int:
             f"Invalid completion_window {window!r}: use whole hours from '24h' to '336h' or days such as '7d'.",
             param="completion_window",
         )
-    return hours * 3600
+    return hours
 
 
 def get_owned_batch(context: ServerContext, batch_id: str, owner: str) -> BatchObject:
@@ -103,7 +103,7 @@ class BatchesController(Controller):
 def _create_batch(data: CreateBatchRequest, context: ServerContext, owner: str) -> BatchObject:
     if data.endpoint not in ENDPOINTS:
         raise invalid(f"Invalid endpoint {data.endpoint!r}: use one of {', '.join(ENDPOINTS)}.", param="endpoint")
-    window_s = completion_window_seconds(data.completion_window)
+    window_s = max(1, round(completion_window_hours(data.completion_window) * context.settings.window_hour_s))
     _check_metadata(data.metadata)
     max_context = context.model.max_context_length
     for param, value in (

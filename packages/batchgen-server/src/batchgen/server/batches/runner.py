@@ -1,4 +1,5 @@
-"""The batch runner: validating -> in_progress -> finalizing -> completed (or failed, cancelling -> cancelled).
+"""The batch runner: validating -> in_progress -> finalizing -> completed (or failed; cancelling -> cancelled;
+expired once the completion window has passed).
 
 Three kinds of threads meet here, none of them the event loop:
 
@@ -24,11 +25,19 @@ from typing import Protocol
 
 import msgspec
 
-from batchgen.schemas import BatchError, BatchErrors, BatchInputLine, BatchObject, BatchOutputLine, FileObject
+from batchgen.schemas import (
+    BatchError,
+    BatchErrors,
+    BatchInputLine,
+    BatchLineError,
+    BatchObject,
+    BatchOutputLine,
+    FileObject,
+)
 from batchgen.schemas.validation import LineError, iter_input_lines
 
 from ..engine.request import EngineRequest, EngineResult
-from ..ids import new_file_id, new_request_id
+from ..ids import new_file_id, new_line_id, new_request_id
 from ..serving import BatchDefaults, OpenAIServing, RequestRejected
 from ..settings import Settings
 from ..storage.blobs import BlobStore, ResultsFile
@@ -68,14 +77,20 @@ class _Active:
     errors: ResultsFile
     tally: Tally
     pending: dict[str, _Line] = field(default_factory=dict)
+    expires_at: int | None = None
+    custom_ids: list[str] = field(default_factory=list)
+    """Of every request, in input order (an expired batch answers the unfinished ones)."""
     submitted: bool = False
     """All requests are in the engine (or answered); the batch finishes when ``pending`` empties."""
-    cancelled: bool = False
+    stop_reason: str | None = None
+    """``cancelled`` or ``expired`` once asked to stop: no more requests go to the engine."""
+    stopped: bool = False
+    """The engine has dropped the batch's requests; no result of it will come any more."""
     dirty: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-class _Cancelled(msgspec.Struct, frozen=True):
+class _Stopped(msgspec.Struct, frozen=True):
     batch_id: str
 
 
@@ -97,7 +112,7 @@ class BatchRunner:
         self._active: dict[str, _Active] = {}
         self._cancel_requested: set[str] = set()
         self._lock = threading.Lock()
-        self._inbox: queue.SimpleQueue[EngineResult | _Cancelled | _Check | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[EngineResult | _Stopped | _Check | None] = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write_loop, name="batchgen-writer", daemon=True)
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -120,7 +135,7 @@ class BatchRunner:
             self._cancel_requested.add(batch_id)
             active = self._active.get(batch_id)
         if active is not None:
-            self._abort(batch_id)
+            self._stop(active, "cancelled")
 
     async def stop(self) -> None:
         """Stop writing (results not yet written are resubmitted on the next start)."""
@@ -146,7 +161,7 @@ class BatchRunner:
     def _prepare(self, batch: BatchObject) -> None:
         if batch.status == "validating":
             lines = self._validate(batch)
-            if lines is None:
+            if lines is None or self._expire_before_start(batch):
                 return
             batch = self._start(batch, len(lines))
         else:  # resuming after a restart: the file was valid when the batch started
@@ -154,9 +169,6 @@ class BatchRunner:
         if batch.output_file_id is None or batch.error_file_id is None:  # cancelled before it started
             self._finish_cancelled_before_start(batch)
             return
-        if batch.status == "cancelling":
-            with self._lock:
-                self._cancel_requested.add(batch.id)
         tally = recover_tally([self.blobs.path(batch.output_file_id), self.blobs.path(batch.error_file_id)])
         active = _Active(
             batch_id=batch.id,
@@ -165,10 +177,14 @@ class BatchRunner:
             output=self.blobs.open_results(batch.output_file_id),
             errors=self.blobs.open_results(batch.error_file_id),
             tally=tally,
+            expires_at=batch.expires_at,
+            custom_ids=[line.custom_id for line in lines],
             dirty=True,
         )
         with self._lock:
             self._active[batch.id] = active
+        if batch.status == "cancelling" or self._is_cancelling(batch.id):
+            self._stop(active, "cancelled")
         self._submit(batch, active, [line for line in lines if line.custom_id not in tally.done])
 
     def _read_lines(self, batch: BatchObject) -> list[BatchInputLine | LineError]:
@@ -238,7 +254,7 @@ class BatchRunner:
         )
         chunk: list[EngineRequest] = []
         for line in lines:
-            if active.cancelled or self._is_cancelling(batch.id):
+            if active.stop_reason is not None:
                 break
             request_id = new_request_id()
             try:
@@ -261,20 +277,34 @@ class BatchRunner:
             self.engine.submit(chunk, self._on_result)
         with active.lock:
             active.submitted = True
-        if active.cancelled or self._is_cancelling(batch.id):
-            self._abort(batch.id)  # again: requests may have gone in after the cancel arrived
+        if active.stop_reason is not None:
+            self._abort(batch.id)  # again: requests may have gone in after the stop arrived
         else:
             self._inbox.put(_Check(batch.id))  # finishes at once if nothing was left to run
 
+    def _stop(self, active: _Active, reason: str) -> None:
+        """Cancel or expire: submit nothing more, drop what the engine holds, then finish the batch."""
+        with active.lock:
+            if active.stop_reason is not None:
+                return
+            active.stop_reason = reason
+        self._abort(active.batch_id)
+
     def _abort(self, batch_id: str) -> None:
-        """Stop the batch's requests at the next engine step, then finish it as cancelled.
+        """Stop the batch's requests at the next engine step, then let the writer finish the batch.
 
         The worker applies aborts before the step that answers a request with an empty prompt (at once, with an
         error), so that answer is the barrier: when it arrives, every result the batch will ever get has arrived.
         """
         self.engine.abort_group(batch_id)
-        barrier = EngineRequest(f"cancel_{new_request_id()}", [], group=f"{batch_id}:cancel")
-        self.engine.submit([barrier], lambda _: self._inbox.put(_Cancelled(batch_id)))
+        barrier = EngineRequest(f"stop_{new_request_id()}", [], group=f"{batch_id}:stop")
+        self.engine.submit([barrier], lambda _: self._inbox.put(_Stopped(batch_id)))
+
+    def _expire_before_start(self, batch: BatchObject) -> bool:
+        """A batch whose window passed while it waited or validated expires without running."""
+        if batch.expires_at is None or time.time() < batch.expires_at:
+            return False
+        return self.db.update_batch(batch.id, only_if_status=("validating",), status="expired", expired_at=_now())
 
     def _is_cancelling(self, batch_id: str) -> bool:
         with self._lock:
@@ -306,12 +336,13 @@ class BatchRunner:
                 self._handle(item)
                 if time.monotonic() - last_flush >= interval:
                     self._flush()
+                    self._expire_due()
                     last_flush = time.monotonic()
             except Exception:
                 log.exception("writer failed on %r", item)
         self._flush()
 
-    def _handle(self, item: EngineResult | _Cancelled | _Check) -> None:
+    def _handle(self, item: EngineResult | _Stopped | _Check) -> None:
         if isinstance(item, EngineResult):
             self._handle_result(item)
             return
@@ -319,16 +350,16 @@ class BatchRunner:
             active = self._active.get(item.batch_id)
         if active is None:
             return
-        if isinstance(item, _Cancelled):
-            active.cancelled = True
-        if active.cancelled or (active.submitted and not active.pending):
+        if isinstance(item, _Stopped):
+            active.stopped = True
+        if active.stopped or (active.submitted and not active.pending):
             self._finish(active)
 
     def _handle_result(self, result: EngineResult) -> None:
         with self._lock:
             active = self._active.get(result.group)
-        if active is None or active.cancelled:
-            return  # a late result of a batch already finished or cancelled
+        if active is None or active.stopped:
+            return  # a late result of a batch already finished, cancelled or expired
         request_id = result.request_id.rsplit("#", 1)[0]
         with active.lock:
             entry = active.pending.get(request_id)
@@ -349,6 +380,13 @@ class BatchRunner:
             (active.output if ok else active.errors).append(data)
             active.tally.add(line)
             active.dirty = True
+
+    def _expire_due(self) -> None:
+        now = time.time()
+        with self._lock:
+            due = [a for a in self._active.values() if a.expires_at is not None and now >= a.expires_at]
+        for active in due:
+            self._stop(active, "expired")
 
     def _flush(self) -> None:
         with self._lock:
@@ -372,12 +410,17 @@ class BatchRunner:
             if self._active.pop(active.batch_id, None) is None:
                 return
             self._cancel_requested.discard(active.batch_id)
+        if active.stopped and active.stop_reason == "expired":
+            for custom_id in active.custom_ids:
+                if custom_id not in active.tally.done:
+                    self._record(active, _expired_line(custom_id))
         self._sync(active)
         active.output.close()
         active.errors.close()
-        if active.cancelled:
+        if active.stopped:
             self._publish_files(active)
-            self.db.update_batch(active.batch_id, status="cancelled", cancelled_at=_now())
+            reason = active.stop_reason  # "cancelled" or "expired": the status and its timestamp column
+            self.db.update_batch(active.batch_id, status=reason, **{f"{reason}_at": _now()})
             return
         self.db.update_batch(active.batch_id, status="finalizing", finalizing_at=_now())
         self._publish_files(active)
@@ -400,3 +443,10 @@ class BatchRunner:
 
 def _now() -> int:
     return int(time.time())
+
+
+def _expired_line(custom_id: str) -> BatchOutputLine:
+    error = BatchLineError(
+        code="batch_expired", message="This request could not be executed before the completion window expired."
+    )
+    return BatchOutputLine(id=new_line_id(), custom_id=custom_id, response=None, error=error)
