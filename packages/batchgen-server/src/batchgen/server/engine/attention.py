@@ -76,8 +76,9 @@ def paged_attention(
     if paged.decode_rows is not None:
         rows, slots = paged.decode_rows.to(device), paged.decode_slots.to(device)
         qd = q[rows].unsqueeze(2)  # [decodes, heads, 1, dim]
-        kd = k_cache[slots].transpose(1, 2)  # [decodes, kv_heads, context, dim]
-        vd = v_cache[slots].transpose(1, 2)
+        shape = (*slots.shape, *k_cache.shape[1:])
+        kd = k_cache.index_select(0, slots.flatten()).view(shape).transpose(1, 2)  # [decodes, kv_heads, context, dim]
+        vd = v_cache.index_select(0, slots.flatten()).view(shape).transpose(1, 2)
         mask = paged.decode_mask.to(device)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scaling, enable_gqa=gqa)
         out[rows] = od.squeeze(2)
@@ -89,8 +90,8 @@ def paged_attention(
             op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scaling, enable_gqa=gqa)
         else:
             context_slots = chunk.context_slots.to(device)
-            kp = k_cache[context_slots].transpose(0, 1).unsqueeze(0)
-            vp = v_cache[context_slots].transpose(0, 1).unsqueeze(0)
+            kp = k_cache.index_select(0, context_slots).transpose(0, 1).unsqueeze(0)
+            vp = v_cache.index_select(0, context_slots).transpose(0, 1).unsqueeze(0)
             mask = chunk.mask.to(device) if chunk.mask is not None else None
             op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scaling, enable_gqa=gqa)
         out[chunk.start : chunk.end] = op[0].transpose(0, 1)

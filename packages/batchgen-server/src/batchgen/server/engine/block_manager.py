@@ -63,9 +63,9 @@ class BlockManager:
 
     def register_full_blocks(self, seq: Sequence, first_block: int) -> None:
         """Publish the blocks of ``seq`` from ``first_block`` on that are now full, for reuse by other requests."""
-        if not self.enable_prefix_caching:
-            return
         num_full = seq.num_computed_tokens // self.block_size
+        if not self.enable_prefix_caching or num_full <= first_block:
+            return
         hashes = self._full_block_hashes(seq, num_full)
         for i in range(first_block, num_full):
             block = seq.block_table[i]

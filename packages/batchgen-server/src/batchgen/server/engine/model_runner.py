@@ -31,8 +31,9 @@ class ModelRunner:
         for layer in range(self.num_layers):
             shape = (self.num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
             device = self._layer_device(layer)
-            self.k_caches.append(torch.zeros(shape, dtype=self.dtype, device=device))
-            self.v_caches.append(torch.zeros(shape, dtype=self.dtype, device=device))
+            # Uninitialised: only slots already written are ever read, and untouched pages cost no RAM on CPU.
+            self.k_caches.append(torch.empty(shape, dtype=self.dtype, device=device))
+            self.v_caches.append(torch.empty(shape, dtype=self.dtype, device=device))
 
     @property
     def block_bytes(self) -> int:
@@ -99,10 +100,13 @@ class ModelRunner:
         if decode_rows:
             width = max(len(t) for t in decode_tables)
             tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables])
-            context = torch.arange(max(decode_lens))
-            step.decode_slots = (tables[:, context // bs] * bs + context % bs).to(self.device)
-            lens = torch.tensor(decode_lens)
-            step.decode_mask = (context.unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :].to(self.device)
+            lens = torch.tensor(decode_lens).unsqueeze(1)
+            context = torch.arange(max(decode_lens)).unsqueeze(0)
+            # Padding repeats the sequence's last real slot: every gathered K/V is real data (never NaN garbage
+            # from the uninitialised cache, which a masked-out position would still turn into NaN * 0).
+            clamped = torch.minimum(context, lens - 1)
+            step.decode_slots = (tables.gather(1, clamped // bs) * bs + clamped % bs).to(self.device)
+            step.decode_mask = (context < lens)[:, None, None, :].to(self.device)
             step.decode_rows = torch.tensor(decode_rows).to(self.device)
         ids = torch.tensor(input_ids).to(self.device)
         pos = torch.tensor(positions).to(self.device)

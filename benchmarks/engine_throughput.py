@@ -1,0 +1,261 @@
+"""Output tokens/s of batchgen's engine against Hugging Face baselines, on one model and one workload.
+
+    python benchmarks/engine_throughput.py                  # the full workload (slow on CPU)
+    python benchmarks/engine_throughput.py --quick          # a smaller workload for a laptop or a shared CPU
+    python benchmarks/engine_throughput.py --device cuda --dtype bfloat16
+
+Model: a Llama-style model with random weights built in code (about 35M parameters; ``--large`` about 90M). Workload:
+``--requests`` prompts of uniform random token ids, lengths drawn from ``--prompt-len``, each generating a length
+drawn from ``--output-len`` (ignore_eos, greedy). Rows, all in this process on the same model and workload:
+
+- ``batchgen engine``: our continuous batching (``LLMEngine``).
+- ``raw-forward ceiling``: the same run's output tokens over the time spent inside the model forwards (our packed
+  forward plus the logits), i.e. the throughput with zero scheduling/sampling/bookkeeping overhead.
+- ``HF generate (static x32)``: ``model.generate()`` on left-padded batches of 32 in arrival order; each batch runs
+  to its longest output, only the requested tokens count.
+- ``HF generate_batch``: transformers' own continuous batching (``ContinuousBatchingManager``) with per-request
+  ``max_new_tokens``.
+
+A second workload puts a 1,000-token shared system prompt before short questions and compares the engine with the
+prefix cache on and off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import platform
+import random
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import ContinuousBatchingConfig, GenerationConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages" / "batchgen-server" / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages" / "batchgen-schemas" / "src"))
+
+from batchgen.server.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams
+from batchgen.server.engine.demo_model import build_model, build_tokenizer
+
+SIZES = {
+    "small": {"hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 6, "num_attention_heads": 6},
+    "large": {"hidden_size": 640, "intermediate_size": 1728, "num_hidden_layers": 10, "num_attention_heads": 10},
+}
+
+
+@dataclass
+class Row:
+    name: str
+    output_tokens: int
+    seconds: float
+    note: str = ""
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+def make_model(size: str, device: str, dtype: torch.dtype) -> Any:
+    sizes = {**SIZES[size], "num_key_value_heads": SIZES[size]["num_attention_heads"], "max_position_embeddings": 4096}
+    model = build_model(32000, 1, 2, 0, **sizes)
+    model.generation_config.eos_token_id = None  # every request runs to its length (ignore_eos)
+    model.generation_config.pad_token_id = 0
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def make_workload(
+    n: int, prompt_len: tuple[int, int], output_len: tuple[int, int], seed: int
+) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [
+        ([rng.randrange(3, 32000) for _ in range(rng.randint(*prompt_len))], rng.randint(*output_len)) for _ in range(n)
+    ]
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def run_engine(
+    model: Any, tokenizer: Any, workload: list[tuple[list[int], int]], config: EngineConfig
+) -> tuple[Row, Row, Any]:
+    engine = LLMEngine(model, tokenizer, config, "bench")
+    device = str(engine.runner.device)
+    forward_seconds = 0.0
+
+    def timed(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def wrapper(*args: Any) -> torch.Tensor:
+            nonlocal forward_seconds
+            sync(device)
+            start = time.perf_counter()
+            out = fn(*args)
+            sync(device)
+            forward_seconds += time.perf_counter() - start
+            return out
+
+        return wrapper
+
+    engine.runner.forward = timed(engine.runner.forward)  # type: ignore[method-assign]
+    engine.runner.logits = timed(engine.runner.logits)  # type: ignore[method-assign]
+    for i, (prompt, out_len) in enumerate(workload):
+        engine.add_request(EngineRequest(f"r{i}", prompt, SamplingParams(max_tokens=out_len, ignore_eos=True)))
+    start = time.perf_counter()
+    tokens = 0
+    steps = 0
+    while engine.has_unfinished_requests():
+        steps += 1
+        for result in engine.step():
+            tokens += result.completion_tokens
+    sync(device)
+    seconds = time.perf_counter() - start
+    note = f"{steps} steps, {engine.stats().preemptions} preemptions"
+    return Row("batchgen engine", tokens, seconds, note), Row("raw-forward ceiling", tokens, forward_seconds), engine
+
+
+def run_hf_generate(model: Any, workload: list[tuple[list[int], int]], device: str, batch: int = 32) -> Row:
+    model.set_attn_implementation("sdpa")
+    start = time.perf_counter()
+    tokens = 0
+    for first in range(0, len(workload), batch):
+        chunk = workload[first : first + batch]
+        width = max(len(p) for p, _ in chunk)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in chunk], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk], device=device)
+        longest = max(o for _, o in chunk)
+        with torch.no_grad():
+            model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest, do_sample=False
+            )
+        tokens += sum(o for _, o in chunk)
+    sync(device)
+    return Row("HF generate (static x32)", tokens, time.perf_counter() - start, "padded, runs to each batch's longest")
+
+
+def run_hf_generate_batch(model: Any, workload: list[tuple[list[int], int]], device: str, max_batch_tokens: int) -> Row:
+    model.set_attn_implementation("sdpa")
+    config = GenerationConfig(
+        do_sample=False, eos_token_id=None, pad_token_id=0, max_new_tokens=max(o for _, o in workload)
+    )
+    start = time.perf_counter()
+    tokens = 0
+    # Size its cache like ours (room for every request at once) rather than from memory, which on CPU is all RAM.
+    page = 256
+    cb_config = ContinuousBatchingConfig(
+        page_size=page,
+        num_blocks=sum(-(-(len(p) + o) // page) for p, o in workload),
+        max_batch_tokens=max_batch_tokens,
+    )
+    manager_cm = model.continuous_batching_context_manager(
+        generation_config=config, continuous_batching_config=cb_config, block=True, timeout=5
+    )
+    with manager_cm as manager:
+        for i, (prompt, out_len) in enumerate(workload):
+            manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=out_len)
+        done = 0
+        while done < len(workload):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                done += 1
+                tokens += len(result.generated_tokens)
+    sync(device)
+    return Row("HF generate_batch", tokens, time.perf_counter() - start, "transformers continuous batching")
+
+
+def print_table(title: str, rows: list[Row], baseline: Row) -> list[str]:
+    lines = [
+        f"### {title}",
+        "",
+        "| system | output tokens | seconds | tokens/s | engine / system | note |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    for row in rows:
+        ratio = baseline.tokens_per_second / row.tokens_per_second
+        cells = [row.name, str(row.output_tokens), f"{row.seconds:.1f}", f"{row.tokens_per_second:,.1f}"]
+        lines.append("| " + " | ".join([*cells, f"{ratio:.2f}x", row.note]) + " |")
+    print("\n".join(lines), flush=True)
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, nargs=2, default=(16, 512))
+    parser.add_argument("--output-len", type=int, nargs=2, default=(16, 256))
+    parser.add_argument("--quick", action="store_true", help="64 requests, prompts 16-256, outputs 16-128")
+    parser.add_argument("--large", action="store_true", help="the ~90M-parameter model instead of ~35M")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    parser.add_argument("--skip", nargs="*", default=(), choices=("generate", "generate_batch", "prefix"))
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    if args.quick:
+        args.requests, args.prompt_len, args.output_len = 64, (16, 256), (16, 128)
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(args.seed)
+    torch.set_grad_enabled(False)
+
+    tokenizer = build_tokenizer()
+    model = make_model("large" if args.large else "small", args.device, dtype)
+    params = sum(p.numel() for p in model.parameters()) / 1e6
+    workload = make_workload(args.requests, tuple(args.prompt_len), tuple(args.output_len), args.seed)
+    config = EngineConfig(
+        device=args.device,
+        dtype=args.dtype,
+        num_kv_blocks=None if args.device.startswith("cuda") else 4096,  # 4096 x 16 tokens: no preemption on CPU
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=256,
+    )
+    cuda = args.device.startswith("cuda")
+    machine = torch.cuda.get_device_name() if cuda else f"{platform.machine()}, {torch.get_num_threads()} CPU threads"
+    header = (
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {machine}; "
+        f"torch {torch.__version__}; model {params:.0f}M params ({args.dtype}); {args.requests} requests, prompts "
+        f"{args.prompt_len[0]}-{args.prompt_len[1]}, outputs {args.output_len[0]}-{args.output_len[1]} tokens"
+    )
+    print(header, flush=True)
+
+    run_engine(model, tokenizer, workload[:8], config)  # warm-up
+    engine_row, ceiling_row, _ = run_engine(model, tokenizer, workload, config)
+    rows = [engine_row, ceiling_row]
+    print_table("partial", rows, engine_row)
+    if "generate" not in args.skip:
+        rows.append(run_hf_generate(model, workload, args.device))
+        print_table("partial", rows, engine_row)
+    if "generate_batch" not in args.skip:
+        rows.append(run_hf_generate_batch(model, workload, args.device, args.max_num_batched_tokens))
+        print_table("partial", rows, engine_row)
+    print()
+    print(header)
+    print_table("Throughput", rows, engine_row)
+    print(
+        f"engine reaches {engine_row.tokens_per_second / ceiling_row.tokens_per_second:.0%} of the raw-forward ceiling"
+    )
+
+    if "prefix" not in args.skip:
+        rng = random.Random(args.seed + 1)
+        system = [rng.randrange(3, 32000) for _ in range(1000)]
+        shared = [
+            (system + prompt[: rng.randint(16, 64)], min(out, 64))
+            for prompt, out in workload[: max(32, args.requests // 4)]
+        ]
+        prefix_rows = []
+        for enabled in (True, False):
+            row, _, engine = run_engine(
+                model, tokenizer, shared, dataclasses.replace(config, enable_prefix_caching=enabled)
+            )
+            row.name = f"engine, prefix cache {'on' if enabled else 'off'}"
+            row.note = f"{engine.stats().cached_tokens} prompt tokens from the cache"
+            prefix_rows.append(row)
+        print()
+        print_table(f"Shared 1,000-token system prompt ({len(shared)} requests)", prefix_rows, prefix_rows[0])
+
+
+if __name__ == "__main__":
+    main()
