@@ -24,7 +24,6 @@ from batchgen.schemas import (
     BatchList,
     BatchObject,
     BatchOutputLine,
-    CreateBatchRequest,
     ErrorResponse,
     FileDeleted,
     FileList,
@@ -299,17 +298,20 @@ class ClientCore:
         top_p: float | None,
         top_k: int | None,
     ) -> ApiRequest[BatchObject]:
-        body = CreateBatchRequest(
-            input_file_id=input_file_id,
-            endpoint=endpoint,
-            completion_window=completion_window,
-            metadata=metadata,
-            max_decoding_length=max_decoding_length,
-            max_context_length=max_context_length,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-        )
+        optional = {
+            "metadata": metadata,
+            "max_decoding_length": max_decoding_length,
+            "max_context_length": max_context_length,
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": top_k,
+        }
+        body = {
+            "input_file_id": input_file_id,
+            "endpoint": endpoint,
+            "completion_window": completion_window,
+            **{name: value for name, value in optional.items() if value is not None},
+        }
         return ApiRequest("POST", "/v1/batches", _parse_batch, json=msgspec.json.encode(body), headers=_idempotency())
 
     def get_batch(self, batch_id: str) -> ApiRequest[BatchObject]:
