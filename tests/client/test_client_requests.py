@@ -16,7 +16,10 @@ from batchgen.schemas import BatchObject, ChatCompletion, ErrorResponse, FileObj
 
 from .conftest import batch_json, error_line, file_json, output_line
 
-JSONL = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "demo", "messages": [{"role": "user", "content": "hi"}]}}\n'
+JSONL = (
+    b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", '
+    b'"body": {"model": "demo", "messages": [{"role": "user", "content": "hi"}]}}\n'
+)
 
 
 def jsonl(*lines: dict[str, Any]) -> bytes:
@@ -325,6 +328,7 @@ def test_submit_batch_from_request_bodies(client: Any, mock: respx.MockRouter, t
     assert batch.status == "completed"
     assert (tmp_path / "out.jsonl").read_bytes() == output
     filename, content = multipart_fields(upload.calls.last.request)["file"]
+    assert filename == "input.jsonl"
     assert [json.loads(line) for line in content.splitlines()] == [
         {"custom_id": f"request-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}
         for i, body in enumerate(bodies)
