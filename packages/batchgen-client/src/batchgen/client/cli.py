@@ -18,6 +18,7 @@ import msgspec
 
 from batchgen.schemas import BatchObject, FileObject
 
+from ._core import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT_S
 from ._sync import BatchGenHttpClient
 from .errors import APIConnectionError, APIError, BatchOutcomeError, BatchWaitTimeoutError
 
@@ -107,12 +108,6 @@ def _metadata(pairs: Sequence[str] | None) -> dict[str, str] | None:
     return metadata
 
 
-def _wait(client: BatchGenHttpClient, batch_id: str, args: argparse.Namespace) -> BatchObject:
-    return client.wait_for_batch(
-        batch_id, poll_interval=args.poll_interval, timeout=args.timeout, progress=args.progress
-    )
-
-
 def _submit(client: BatchGenHttpClient, args: argparse.Namespace, out: Output) -> int:
     batch = client.submit_batch(
         args.file,
@@ -174,7 +169,11 @@ def _run(client: BatchGenHttpClient, args: argparse.Namespace, out: Output) -> i
         out.batch(client.cancel_batch(args.id))
         return EXIT_OK
     if command == "wait":
-        out.batch(_wait(client, args.id, args))
+        out.batch(
+            client.wait_for_batch(
+                args.id, poll_interval=args.poll_interval, timeout=args.timeout, progress=args.progress
+            )
+        )
         return EXIT_OK
     if command == "download":
         return _download(client, args, out)
@@ -209,6 +208,9 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--api-key", default=argparse.SUPPRESS, help="API key (default $BATCHGEN_API_KEY)")
     common.add_argument(
         "--request-timeout", type=float, default=argparse.SUPPRESS, help="seconds per HTTP request (default 600)"
+    )
+    common.add_argument(
+        "--max-retries", type=int, default=argparse.SUPPRESS, help="retries of a failed request (default 2)"
     )
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print JSON instead of tables")
 
@@ -274,7 +276,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with BatchGenHttpClient(
             getattr(args, "base_url", None),
             api_key=getattr(args, "api_key", None),
-            timeout_s=getattr(args, "request_timeout", 600.0),
+            timeout_s=getattr(args, "request_timeout", DEFAULT_TIMEOUT_S),
+            max_retries=getattr(args, "max_retries", DEFAULT_MAX_RETRIES),
         ) as client:
             return _run(client, args, out)
     except argparse.ArgumentTypeError as exc:
