@@ -75,7 +75,8 @@ class BatchGenHttpClient:
         return _plain(self._client.get_batch(batch_id))
 
     def wait_for_batch(self, batch_id: str, poll_interval: float = 5.0, timeout: float | None = None) -> dict[str, Any]:
-        return _plain(self._client.wait_for_batch(batch_id, poll_interval=poll_interval, timeout=timeout))
+        # The original treated timeout=0 as no timeout.
+        return _plain(self._client.wait_for_batch(batch_id, poll_interval=poll_interval, timeout=timeout or None))
 
     def submit_batch(
         self,
@@ -95,7 +96,7 @@ class BatchGenHttpClient:
             output_file_path,
             endpoint=endpoint,
             poll_interval=poll_interval,
-            timeout=timeout,
+            timeout=timeout or None,
             max_decoding_length=max_decoding_length,
             max_context_length=max_context_length,
             temperature=temperature,
