@@ -1,0 +1,171 @@
+"""``/v1/batches``: create (with backpressure), list, retrieve, cancel."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated
+
+from litestar import Controller, get, post
+from litestar.params import Parameter
+
+from batchgen.schemas import ENDPOINTS, BatchList, BatchObject, BatchRequestCounts, CreateBatchRequest
+
+from ..ids import new_batch_id
+from .deps import ServerContext, now
+from .errors import APIError, invalid, not_found
+from .files import get_owned_file
+from .idempotency import IDEMPOTENCY_KEY, idempotent
+
+MIN_WINDOW_H, MAX_WINDOW_H = 24, 336
+MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
+
+
+def completion_window_seconds(window: str) -> int:
+    """``"24h"`` .. ``"336h"``, or whole days ``"1d"`` .. ``"14d"``."""
+    match = re.fullmatch(r"([1-9][0-9]{0,3})([hd])", window)
+    hours = 0 if match is None else int(match.group(1)) * (24 if match.group(2) == "d" else 1)
+    if not MIN_WINDOW_H <= hours <= MAX_WINDOW_H:
+        raise invalid(
+            f"Invalid completion_window {window!r}: use whole hours from '24h' to '336h' or days such as '7d'.",
+            param="completion_window",
+        )
+    return hours * 3600
+
+
+def get_owned_batch(context: ServerContext, batch_id: str, owner: str) -> BatchObject:
+    batch = context.db.get_batch(batch_id, owner=owner)
+    if batch is None:
+        raise not_found("batch", batch_id)
+    return batch
+
+
+class BatchesController(Controller):
+    path = "/v1/batches"
+    tags = ("batches",)
+
+    @post(status_code=200, summary="Create a batch from an uploaded input file")
+    async def create(
+        self,
+        data: CreateBatchRequest,
+        context: ServerContext,
+        owner: str,
+        idempotency_key: Annotated[str | None, Parameter(header=IDEMPOTENCY_KEY, required=False)] = None,
+    ) -> BatchObject:
+        async def create() -> BatchObject:
+            return _create_batch(data, context, owner)
+
+        return await idempotent(
+            context,
+            owner,
+            "batches",
+            idempotency_key,
+            create,
+            lambda batch_id: context.db.get_batch(batch_id, owner=owner),
+        )
+
+    @get(summary="List batches, newest first")
+    async def list_batches(
+        self,
+        context: ServerContext,
+        owner: str,
+        limit: Annotated[int, Parameter(ge=1, le=100)] = 20,
+        after: str | None = None,
+    ) -> BatchList:
+        batches, has_more = context.db.list_batches(owner=owner, limit=limit, after=after)
+        return BatchList(
+            data=batches,
+            first_id=batches[0].id if batches else None,
+            last_id=batches[-1].id if batches else None,
+            has_more=has_more,
+        )
+
+    @get("/{batch_id:str}", summary="Retrieve a batch (poll this for progress)")
+    async def retrieve(self, context: ServerContext, owner: str, batch_id: str) -> BatchObject:
+        return get_owned_batch(context, batch_id, owner)
+
+    @post("/{batch_id:str}/cancel", status_code=200, summary="Cancel a batch")
+    async def cancel(self, context: ServerContext, owner: str, batch_id: str) -> BatchObject:
+        batch = get_owned_batch(context, batch_id, owner)
+        if batch.status in ("cancelling", "cancelled"):
+            return batch
+        if context.db.update_batch(
+            batch_id, only_if_status=("validating", "in_progress"), status="cancelling", cancelling_at=now()
+        ):
+            context.runner.cancel(batch_id)
+            return get_owned_batch(context, batch_id, owner)
+        batch = get_owned_batch(context, batch_id, owner)
+        raise APIError(
+            409, f"Cannot cancel batch {batch_id!r}: its status is {batch.status!r}.", code="batch_not_cancellable"
+        )
+
+
+def _create_batch(data: CreateBatchRequest, context: ServerContext, owner: str) -> BatchObject:
+    if data.endpoint not in ENDPOINTS:
+        raise invalid(f"Invalid endpoint {data.endpoint!r}: use one of {', '.join(ENDPOINTS)}.", param="endpoint")
+    window_s = completion_window_seconds(data.completion_window)
+    _check_metadata(data.metadata)
+    max_context = context.model.max_context_length
+    if data.max_context_length is not None and data.max_context_length > max_context:
+        raise invalid(
+            f"max_context_length {data.max_context_length} exceeds the model's maximum of {max_context} tokens.",
+            param="max_context_length",
+        )
+    file = get_owned_file(context, data.input_file_id, owner)
+    if file.purpose != "batch":
+        raise invalid(
+            f"File {file.id!r} has purpose {file.purpose!r}; a batch needs a 'batch' file.", param="input_file_id"
+        )
+    requests = context.db.file_line_count(file.id)
+    capacity = context.settings.max_queued_requests
+    if requests > capacity:
+        raise invalid(
+            f"The file has {requests} requests, more than the server's capacity of {capacity}; split it.",
+            param="input_file_id",
+            code="batch_too_large",
+        )
+    queued = context.db.queued_requests()
+    if queued + requests > capacity:
+        raise APIError(
+            429,
+            f"The server is busy: {queued} requests are queued and the capacity is {capacity}. Retry later.",
+            code="queue_full",
+            headers={"Retry-After": str(context.settings.retry_after_s)},
+        )
+    created_at = now()
+    batch = BatchObject(
+        id=new_batch_id(),
+        endpoint=data.endpoint,
+        model=context.model.id,
+        input_file_id=file.id,
+        completion_window=data.completion_window,
+        status="validating",
+        created_at=created_at,
+        expires_at=created_at + window_s,
+        request_counts=BatchRequestCounts(total=requests),
+        metadata=data.metadata,
+        max_decoding_length=data.max_decoding_length,
+        max_context_length=data.max_context_length,
+        temperature=data.temperature,
+        top_p=data.top_p,
+        top_k=data.top_k,
+    )
+    context.db.insert_batch(batch, owner=owner)
+    context.runner.launch(batch)
+    return batch
+
+
+def _check_metadata(metadata: dict[str, str] | None) -> None:
+    if metadata is None:
+        return
+    if len(metadata) > MAX_METADATA_KEYS:
+        raise invalid(f"metadata has more than {MAX_METADATA_KEYS} keys.", param="metadata")
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            raise invalid(
+                f"metadata key {key[:16]!r}... is longer than {MAX_METADATA_KEY_CHARS} characters.", param="metadata"
+            )
+        if len(value) > MAX_METADATA_VALUE_CHARS:
+            raise invalid(
+                f"metadata value of {key!r} is longer than {MAX_METADATA_VALUE_CHARS} characters.",
+                param=f"metadata.{key}",
+            )

@@ -1,0 +1,127 @@
+"""The error envelope: every non-2xx answer, Litestar's own included, is ``{"error": {message, type, param, code}}``,
+and every response carries an ``x-request-id``."""
+
+from __future__ import annotations
+
+import logging
+import re
+import secrets
+from typing import Any
+
+from litestar import Request, Response
+from litestar.datastructures import MutableScopeHeaders
+from litestar.exceptions import HTTPException, ValidationException
+from litestar.types import ExceptionHandlersMap, Message, Scope
+
+from batchgen.schemas import ErrorDetail, ErrorResponse
+
+log = logging.getLogger("batchgen.server")
+
+_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
+_CODES = {
+    401: "invalid_api_key",
+    404: "not_found",
+    405: "method_not_allowed",
+    409: "conflict",
+    413: "request_too_large",
+    415: "unsupported_media_type",
+    429: "rate_limit_exceeded",
+}
+
+
+class APIError(Exception):
+    """An error answered to the client as it is."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        code: str | None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.code = code
+        self.param = param
+        self.headers = headers or {}
+
+
+def not_found(kind: str, object_id: str, *, param: str | None = None) -> APIError:
+    return APIError(404, f"No such {kind}: '{object_id}'", code=f"{kind}_not_found", param=param)
+
+
+def invalid(message: str, *, param: str | None, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, code=code, param=param)
+
+
+def error_response(
+    status_code: int, message: str, *, code: str | None, param: str | None = None, headers: dict[str, str] | None = None
+) -> Response[ErrorResponse]:
+    error_type = _TYPES.get(status_code, "server_error" if status_code >= 500 else "invalid_request_error")
+    body = ErrorResponse(error=ErrorDetail(message=message, type=error_type, param=param, code=code))
+    return Response(body, status_code=status_code, headers=headers)
+
+
+def _api_error(_: Request[Any, Any, Any], exc: APIError) -> Response[ErrorResponse]:
+    return error_response(exc.status_code, exc.message, code=exc.code, param=exc.param, headers=exc.headers)
+
+
+_MISSING = re.compile(r"missing required field `([^`]+)`")
+_UNKNOWN = re.compile(r"unknown field `([^`]+)`")
+
+
+def _validation_error(_: Request[Any, Any, Any], exc: ValidationException) -> Response[ErrorResponse]:
+    """Litestar's parameter and body validation: name the offending parameter and say what is wrong with it."""
+    detail = exc.extra[0] if isinstance(exc.extra, list) and exc.extra else {}
+    message = str(detail.get("message") or exc.detail)
+    param = detail.get("key") or None
+    code = "invalid_value"
+    if match := _MISSING.search(message):
+        code, param = "missing_required_parameter", _join(param, match.group(1))
+    elif match := _UNKNOWN.search(message):
+        code, param = "unknown_parameter", _join(param, match.group(1))
+    elif "missing required" in message.lower():
+        code = "missing_required_parameter"
+    elif detail.get("source") == "body" and param is None:
+        code = "invalid_json"
+    if param:
+        message = f"Invalid parameter '{param}': {message}"
+    return error_response(400, message, code=code, param=param)
+
+
+def _join(parent: str | None, child: str) -> str:
+    return child if not parent or parent == child else f"{parent}.{child}"
+
+
+def _http_error(_: Request[Any, Any, Any], exc: HTTPException) -> Response[ErrorResponse]:
+    status_code = exc.status_code
+    if status_code >= 500:
+        log.error("internal error: %s", exc.detail)
+        return error_response(status_code, "The server had an error while processing the request.", code="server_error")
+    return error_response(status_code, exc.detail, code=_CODES.get(status_code, "invalid_request"), headers=exc.headers)
+
+
+def _unexpected_error(request: Request[Any, Any, Any], exc: Exception) -> Response[ErrorResponse]:
+    log.exception("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(500, "The server had an error while processing the request.", code="server_error")
+
+
+EXCEPTION_HANDLERS: ExceptionHandlersMap = {
+    APIError: _api_error,
+    ValidationException: _validation_error,
+    HTTPException: _http_error,
+    Exception: _unexpected_error,
+}
+
+
+async def add_request_id(message: Message, scope: Scope) -> None:
+    """``before_send`` hook: tag every response, routed or not, with an ``x-request-id`` (the client's, if sane)."""
+    if message["type"] != "http.response.start":
+        return
+    headers = MutableScopeHeaders.from_message(message)
+    incoming = dict(scope.get("headers", ())).get(b"x-request-id", b"").decode("latin-1")
+    request_id = incoming if re.fullmatch(r"[A-Za-z0-9._:-]{1,128}", incoming) else f"req_{secrets.token_hex(16)}"
+    headers["x-request-id"] = request_id

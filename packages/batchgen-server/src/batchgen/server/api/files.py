@@ -1,0 +1,170 @@
+"""``/v1/files``: upload, list, retrieve, delete and download."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from litestar import Controller, Request, Response, delete, get, post
+from litestar.params import Parameter
+from litestar.response import Stream
+
+from batchgen.schemas import FileDeleted, FileList, FileObject
+from batchgen.schemas.validation import ValidationLimits
+
+from ..ids import new_file_id
+from .deps import ServerContext, now
+from .errors import APIError, invalid, not_found
+from .idempotency import IDEMPOTENCY_KEY, idempotent
+from .uploads import read_upload
+
+MIN_EXPIRY_S = 3600
+MAX_EXPIRY_S = 30 * 24 * 3600
+
+
+def get_owned_file(context: ServerContext, file_id: str, owner: str) -> FileObject:
+    file = context.db.get_file(file_id, owner=owner)
+    if file is None:
+        raise not_found("file", file_id)
+    return file
+
+
+class FilesController(Controller):
+    path = "/v1/files"
+    tags = ("files",)
+
+    @post(status_code=200, summary="Upload a JSONL input file (multipart: file, purpose)")
+    async def upload(
+        self,
+        request: Request[Any, Any, Any],
+        context: ServerContext,
+        owner: str,
+        idempotency_key: Annotated[str | None, Parameter(header=IDEMPOTENCY_KEY, required=False)] = None,
+    ) -> FileObject:
+        async def create() -> FileObject:
+            return await self._store_upload(request, context, owner)
+
+        return await idempotent(context, owner, "files", idempotency_key, create, self._lookup(context, owner))
+
+    @staticmethod
+    def _lookup(context: ServerContext, owner: str) -> Any:
+        return lambda file_id: context.db.get_file(file_id, owner=owner)
+
+    @staticmethod
+    async def _store_upload(request: Request[Any, Any, Any], context: ServerContext, owner: str) -> FileObject:
+        settings = context.settings
+        limits = ValidationLimits(
+            max_requests=settings.max_requests_per_file,
+            max_line_bytes=settings.max_line_bytes,
+            max_file_bytes=settings.max_upload_bytes,
+        )
+        form = await read_upload(request, context.blobs, limits)
+        writer = form.file
+        try:
+            purpose = form.fields.get("purpose")
+            if writer is None:
+                raise invalid("Missing required parameter: 'file'.", param="file", code="missing_required_parameter")
+            if purpose is None:
+                raise invalid(
+                    "Missing required parameter: 'purpose'.", param="purpose", code="missing_required_parameter"
+                )
+            if purpose != "batch":
+                raise invalid(f"Invalid purpose {purpose!r}: only 'batch' files can be uploaded.", param="purpose")
+            created_at = now()
+            expires_at = _expires_at(form.fields, created_at)
+            if form.check_error is not None:
+                error = form.check_error
+                where = f"line {error.line}: " if error.line is not None else ""
+                raise APIError(422, f"Invalid input file, {where}{error.message}", code=error.code, param="file")
+        except BaseException:
+            if writer is not None:
+                writer.discard()
+            raise
+        file_id = new_file_id()
+        writer.commit(file_id)
+        file = FileObject(
+            id=file_id,
+            bytes=writer.size,
+            created_at=created_at,
+            filename=form.filename,
+            purpose="batch",
+            status="processed",
+            expires_at=expires_at,
+            checksum=writer.checksum,
+        )
+        context.db.insert_file(file, owner=owner, line_count=form.line_count)
+        return file
+
+    @get(summary="List files, newest first by default")
+    async def list_files(
+        self,
+        context: ServerContext,
+        owner: str,
+        purpose: str | None = None,
+        limit: Annotated[int, Parameter(ge=1, le=10000)] = 10000,
+        order: Literal["asc", "desc"] = "desc",
+        after: str | None = None,
+    ) -> FileList:
+        files, has_more = context.db.list_files(owner=owner, purpose=purpose, limit=limit, order=order, after=after)
+        return FileList(
+            data=files,
+            first_id=files[0].id if files else None,
+            last_id=files[-1].id if files else None,
+            has_more=has_more,
+        )
+
+    @get("/{file_id:str}", summary="Retrieve a file's metadata")
+    async def retrieve(self, context: ServerContext, owner: str, file_id: str) -> FileObject:
+        return _with_live_size(context, get_owned_file(context, file_id, owner))
+
+    @delete("/{file_id:str}", status_code=200, summary="Delete a file")
+    async def delete_file(self, context: ServerContext, owner: str, file_id: str) -> FileDeleted:
+        get_owned_file(context, file_id, owner)
+        if context.db.file_in_use(file_id):
+            raise APIError(
+                409,
+                f"File {file_id!r} is in use by a batch that has not finished.",
+                code="file_in_use",
+                param="file_id",
+            )
+        context.db.delete_file(file_id)
+        context.blobs.delete(file_id)
+        return FileDeleted(id=file_id, deleted=True)
+
+    @get("/{file_id:str}/content", summary="Download a file's content (partial while its batch runs)")
+    async def content(self, context: ServerContext, owner: str, file_id: str) -> Response[Any]:
+        file = get_owned_file(context, file_id, owner)
+        # A results file still being appended to is served up to its last complete line.
+        length = context.blobs.complete_lines_length(file_id) if file.status == "uploaded" else file.bytes
+        return Stream(
+            context.blobs.read(file_id, length=length),
+            media_type="application/jsonl",
+            headers={
+                "Content-Disposition": f'attachment; filename="{file.filename}"',
+                "Content-Length": str(length),
+            },
+        )
+
+
+def _with_live_size(context: ServerContext, file: FileObject) -> FileObject:
+    """A results file of a running batch grows: report its current size."""
+    if file.status == "uploaded":
+        file.bytes = context.blobs.complete_lines_length(file.id)
+    return file
+
+
+def _expires_at(fields: dict[str, str], created_at: int) -> int | None:
+    anchor, seconds = fields.get("expires_after[anchor]"), fields.get("expires_after[seconds]")
+    if anchor is None and seconds is None:
+        return None
+    if anchor != "created_at":
+        raise invalid("'expires_after[anchor]' must be 'created_at'.", param="expires_after[anchor]")
+    try:
+        value = int(seconds or "")
+    except ValueError:
+        value = -1
+    if not MIN_EXPIRY_S <= value <= MAX_EXPIRY_S:
+        raise invalid(
+            f"'expires_after[seconds]' must be an integer from {MIN_EXPIRY_S} to {MAX_EXPIRY_S}.",
+            param="expires_after[seconds]",
+        )
+    return created_at + value

@@ -1,0 +1,402 @@
+"""The batch runner: validating -> in_progress -> finalizing -> completed (or failed, cancelling -> cancelled).
+
+Three kinds of threads meet here, none of them the event loop:
+
+- a *prepare* thread per batch validates the input file, turns each line into engine requests and submits them;
+- the engine worker's thread reports each finished request (``_on_result`` only queues it);
+- one *writer* thread turns finished requests into output/error lines, appends them at once, fsyncs and publishes the
+  counts every ``flush_interval_s``, and finalizes batches whose last request finished.
+
+The database holds the lifecycle; the results files hold the results. A batch found unfinished at startup is resumed:
+every request that already has a line is skipped (see ``results.recover_tally``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import msgspec
+
+from batchgen.schemas import BatchError, BatchErrors, BatchInputLine, BatchObject, BatchOutputLine, FileObject
+from batchgen.schemas.validation import LineError, ValidationLimits, iter_input_lines
+
+from ..engine.request import EngineRequest, EngineResult
+from ..ids import new_file_id, new_request_id
+from ..serving import BatchDefaults, OpenAIServing, RequestRejected
+from ..settings import Settings
+from ..storage.blobs import BlobStore, ResultsFile
+from ..storage.database import Database
+from .results import Tally, recover_tally
+
+log = logging.getLogger("batchgen.server.runner")
+
+MAX_REPORTED_ERRORS = 100
+SUBMIT_CHUNK = 256
+_encode = msgspec.json.Encoder().encode
+
+
+class Engine(Protocol):
+    """What the runner needs of the engine worker."""
+
+    def submit(self, requests: list[EngineRequest], on_result: Callable[[EngineResult], None]) -> None: ...
+
+    def abort_group(self, group: str) -> None: ...
+
+
+@dataclass(slots=True)
+class _Line:
+    line: BatchInputLine
+    expected: int
+    results: list[EngineResult] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Active:
+    """A batch whose requests are in the engine: its open results files and what is still outstanding."""
+
+    batch_id: str
+    output_file_id: str
+    error_file_id: str
+    output: ResultsFile
+    errors: ResultsFile
+    tally: Tally
+    pending: dict[str, _Line] = field(default_factory=dict)
+    submitted: bool = False
+    """All requests are in the engine (or answered); the batch finishes when ``pending`` empties."""
+    cancelled: bool = False
+    dirty: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class _Cancelled(msgspec.Struct, frozen=True):
+    batch_id: str
+
+
+class _Check(msgspec.Struct, frozen=True):
+    """Wake the writer to see whether a batch can finish."""
+
+    batch_id: str
+
+
+class BatchRunner:
+    def __init__(
+        self, *, settings: Settings, db: Database, blobs: BlobStore, serving: OpenAIServing, engine: Engine
+    ) -> None:
+        self.settings = settings
+        self.db = db
+        self.blobs = blobs
+        self.serving = serving
+        self.engine = engine
+        self._active: dict[str, _Active] = {}
+        self._cancel_requested: set[str] = set()
+        self._lock = threading.Lock()
+        self._inbox: queue.SimpleQueue[EngineResult | _Cancelled | _Check | None] = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write_loop, name="batchgen-writer", daemon=True)
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # ---- called from the event loop -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._writer.start()
+        for batch in self.db.batches_with_status(("validating", "in_progress", "finalizing", "cancelling")):
+            self.launch(batch)
+
+    def launch(self, batch: BatchObject) -> None:
+        """Run (or resume) a batch in the background."""
+        task = asyncio.get_running_loop().create_task(self._run(batch))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def cancel(self, batch_id: str) -> None:
+        """The batch is already ``cancelling`` in the database; stop its requests at the next engine step."""
+        with self._lock:
+            self._cancel_requested.add(batch_id)
+            active = self._active.get(batch_id)
+        if active is not None:
+            self._abort(batch_id)
+
+    async def stop(self) -> None:
+        """Stop writing (results not yet written are resubmitted on the next start)."""
+        for task in list(self._tasks):
+            task.cancel()
+        self._inbox.put(None)
+        await asyncio.to_thread(self._writer.join, 30)
+
+    async def _run(self, batch: BatchObject) -> None:
+        try:
+            await asyncio.to_thread(self._prepare, batch)
+        except Exception as exc:
+            log.exception("batch %s failed", batch.id)
+            error = BatchError(code="internal_error", message=f"The server could not run the batch: {exc}")
+            self.db.update_batch(batch.id, status="failed", failed_at=_now(), errors=BatchErrors(data=[error]))
+
+    # ---- prepare thread -----------------------------------------------------------------------------------------
+
+    def _prepare(self, batch: BatchObject) -> None:
+        if batch.status == "validating":
+            lines = self._validate(batch)
+            if lines is None:
+                return
+            batch = self._start(batch, len(lines))
+        else:  # resuming after a restart: the file was valid when the batch started
+            lines = [line for line in self._read_lines(batch) if isinstance(line, BatchInputLine)]
+        if batch.output_file_id is None or batch.error_file_id is None:  # cancelled before it started
+            self._finish_cancelled_before_start(batch)
+            return
+        if batch.status == "cancelling":
+            with self._lock:
+                self._cancel_requested.add(batch.id)
+        tally = recover_tally([self.blobs.path(batch.output_file_id), self.blobs.path(batch.error_file_id)])
+        active = _Active(
+            batch_id=batch.id,
+            output_file_id=batch.output_file_id,
+            error_file_id=batch.error_file_id,
+            output=self.blobs.open_results(batch.output_file_id),
+            errors=self.blobs.open_results(batch.error_file_id),
+            tally=tally,
+            dirty=True,
+        )
+        with self._lock:
+            self._active[batch.id] = active
+        self._submit(batch, active, [line for line in lines if line.custom_id not in tally.done])
+
+    def _read_lines(self, batch: BatchObject) -> list[BatchInputLine | LineError]:
+        limits = ValidationLimits(
+            max_requests=self.settings.max_requests_per_file,
+            max_line_bytes=self.settings.max_line_bytes,
+            max_file_bytes=self.settings.max_upload_bytes,
+        )
+        return list(iter_input_lines(self.blobs.path(batch.input_file_id), endpoint=batch.endpoint, limits=limits))
+
+    def _validate(self, batch: BatchObject) -> list[BatchInputLine] | None:
+        """The requests of a valid file; ``None`` after failing the batch with the errors found."""
+        items = self._read_lines(batch)
+        errors = [item.to_batch_error() for item in items if isinstance(item, LineError)]
+        if not errors:
+            return [item for item in items if isinstance(item, BatchInputLine)]
+        failed = self.db.update_batch(
+            batch.id,
+            only_if_status=("validating",),
+            status="failed",
+            failed_at=_now(),
+            total=0,
+            errors=BatchErrors(data=errors[:MAX_REPORTED_ERRORS]),
+        )
+        if not failed:  # cancelled while validating
+            self._finish_cancelled_before_start(batch)
+        return None
+
+    def _start(self, batch: BatchObject, total: int) -> BatchObject:
+        """validating -> in_progress, with empty results files that a reader can follow while the batch runs."""
+        created_at = _now()
+        output_file, error_file = (
+            FileObject(
+                id=new_file_id(),
+                bytes=0,
+                created_at=created_at,
+                filename=f"{batch.id}_{kind}.jsonl",
+                purpose="batch_output",
+                status="uploaded",
+            )
+            for kind in ("output", "error")
+        )
+        owner = self.db.owner_of_batch(batch.id)
+        for file in (output_file, error_file):
+            self.blobs.path(file.id).touch()
+            self.db.insert_file(file, owner=owner)
+        started = self.db.update_batch(
+            batch.id,
+            only_if_status=("validating",),
+            status="in_progress",
+            in_progress_at=created_at,
+            total=total,
+            output_file_id=output_file.id,
+            error_file_id=error_file.id,
+        )
+        if not started:  # cancelled while validating
+            for file in (output_file, error_file):
+                self.db.delete_file(file.id)
+                self.blobs.delete(file.id)
+        current = self.db.get_batch(batch.id, owner=None)
+        assert current is not None
+        return current
+
+    def _submit(self, batch: BatchObject, active: _Active, lines: list[BatchInputLine]) -> None:
+        defaults = BatchDefaults(
+            max_decoding_length=batch.max_decoding_length,
+            max_context_length=batch.max_context_length,
+            temperature=batch.temperature,
+            top_p=batch.top_p,
+            top_k=batch.top_k,
+        )
+        chunk: list[EngineRequest] = []
+        for line in lines:
+            if active.cancelled or batch.id in self._cancel_requested:
+                break
+            request_id = new_request_id()
+            try:
+                requests = self.serving.to_engine_requests(
+                    line, request_id=request_id, defaults=defaults, group=batch.id
+                )
+            except RequestRejected as exc:
+                rejected = self.serving.error_line(
+                    line.custom_id, request_id=request_id, code=exc.code, message=exc.message, param=exc.param
+                )
+                self._record(active, rejected)
+                continue
+            with active.lock:
+                active.pending[request_id] = _Line(line, expected=len(requests))
+            chunk += requests
+            if len(chunk) >= SUBMIT_CHUNK:
+                self.engine.submit(chunk, self._on_result)
+                chunk = []
+        if chunk:
+            self.engine.submit(chunk, self._on_result)
+        with active.lock:
+            active.submitted = True
+        if active.cancelled or self._is_cancelling(batch.id):
+            self._abort(batch.id)  # again: requests may have gone in after the cancel arrived
+        else:
+            self._inbox.put(_Check(batch.id))  # finishes at once if nothing was left to run
+
+    def _abort(self, batch_id: str) -> None:
+        """Stop the batch's requests at the next engine step, then finish it as cancelled.
+
+        The worker applies aborts before the step that answers a request with an empty prompt (at once, with an
+        error), so that answer is the barrier: when it arrives, every result the batch will ever get has arrived.
+        """
+        self.engine.abort_group(batch_id)
+        barrier = EngineRequest(f"cancel_{new_request_id()}", [], group=f"{batch_id}:cancel")
+        self.engine.submit([barrier], lambda _: self._inbox.put(_Cancelled(batch_id)))
+
+    def _is_cancelling(self, batch_id: str) -> bool:
+        with self._lock:
+            return batch_id in self._cancel_requested
+
+    def _finish_cancelled_before_start(self, batch: BatchObject) -> None:
+        self.db.update_batch(batch.id, only_if_status=("cancelling",), status="cancelled", cancelled_at=_now())
+        with self._lock:
+            self._cancel_requested.discard(batch.id)
+
+    # ---- engine thread ------------------------------------------------------------------------------------------
+
+    def _on_result(self, result: EngineResult) -> None:
+        self._inbox.put(result)
+
+    # ---- writer thread ------------------------------------------------------------------------------------------
+
+    def _write_loop(self) -> None:
+        interval = min(self.settings.flush_interval_s, 1.0)
+        last_flush = time.monotonic()
+        while True:
+            try:
+                item = self._inbox.get(timeout=interval)
+            except queue.Empty:
+                item = _Check("")
+            if item is None:
+                break
+            try:
+                self._handle(item)
+                if time.monotonic() - last_flush >= interval:
+                    self._flush()
+                    last_flush = time.monotonic()
+            except Exception:
+                log.exception("writer failed on %r", item)
+        self._flush()
+
+    def _handle(self, item: EngineResult | _Cancelled | _Check) -> None:
+        if isinstance(item, EngineResult):
+            self._handle_result(item)
+            return
+        with self._lock:
+            active = self._active.get(item.batch_id)
+        if active is None:
+            return
+        if isinstance(item, _Cancelled):
+            active.cancelled = True
+        if active.cancelled or (active.submitted and not active.pending):
+            self._finish(active)
+
+    def _handle_result(self, result: EngineResult) -> None:
+        with self._lock:
+            active = self._active.get(result.group)
+        if active is None or active.cancelled:
+            return  # a late result of a batch already finished or cancelled
+        request_id = result.request_id.rsplit("#", 1)[0]
+        with active.lock:
+            entry = active.pending.get(request_id)
+            if entry is None:
+                return
+            entry.results.append(result)
+            if len(entry.results) < entry.expected:
+                return
+            del active.pending[request_id]
+        self._record(active, self.serving.output_line(entry.line, entry.results, request_id=request_id))
+        if active.submitted and not active.pending:
+            self._finish(active)
+
+    def _record(self, active: _Active, line: BatchOutputLine) -> None:
+        ok = line.response is not None and line.response.status_code == 200 and line.error is None
+        data = _encode(line) + b"\n"
+        with active.lock:
+            (active.output if ok else active.errors).append(data)
+            active.tally.add(line)
+            active.dirty = True
+
+    def _flush(self) -> None:
+        with self._lock:
+            actives = list(self._active.values())
+        for active in actives:
+            self._sync(active)
+
+    def _sync(self, active: _Active) -> None:
+        """Results on disk first, then the counts that describe them: a count never exceeds what is durable."""
+        with active.lock:
+            if not active.dirty:
+                return
+            active.output.sync()
+            active.errors.sync()
+            active.dirty = False
+            counters = active.tally.counters()
+        self.db.update_batch(active.batch_id, **counters)
+
+    def _finish(self, active: _Active) -> None:
+        with self._lock:
+            if self._active.pop(active.batch_id, None) is None:
+                return
+            self._cancel_requested.discard(active.batch_id)
+        self._sync(active)
+        active.output.close()
+        active.errors.close()
+        if active.cancelled:
+            self._publish_files(active)
+            self.db.update_batch(active.batch_id, status="cancelled", cancelled_at=_now())
+            return
+        self.db.update_batch(active.batch_id, status="finalizing", finalizing_at=_now())
+        self._publish_files(active)
+        self.db.update_batch(active.batch_id, status="completed", completed_at=_now())
+
+    def _publish_files(self, active: _Active) -> None:
+        """The results files become final; an empty one is dropped and its id cleared."""
+        cleared: dict[str, None] = {}
+        for column, file_id in (("output_file_id", active.output_file_id), ("error_file_id", active.error_file_id)):
+            size = self.blobs.size(file_id)
+            if size == 0:
+                self.db.delete_file(file_id)
+                self.blobs.delete(file_id)
+                cleared[column] = None
+            else:
+                self.db.update_file(file_id, status="processed", bytes=size)
+        if cleared:
+            self.db.update_batch(active.batch_id, **cleared)
+
+
+def _now() -> int:
+    return int(time.time())

@@ -1,0 +1,125 @@
+"""Paged KV cache bookkeeping: fixed-size blocks, reference counts and content-hashed prefix caching.
+
+A full block is identified by the hash of (its parent block's hash, its token ids), so equal prefixes map to equal
+hash chains. Blocks whose reference count drops to zero keep their hash and go to the back of the free list; they are
+reused by a later request with the same prefix, or recycled least recently freed first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+from .sequence import Sequence
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.hash_to_block: dict[int, int] = {}
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        """Free blocks, least recently freed first; a cached one leaves the hash map only when it is recycled."""
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        total = seq.num_computed_tokens + num_new_tokens
+        return max(0, -(-total // self.block_size) - len(seq.block_table))
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self.blocks_needed(seq, num_new_tokens) <= len(self.free)
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Give ``seq`` room for ``num_new_tokens`` more tokens (check ``can_allocate`` first)."""
+        for _ in range(self.blocks_needed(seq, num_new_tokens)):
+            seq.block_table.append(self._take_free())
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Attach the cached blocks that hold a prefix of ``seq``; return how many tokens they cover.
+
+        At least one token is always left to compute, since its logits give the next token.
+        """
+        if not self.enable_prefix_caching or seq.block_table:
+            return 0
+        hashes = self._full_block_hashes(seq, (len(seq) - 1) // self.block_size)
+        for i, block_hash in enumerate(hashes):
+            block = self.hash_to_block.get(block_hash)
+            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            if block is None or self.block_tokens[block] != tokens:
+                break
+            if self.ref_counts[block] == 0:
+                del self.free[block]
+            self.ref_counts[block] += 1
+            seq.block_table.append(block)
+        seq.num_computed_tokens = len(seq.block_table) * self.block_size
+        return seq.num_computed_tokens
+
+    def register_full_blocks(self, seq: Sequence, first_block: int) -> None:
+        """Publish the blocks of ``seq`` from ``first_block`` on that are now full, for reuse by other requests."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        hashes = self._full_block_hashes(seq, num_full)
+        for i in range(first_block, num_full):
+            block = seq.block_table[i]
+            if self.block_hash[block] is None:
+                self.block_hash[block] = hashes[i]
+                self.block_tokens[block] = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+                self.hash_to_block.setdefault(hashes[i], block)
+
+    def fork(self, parent: Sequence, child: Sequence, copy_block: Callable[[int, int], None]) -> bool:
+        """Share the parent's blocks with ``child``; its last, partly filled block is copied (it will diverge).
+
+        Returns ``False`` (sharing nothing) when no block is free for that copy.
+        """
+        partial = parent.num_computed_tokens % self.block_size != 0
+        if partial and not self.free:
+            return False
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_computed_tokens = parent.num_computed_tokens
+        for block in child.block_table:
+            self.ref_counts[block] += 1
+        if partial:
+            last = child.block_table[-1]
+            fresh = self._take_free()
+            copy_block(last, fresh)
+            self.ref_counts[last] -= 1
+            child.block_table[-1] = fresh
+        return True
+
+    def free_seq(self, seq: Sequence) -> None:
+        for block in reversed(seq.block_table):  # the tail first: prefixes stay cached longest
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free[block] = None
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+
+    def _take_free(self) -> int:
+        block, _ = self.free.popitem(last=False)
+        block_hash = self.block_hash[block]
+        if block_hash is not None:
+            if self.hash_to_block.get(block_hash) == block:
+                del self.hash_to_block[block_hash]
+            self.block_hash[block] = None
+            self.block_tokens[block] = None
+        self.ref_counts[block] = 1
+        return block
+
+    def _full_block_hashes(self, seq: Sequence, count: int) -> list[int]:
+        """Hashes of the first ``count`` full blocks of ``seq``, computed once each and kept on the sequence."""
+        hashes = seq.block_hashes
+        bs = self.block_size
+        while len(hashes) < count:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else 0
+            hashes.append(hash((parent, *seq.token_ids[i * bs : (i + 1) * bs])))
+        return hashes[:count]

@@ -1,0 +1,261 @@
+"""LLMEngine: the facade the server and run-batch use. ``step()`` schedules, runs one forward and samples."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .detokenizer import IncrementalDetokenizer
+from .loader import load_model
+from .model_runner import ModelRunner
+from .request import CompletionOutput, EngineError, EngineRequest, EngineResult, TokenLogprob
+from .sampler import Sampler, SampleRow
+from .scheduler import Scheduler
+from .sequence import RequestState, Sequence, Status
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    queued: int
+    """Sequences waiting to be (re)admitted."""
+    running: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    prompt_tokens: int
+    """Totals since start: prompt tokens of finished requests, of which served from the prefix cache, generated."""
+    cached_tokens: int
+    generated_tokens: int
+    preemptions: int
+
+
+class LLMEngine:
+    def __init__(self, model: PreTrainedModel, tokenizer: Any, config: EngineConfig, model_name: str) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.runner = ModelRunner(model, config)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.sampler = Sampler()
+        self.eos_token_ids = _eos_ids(model, tokenizer)
+        model_limit = config.max_model_len or model.config.get_text_config().max_position_embeddings
+        self.max_context_length: int = min(model_limit, self.runner.num_blocks * config.block_size)
+        self._requests: dict[str, RequestState] = {}
+        self._ready: list[EngineResult] = []
+        self._seeds = random.Random(config.seed)
+        self._totals = {"prompt": 0, "cached": 0, "generated": 0}
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
+        model, tokenizer = load_model(config)
+        return cls(model, tokenizer, config, "demo" if config.model == "demo" else Path(config.model).name)
+
+    # ---- requests in and out -----------------------------------------------------------------------------------
+
+    def add_request(self, request: EngineRequest) -> None:
+        params = request.params
+        prompt_len = len(request.prompt_token_ids)
+        max_len = min(self.max_context_length, params.max_context_length or self.max_context_length)
+        error = None
+        if prompt_len == 0:
+            error = EngineError("invalid_prompt", "The prompt is empty.")
+        elif prompt_len > max_len or (request.task == "generate" and prompt_len == max_len):
+            error = EngineError(
+                "context_length_exceeded",
+                f"The prompt has {prompt_len} tokens; the maximum context length is {max_len} tokens"
+                + (" (prompt + at least one generated token)." if request.task == "generate" else "."),
+            )
+        elif request.request_id in self._requests:
+            error = EngineError("duplicate_request_id", f"Request id {request.request_id!r} is already running.")
+        if error is not None:
+            self._ready.append(EngineResult(request.request_id, prompt_len, error=error, group=request.group))
+            return
+        max_tokens = max_len - prompt_len if params.max_tokens is None else min(params.max_tokens, max_len - prompt_len)
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        state = RequestState(request, max_len, max_tokens, frozenset(stop_ids))
+        state.seqs.append(self._new_sequence(state, list(request.prompt_token_ids), 0))
+        self._requests[request.request_id] = state
+        self.scheduler.add(state.seqs[0])
+
+    def abort_request(self, request_id: str) -> bool:
+        """Drop a request at once (no result is produced for it); ``False`` if it is unknown or already done."""
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return False
+        for seq in state.seqs:
+            if seq.status is not Status.FINISHED:
+                self.scheduler.finish(seq)
+        return True
+
+    def abort_group(self, group: str) -> list[str]:
+        """Abort every unfinished request of ``group``; return their ids."""
+        ids = [rid for rid, state in self._requests.items() if state.request.group == group]
+        for request_id in ids:
+            self.abort_request(request_id)
+        self._ready = [result for result in self._ready if result.group != group]
+        return ids
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests or self._ready)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            queued=len(self.scheduler.waiting),
+            running=len(self.scheduler.running),
+            kv_blocks_total=self.block_manager.num_blocks,
+            kv_blocks_free=self.block_manager.num_free_blocks,
+            prompt_tokens=self._totals["prompt"],
+            cached_tokens=self._totals["cached"],
+            generated_tokens=self._totals["generated"],
+            preemptions=self.scheduler.num_preemptions,
+        )
+
+    # ---- one step ----------------------------------------------------------------------------------------------
+
+    def step(self) -> list[EngineResult]:
+        """Run one forward over everything scheduled; return the requests that finished."""
+        finished, self._ready = self._ready, []
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return finished
+        hidden = self.runner.forward(scheduled)
+        sample_rows: list[int] = []
+        sample_seqs: list[Sequence] = []
+        row = 0
+        for item in scheduled:
+            seq, state = item.seq, item.seq.state
+            start, row = row, row + item.num_tokens
+            first_new_block = seq.num_computed_tokens // self.config.block_size
+            seq.num_computed_tokens += item.num_tokens
+            self.block_manager.register_full_blocks(seq, first_new_block)
+            if state.request.task == "embed":
+                chunk_sum = hidden[start:row].float().sum(dim=0)
+                state.embedding_sum = chunk_sum if state.embedding_sum is None else state.embedding_sum + chunk_sum
+            if seq.num_uncomputed:
+                continue  # a prefill chunk that does not reach the end of the prompt yet
+            if state.request.task == "embed":
+                self.scheduler.finish(seq)
+                finished.append(self._embedding_result(state))
+                continue
+            if not seq.forked and state.request.params.n > 1:
+                self._fork(seq)
+                for child in state.seqs:
+                    sample_rows.append(row - 1)
+                    sample_seqs.append(child)
+            else:
+                sample_rows.append(row - 1)
+                sample_seqs.append(seq)
+        if sample_seqs:
+            logits = self.runner.logits(hidden[torch.tensor(sample_rows, device=hidden.device)])
+            rows = [SampleRow(s.state.request.params, s.generator, _penalised_ids(s)) for s in sample_seqs]
+            token_ids, logprobs = self.sampler(logits, rows)
+            for seq, token_id, logprob in zip(sample_seqs, token_ids, logprobs, strict=True):
+                self._append_token(seq, token_id, logprob)
+                if seq.state.finished and seq.state.request.request_id in self._requests:
+                    finished.append(self._completion_result(seq.state))
+        return finished
+
+    def _new_sequence(self, state: RequestState, token_ids: list[int], index: int) -> Sequence:
+        params = state.request.params
+        generator = None
+        if params.temperature > 0:
+            seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+            generator = torch.Generator(device=self.runner.device)
+            generator.manual_seed((seed * 1_000_003 + index) % 2**63)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop) if params.stop else None
+        logprobs: list[TokenLogprob] | None = [] if params.logprobs else None
+        return Sequence(
+            state, token_ids, len(state.request.prompt_token_ids), index, generator, detokenizer, logprobs=logprobs
+        )
+
+    def _fork(self, parent: Sequence) -> None:
+        """Make the other n-1 choices share the prompt's KV blocks now that the prompt is computed."""
+        parent.forked = True
+        state = parent.state
+        for index in range(1, state.request.params.n):
+            child = self._new_sequence(state, list(parent.token_ids), index)
+            child.forked = True
+            state.seqs.append(child)
+            if self.block_manager.fork(parent, child, self.runner.copy_block):
+                child.status = Status.RUNNING
+                self.scheduler.running.append(child)
+            else:  # no block free to copy into: the child recomputes its prompt (mostly from the prefix cache)
+                self.scheduler.add(child)
+
+    def _append_token(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> None:
+        seq.token_ids.append(token_id)
+        if seq.logprobs is not None and logprob is not None:
+            seq.logprobs.append(logprob)
+        state = seq.state
+        if token_id in state.stop_token_ids or (seq.detokenizer is not None and seq.detokenizer.add(token_id)):
+            seq.finish_reason = "stop"
+        elif seq.num_generated >= state.max_tokens or len(seq) >= state.max_len:
+            seq.finish_reason = "length"
+        if seq.finish_reason is not None:
+            self.scheduler.finish(seq)
+
+    def _completion_result(self, state: RequestState) -> EngineResult:
+        del self._requests[state.request.request_id]
+        outputs = []
+        for seq in state.seqs:
+            if seq.detokenizer is None:
+                text = self.tokenizer.decode(seq.generated_ids, skip_special_tokens=True)
+            elif seq.finish_reason == "stop" and seq.generated_ids[-1] not in state.stop_token_ids:
+                text = seq.detokenizer.text  # cut before the stop string
+            else:
+                text = seq.detokenizer.finish()
+            outputs.append(
+                CompletionOutput(seq.index, seq.generated_ids, text, seq.finish_reason or "length", seq.logprobs)
+            )
+        result = EngineResult(
+            state.request.request_id,
+            len(state.request.prompt_token_ids),
+            cached_tokens=state.cached_tokens,
+            outputs=outputs,
+            group=state.request.group,
+        )
+        self._count(result)
+        return result
+
+    def _embedding_result(self, state: RequestState) -> EngineResult:
+        del self._requests[state.request.request_id]
+        assert state.embedding_sum is not None
+        mean = state.embedding_sum / len(state.request.prompt_token_ids)
+        embedding = torch.nn.functional.normalize(mean, dim=0).tolist()
+        result = EngineResult(
+            state.request.request_id,
+            len(state.request.prompt_token_ids),
+            embedding=embedding,
+            group=state.request.group,
+        )
+        self._count(result)
+        return result
+
+    def _count(self, result: EngineResult) -> None:
+        self._totals["prompt"] += result.prompt_tokens
+        self._totals["cached"] += result.cached_tokens
+        self._totals["generated"] += result.completion_tokens
+
+
+def _penalised_ids(seq: Sequence) -> list[int]:
+    params = seq.state.request.params
+    return seq.generated_ids if params.presence_penalty or params.frequency_penalty else []
+
+
+def _eos_ids(model: PreTrainedModel, tokenizer: Any) -> frozenset[int]:
+    """Every end-of-sequence id the model's config, its generation config and its tokenizer name."""
+    ids: set[int] = set()
+    sources = [model.config.get_text_config(), getattr(model, "generation_config", None)]
+    for source in sources:
+        value = getattr(source, "eos_token_id", None)
+        ids.update([value] if isinstance(value, int) else value or [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)

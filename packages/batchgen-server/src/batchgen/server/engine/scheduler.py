@@ -1,0 +1,92 @@
+"""Choose what each step computes: a token budget shared by decodes and chunked prefills.
+
+Policy: sequences already running go first (a decode needs one token, an unfinished prefill continues with the
+next chunk), then waiting sequences are admitted strictly first come, first served (so batches are served in the
+order they arrived) while the budget, the running-sequence cap and free KV blocks allow. When a running sequence
+needs a block and none is free, the most recently admitted sequence is preempted: its blocks are freed (full ones
+stay in the prefix cache) and it goes back to the front of the queue, to be recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from .block_manager import BlockManager
+from .sequence import Sequence, Status
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int
+    """New tokens computed this step, from ``seq.num_computed_tokens``."""
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledSeq]:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        kept: list[Sequence] = []
+        queue = deque(self.running)
+        while queue and budget > 0:
+            seq = queue.popleft()
+            num_tokens = min(seq.num_uncomputed, budget)
+            while not self.block_manager.can_allocate(seq, num_tokens) and queue:
+                self._preempt(queue.pop())
+            if not self.block_manager.can_allocate(seq, num_tokens):
+                self._preempt(seq)
+                break
+            self.block_manager.allocate(seq, num_tokens)
+            scheduled.append(ScheduledSeq(seq, num_tokens))
+            kept.append(seq)
+            budget -= num_tokens
+        kept.extend(queue)  # not reached this step (budget spent): they keep their blocks and run next step
+        self.running = kept
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_table and seq.state.request.task == "generate":
+                cached = self.block_manager.match_prefix(seq)
+                if seq.state.cached_tokens == 0 and seq.num_generated == 0:
+                    seq.state.cached_tokens = cached
+            num_tokens = min(seq.num_uncomputed, budget)
+            if not self.block_manager.can_allocate(seq, num_tokens):
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(seq, num_tokens)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            scheduled.append(ScheduledSeq(seq, num_tokens))
+            budget -= num_tokens
+        return scheduled
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free_seq(seq)
+        seq.state.embedding_sum = None  # an embedding is pooled again over the recomputed prompt
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence) -> None:
+        """Release a finished or aborted sequence wherever it is."""
+        self.block_manager.free_seq(seq)
+        seq.status = Status.FINISHED
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)

@@ -1,0 +1,77 @@
+"""One sequence being generated (a choice of a request), and the request state that owns its choices."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from enum import Enum, auto
+
+import torch
+
+from .detokenizer import IncrementalDetokenizer
+from .request import EngineRequest, FinishReason, TokenLogprob
+
+_seq_ids = itertools.count()
+
+
+class Status(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+@dataclass(eq=False)
+class RequestState:
+    """Everything the engine tracks for one request: its choices, limits and accumulated results."""
+
+    request: EngineRequest
+    max_len: int
+    """Prompt + generated tokens never exceed this (the context cap)."""
+    max_tokens: int
+    """Most generated tokens per choice."""
+    stop_token_ids: frozenset[int]
+    seqs: list[Sequence] = field(default_factory=list)
+    cached_tokens: int = 0
+    embedding_sum: torch.Tensor | None = None
+    aborted: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.status is Status.FINISHED for seq in self.seqs)
+
+
+@dataclass(eq=False)
+class Sequence:
+    state: RequestState
+    token_ids: list[int]
+    num_prompt_tokens: int
+    index: int = 0
+    """The choice index (0..n-1)."""
+    generator: torch.Generator | None = None
+    detokenizer: IncrementalDetokenizer | None = None
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    status: Status = Status.WAITING
+    num_computed_tokens: int = 0
+    """Tokens whose K/V are in the cache; the rest are computed by the next steps."""
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    """Content hashes of the full blocks, in order (filled lazily, kept across preemption)."""
+    finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprob] | None = None
+    forked: bool = False
+    """``True`` once the n choices have been forked from this sequence (or for a fork itself)."""
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def generated_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens

@@ -1,0 +1,128 @@
+"""File contents on disk: ``<storage>/blobs/<file id>``, written through a temporary file and renamed into place
+(uploads), or appended line by line (batch results)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+CHUNK = 1024 * 1024
+
+
+class BlobStore:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.tmp = root / ".tmp"
+        self.tmp.mkdir(parents=True, exist_ok=True)
+        for stale in self.tmp.iterdir():  # uploads cut short by a crash
+            stale.unlink(missing_ok=True)
+
+    def path(self, file_id: str) -> Path:
+        return self.root / file_id
+
+    def size(self, file_id: str) -> int:
+        try:
+            return self.path(file_id).stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    def new_upload(self) -> UploadWriter:
+        return UploadWriter(self)
+
+    def open_results(self, file_id: str) -> ResultsFile:
+        return ResultsFile(self.path(file_id))
+
+    def read(self, file_id: str, *, length: int) -> Iterator[bytes]:
+        """The first ``length`` bytes, in chunks."""
+        with open(self.path(file_id), "rb") as f:
+            while length > 0 and (chunk := f.read(min(CHUNK, length))):
+                length -= len(chunk)
+                yield chunk
+
+    def complete_lines_length(self, file_id: str) -> int:
+        """Bytes up to the last newline: what a reader may see of a file still being appended to."""
+        path = self.path(file_id)
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            return 0
+        with open(path, "rb") as f:
+            end = size
+            while end > 0:
+                start = max(0, end - 65536)
+                f.seek(start)
+                block = f.read(end - start)
+                newline = block.rfind(b"\n")
+                if newline >= 0:
+                    return start + newline + 1
+                end = start
+        return 0
+
+    def delete(self, file_id: str) -> None:
+        self.path(file_id).unlink(missing_ok=True)
+
+
+class UploadWriter:
+    """Streams an upload to a temporary file, hashing it on the way; ``commit`` makes it durable under its id."""
+
+    def __init__(self, store: BlobStore) -> None:
+        self._store = store
+        fd, name = tempfile.mkstemp(dir=store.tmp)
+        self._file = os.fdopen(fd, "wb")
+        self._tmp_path = Path(name)
+        self._sha256 = hashlib.sha256()
+        self.size = 0
+
+    def write(self, chunk: bytes | bytearray | memoryview) -> None:
+        self._file.write(chunk)
+        self._sha256.update(chunk)
+        self.size += len(chunk)
+
+    @property
+    def checksum(self) -> str:
+        return f"sha256:{self._sha256.hexdigest()}"
+
+    def commit(self, file_id: str) -> None:
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        os.replace(self._tmp_path, self._store.path(file_id))
+        _fsync_dir(self._store.root)
+
+    def discard(self) -> None:
+        self._file.close()
+        self._tmp_path.unlink(missing_ok=True)
+
+
+class ResultsFile:
+    """An append-only JSONL file of batch results; each line goes down in one ``write`` so readers never see half."""
+
+    def __init__(self, path: Path) -> None:
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self.dirty = False
+
+    def append(self, line: bytes) -> None:
+        view = memoryview(line)
+        while view:
+            view = view[os.write(self._fd, view) :]
+        self.dirty = True
+
+    def sync(self) -> None:
+        if self.dirty:
+            os.fsync(self._fd)
+            self.dirty = False
+
+    def close(self) -> None:
+        self.sync()
+        os.close(self._fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,36 @@
+"""Shared fixtures: a real batchgen server (demo model, loopback port, temporary storage) and helpers to drive it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+from server_helpers import LiveServer
+
+from batchgen.server.launcher import ServerProcess
+
+
+@pytest.fixture(scope="session")
+def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """One real server for the whole session (``base_url``, ``storage_dir``, ``http`` and helpers)."""
+    with ServerProcess(tmp_path_factory.mktemp("server")) as process:
+        server = LiveServer(process)
+        yield server
+        server.http.close()
+
+
+@pytest.fixture(scope="session")
+def server_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., LiveServer]]:
+    """Start more servers with their own flags (``factory("--max-queued-requests", "4", api_key="k")``)."""
+    started: list[LiveServer] = []
+
+    def factory(*args: str, api_key: str | None = None) -> LiveServer:
+        key_args = ("--api-key", api_key) if api_key else ()
+        process = ServerProcess(tmp_path_factory.mktemp("server"), *args, *key_args).start()
+        started.append(LiveServer(process, api_key=api_key))
+        return started[-1]
+
+    yield factory
+    for server in started:
+        server.http.close()
+        server.process.stop()

@@ -1,0 +1,76 @@
+"""Helpers to drive a live batchgen server from tests: input lines, upload, create, wait, read results."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import httpx
+
+from batchgen.server.launcher import ServerProcess
+
+TERMINAL = {"completed", "failed", "expired", "cancelled"}
+
+
+def chat_line(custom_id: str, content: str = "Hello!", **body: Any) -> dict[str, Any]:
+    """One input line for /v1/chat/completions (demo model, 8 tokens unless ``body`` says otherwise)."""
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": "demo", "messages": [{"role": "user", "content": content}], "max_tokens": 8, **body},
+    }
+
+
+def jsonl(lines: list[dict[str, Any]]) -> bytes:
+    return b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+
+
+class LiveServer:
+    """A running server plus thin httpx helpers for tests (the client package has its own, tested separately)."""
+
+    def __init__(self, process: ServerProcess, api_key: str | None = None) -> None:
+        self.process = process
+        self.base_url = process.base_url
+        self.storage_dir = process.storage_dir
+        self.api_key = api_key
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(base_url=self.base_url, headers=headers, timeout=30)
+
+    def upload(self, data: bytes | list[dict[str, Any]], filename: str = "input.jsonl") -> dict[str, Any]:
+        content = jsonl(data) if isinstance(data, list) else data
+        response = self.http.post("/v1/files", data={"purpose": "batch"}, files={"file": (filename, content)})
+        assert response.status_code == 200, response.text
+        return response.json()  # type: ignore[no-any-return]
+
+    def create_batch(self, input_file_id: str, **fields: Any) -> dict[str, Any]:
+        response = self.http.post("/v1/batches", json={"input_file_id": input_file_id, **fields})
+        assert response.status_code == 200, response.text
+        return response.json()  # type: ignore[no-any-return]
+
+    def batch(self, batch_id: str) -> dict[str, Any]:
+        response = self.http.get(f"/v1/batches/{batch_id}")
+        assert response.status_code == 200, response.text
+        return response.json()  # type: ignore[no-any-return]
+
+    def wait(self, batch_id: str, *, timeout_s: float = 60, until: set[str] = TERMINAL) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            batch = self.batch(batch_id)
+            if batch["status"] in until:
+                return batch
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"batch {batch_id} still {batch['status']} after {timeout_s} s: {batch}")
+            time.sleep(0.05)
+
+    def run(self, lines: list[dict[str, Any]], **fields: Any) -> dict[str, Any]:
+        """Upload, create, wait: the finished batch."""
+        return self.wait(self.create_batch(self.upload(lines)["id"], **fields)["id"])
+
+    def lines(self, file_id: str | None) -> list[dict[str, Any]]:
+        if file_id is None:
+            return []
+        response = self.http.get(f"/v1/files/{file_id}/content")
+        assert response.status_code == 200, response.text
+        return [json.loads(line) for line in response.content.splitlines()]
