@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import io
-import itertools
 import json
 import os
 import runpy
@@ -150,11 +149,17 @@ def test_batch_lifecycle(client: BatchGenHttpClient, capsys: pytest.CaptureFixtu
         top_p=0.9,
         top_k=20,
     )
-    assert (batch.input_file_id, batch.metadata, batch.max_decoding_length) == (uploaded.id, {"suite": "client-live"}, 4)
+    assert (batch.input_file_id, batch.metadata, batch.max_decoding_length) == (
+        uploaded.id,
+        {"suite": "client-live"},
+        4,
+    )
     assert (batch.max_context_length, batch.temperature, batch.top_p, batch.top_k) == (256, 0.0, 0.9, 20)
 
     seen: list[str] = []
-    done = client.wait_for_batch(batch.id, poll_interval=0.05, timeout=120, progress=True, callback=lambda b: seen.append(b.status))
+    done = client.wait_for_batch(
+        batch.id, poll_interval=0.05, timeout=120, progress=True, callback=lambda b: seen.append(b.status)
+    )
     assert done.status == "completed" and seen[-1] == "completed"
     assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (5, 5, 0)
     assert "5/5" in capsys.readouterr().err
@@ -175,7 +180,9 @@ def test_batch_lifecycle(client: BatchGenHttpClient, capsys: pytest.CaptureFixtu
 def test_submit_batch_with_request_errors(client: BatchGenHttpClient, tmp_path: Path) -> None:
     bodies = [{"model": "demo", "prompt": f"count {i}", "max_tokens": 3} for i in range(3)]
     bodies.append({"model": "demo", "prompt": "x " * 5000, "max_tokens": 3})
-    batch = client.submit_batch(bodies, tmp_path / "out.jsonl", endpoint="/v1/completions", poll_interval=0.05, timeout=120, progress=False)
+    batch = client.submit_batch(
+        bodies, tmp_path / "out.jsonl", endpoint="/v1/completions", poll_interval=0.05, timeout=120, progress=False
+    )
     assert batch.status == "completed"
     assert len((tmp_path / "out.jsonl").read_bytes().splitlines()) == batch.request_counts.completed
     results = {r.custom_id: r for r in client.iter_results(batch.id)}
@@ -214,7 +221,9 @@ def test_async_client(live_server: Any) -> None:
         async with AsyncBatchGenHttpClient(live_server.base_url) as client:
             assert (await client.health_check()).status == "healthy"
             assert (await client.get_model("demo")).id == "demo"
-            batch = await client.submit_batch([chat(f"async {i}") for i in range(3)], poll_interval=0.05, progress=False)
+            batch = await client.submit_batch(
+                [chat(f"async {i}") for i in range(3)], poll_interval=0.05, progress=False
+            )
             assert batch.request_counts.completed == 3
             results = [r.custom_id async for r in client.iter_results(batch, in_input_order=True)]
             assert results == ["request-0", "request-1", "request-2"]
@@ -233,7 +242,18 @@ def test_cli(live_server: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str
 
     source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     source.write_bytes(jsonl([line(f"c{i}", chat(f"cli {i}")) for i in range(3)]))
-    code, out, _ = cli("submit", str(source), "-o", str(target), "--max-decoding-length", "4", "--poll-interval", "0.05", "--json", "--no-progress")
+    code, out, _ = cli(
+        "submit",
+        str(source),
+        "-o",
+        str(target),
+        "--max-decoding-length",
+        "4",
+        "--poll-interval",
+        "0.05",
+        "--json",
+        "--no-progress",
+    )
     assert code == 0
     batch = json.loads(out)
     assert batch["status"] == "completed" and batch["max_decoding_length"] == 4
@@ -249,7 +269,7 @@ def test_cli(live_server: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str
     code, out, _ = cli("list", "files", "--limit", "1")
     assert code == 0 and len(out.splitlines()) == 2
     assert cli("models")[1].splitlines()[1].split()[0] == "demo"
-    assert cli("health") [:2] == (0, "healthy\n")
+    assert cli("health")[:2] == (0, "healthy\n")
     assert cli("pool")[0] == 0
     code, _, err = cli("cancel", batch["id"])
     assert code == 3 and "409" in err
@@ -266,12 +286,17 @@ def test_cli_connection_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--base-url", f"http://127.0.0.1:{free_port()}", "--max-retries", "0", "health"]) == 4
 
 
-def test_compat_quick_start(live_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_compat_quick_start(
+    live_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.chdir(tmp_path)
     Path("requests.jsonl").write_bytes(jsonl([line(f"r{i}", chat(f"compat {i}")) for i in range(2)]))
     exec(QUICK_START, {"BASE_URL": live_server.base_url})
     assert capsys.readouterr().out.startswith("Done: completed, output: file-")
-    assert sorted(json.loads(row)["custom_id"] for row in Path("results.jsonl").read_bytes().splitlines()) == ["r0", "r1"]
+    assert sorted(json.loads(row)["custom_id"] for row in Path("results.jsonl").read_bytes().splitlines()) == [
+        "r0",
+        "r1",
+    ]
 
     from batchgen.batchgen_client import BatchGenHttpClient as OriginalClient
 
@@ -286,7 +311,9 @@ def test_compat_quick_start(live_server: Any, tmp_path: Path, monkeypatch: pytes
     original.close()
 
 
-def test_notebook_example(live_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_notebook_example(
+    live_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setenv("BATCHGEN_BASE_URL", live_server.base_url)
     monkeypatch.chdir(tmp_path)
     runpy.run_path(str(ROOT / "examples" / "notebook_quickstart.py"), run_name="__main__")
@@ -310,4 +337,4 @@ def test_auth_and_backpressure(server_factory: Any) -> None:
         assert limited.value.code == "queue_full"
         assert sleeps == [1.0]
         client.cancel_batch(running.id)
-        assert list(itertools.islice(client.list_batches(), 1))[0].id == running.id
+        assert next(client.list_batches()).id == running.id
