@@ -84,7 +84,7 @@ def test_file_lifecycle(client: BatchGenHttpClient, tmp_path: Path) -> None:
     # One file per page forces the client through the cursor.
     listed = [f.id for f in client.list_files(purpose="batch", page_size=1)]
     assert set(f.id for f in uploaded) <= set(listed) and len(listed) == len(set(listed))
-    ascending = [f.id for f in client.list_files(order="asc", page_size=2)]
+    ascending = [f.id for f in client.list_files(purpose="batch", order="asc", page_size=2)]
     assert ascending == listed[::-1]
 
     assert client.download_file_content(uploaded[1].id) == content

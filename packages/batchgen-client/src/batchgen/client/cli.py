@@ -1,7 +1,12 @@
-"""The ``batchgen`` command: submit and follow batches, list and download files. Human tables, or ``--json``.
+"""The batchgen command: submit and follow batches, list and download files. Human tables, or --json.
 
-Exit codes: 0 success; 1 the batch failed, was cancelled or expired (or the server is unhealthy); 2 usage error;
-3 API error (the server rejected the request); 4 connection error or timeout; 5 ``--timeout`` passed while waiting.
+exit codes:
+  0  success
+  1  the batch failed, was cancelled or expired; health: the server is unhealthy
+  2  usage error
+  3  API error: the server rejected the request
+  4  connection error or request timeout
+  5  --timeout passed while waiting (the batch keeps running)
 """
 
 from __future__ import annotations

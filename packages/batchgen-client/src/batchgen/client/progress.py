@@ -11,8 +11,10 @@ from batchgen.schemas import BatchObject
 
 
 def progress_wanted(progress: bool | None) -> bool:
-    """``None`` means: show a bar when stderr is an interactive terminal."""
-    return sys.stderr.isatty() if progress is None else progress
+    """``None`` means: show a bar when stderr is an interactive terminal or we run in a Jupyter kernel."""
+    if progress is not None:
+        return progress
+    return sys.stderr.isatty() or "ipykernel" in sys.modules
 
 
 class BatchProgress:
