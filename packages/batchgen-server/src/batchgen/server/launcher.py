@@ -13,6 +13,9 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 
+CLEAN_EXIT_CODES = (0, -signal.SIGTERM)
+"""How a server stopped by SIGTERM exits: uvicorn shuts down gracefully, then re-raises the signal."""
+
 
 def free_port() -> int:
     with socket.socket() as sock:

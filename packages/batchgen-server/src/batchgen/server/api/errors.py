@@ -77,7 +77,8 @@ def _validation_error(_: Request[Any, Any, Any], exc: ValidationException) -> Re
     """Litestar's parameter and body validation: name the offending parameter and say what is wrong with it."""
     detail = exc.extra[0] if isinstance(exc.extra, list) and exc.extra else {}
     message = str(detail.get("message") or exc.detail)
-    param = detail.get("key") or None
+    # Litestar names the body "data" and msgspec marks dict values "[...]": keep only the field path.
+    param = re.sub(r"^data\.?|\[\.\.\.\]", "", str(detail.get("key") or "")) or None
     code = "invalid_value"
     if match := _MISSING.search(message):
         code, param = "missing_required_parameter", _join(param, match.group(1))
@@ -96,12 +97,19 @@ def _join(parent: str | None, child: str) -> str:
     return child if not parent or parent == child else f"{parent}.{child}"
 
 
-def _http_error(_: Request[Any, Any, Any], exc: HTTPException) -> Response[ErrorResponse]:
-    status_code = exc.status_code
+def _http_error(request: Request[Any, Any, Any], exc: HTTPException) -> Response[ErrorResponse]:
+    status_code, message = exc.status_code, exc.detail
     if status_code >= 500:
         log.error("internal error: %s", exc.detail)
         return error_response(status_code, "The server had an error while processing the request.", code="server_error")
-    return error_response(status_code, exc.detail, code=_CODES.get(status_code, "invalid_request"), headers=exc.headers)
+    code = _CODES.get(status_code, "invalid_request")
+    if status_code == 404:
+        message = f"No route for {request.method} {request.url.path}; see /schema for the API."
+    elif status_code == 405:
+        message = f"Method {request.method} is not allowed on {request.url.path}."
+    elif status_code == 400 and "JSON is malformed" in message:
+        code = "invalid_json"
+    return error_response(status_code, message, code=code, headers=exc.headers)
 
 
 def _unexpected_error(request: Request[Any, Any, Any], exc: Exception) -> Response[ErrorResponse]:

@@ -60,13 +60,13 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not seq.block_table and seq.state.request.task == "generate":
-                cached = self.block_manager.match_prefix(seq)
-                if seq.state.cached_tokens == 0 and seq.num_generated == 0:
-                    seq.state.cached_tokens = cached
+            cached = self.block_manager.match_prefix(seq) if seq.state.request.task == "generate" else 0
             num_tokens = min(seq.num_uncomputed, budget)
             if not self.block_manager.can_allocate(seq, num_tokens):
+                self.block_manager.free_seq(seq)  # a waiting sequence holds no blocks
                 break
+            if seq.num_generated == 0 and not seq.forked:
+                seq.state.cached_tokens = cached
             self.waiting.popleft()
             self.block_manager.allocate(seq, num_tokens)
             seq.status = Status.RUNNING

@@ -1,0 +1,209 @@
+"""Sampling, logprobs, penalties and every stop condition, checked against a direct forward of the model."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from batchgen.server.engine import EngineRequest, LLMEngine, SamplingParams
+from batchgen.server.engine.detokenizer import IncrementalDetokenizer
+
+Run = Callable[..., Any]
+
+
+def _next_logits(hf_model: Any, token_ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(torch.tensor([token_ids])).logits[0, -1]
+
+
+def _generate(engine: LLMEngine, run: Run, prompt: list[int], **params: Any) -> Any:
+    return run(engine, [EngineRequest("x", prompt, SamplingParams(**params))])["x"]
+
+
+def test_same_seed_reproduces_and_other_seeds_differ(
+    make_engine: Callable[..., LLMEngine], run_to_completion: Run, random_prompts: Run
+) -> None:
+    prompts = random_prompts(8, 5, 30, seed=10)
+    sampled = {"temperature": 1.0, "top_p": 0.95, "max_tokens": 16, "ignore_eos": True}
+
+    def run(seed: int, crowd: int) -> list[list[int]]:
+        engine = make_engine()
+        requests = [EngineRequest(f"r{i}", p, SamplingParams(seed=seed, **sampled)) for i, p in enumerate(prompts)]
+        # Other requests in the same steps must not change a seeded request's tokens.
+        requests += [EngineRequest(f"crowd{i}", p, SamplingParams(**sampled)) for i, p in enumerate(prompts[:crowd])]
+        results = run_to_completion(engine, requests)
+        return [results[f"r{i}"].outputs[0].token_ids for i in range(len(prompts))]
+
+    first = run(seed=7, crowd=0)
+    assert run(seed=7, crowd=5) == first
+    assert run(seed=8, crowd=0) != first
+
+
+def test_top_k_one_equals_greedy(
+    make_engine: Callable[..., LLMEngine], run_to_completion: Run, random_prompts: Run
+) -> None:
+    engine = make_engine()
+    for prompt in random_prompts(4, 3, 30, seed=11):
+        greedy = _generate(engine, run_to_completion, prompt, max_tokens=20)
+        top1 = _generate(engine, run_to_completion, prompt, max_tokens=20, temperature=1.5, top_k=1, seed=3)
+        assert top1.outputs[0].token_ids == greedy.outputs[0].token_ids
+
+
+def test_n_sampled_choices_are_independent(
+    make_engine: Callable[..., LLMEngine], run_to_completion: Run, random_prompts: Run
+) -> None:
+    prompt = random_prompts(1, 20, 20, seed=12)[0]
+    result = _generate(
+        make_engine(), run_to_completion, prompt, n=4, temperature=1.0, max_tokens=12, seed=1, ignore_eos=True
+    )
+    choices = [tuple(o.token_ids) for o in result.outputs]
+    assert [o.index for o in result.outputs] == [0, 1, 2, 3]
+    assert all(len(c) == 12 for c in choices)
+    assert len(set(choices)) > 1
+    assert result.completion_tokens == 48
+
+
+@pytest.mark.parametrize(("presence", "frequency"), [(1.5, 0.0), (0.0, 1.0), (0.7, 0.9), (-1.0, 0.0)])
+def test_penalties_follow_the_openai_definition(
+    make_engine: Callable[..., LLMEngine],
+    run_to_completion: Run,
+    random_prompts: Run,
+    hf_model: Any,
+    presence: float,
+    frequency: float,
+) -> None:
+    prompt = random_prompts(1, 10, 10, seed=13)[0]
+    params = {"max_tokens": 16, "ignore_eos": True, "presence_penalty": presence, "frequency_penalty": frequency}
+    generated = _generate(make_engine(), run_to_completion, prompt, **params).outputs[0].token_ids
+    assert len(generated) == 16
+    for t, token in enumerate(generated):
+        logits = _next_logits(hf_model, prompt + generated[:t])
+        counts = torch.bincount(torch.tensor(generated[:t], dtype=torch.long), minlength=logits.shape[0]).double()
+        penalised = logits - counts * frequency - (counts > 0).double() * presence
+        assert token == int(penalised.argmax())
+    plain = _generate(make_engine(), run_to_completion, prompt, max_tokens=16, ignore_eos=True).outputs[0].token_ids
+    assert generated != plain
+
+
+def test_logprobs_match_a_direct_forward(
+    make_engine: Callable[..., LLMEngine], run_to_completion: Run, random_prompts: Run, hf_model: Any
+) -> None:
+    prompt = random_prompts(1, 15, 15, seed=14)[0]
+    output = _generate(
+        make_engine(), run_to_completion, prompt, max_tokens=10, temperature=0.8, seed=5, logprobs=True, top_logprobs=3
+    ).outputs[0]
+    assert output.logprobs is not None and len(output.logprobs) == len(output.token_ids) == 10
+    for t, (token, lp) in enumerate(zip(output.token_ids, output.logprobs, strict=True)):
+        log_probs = torch.log_softmax(_next_logits(hf_model, prompt + output.token_ids[:t]), dim=-1)
+        assert lp.token_id == token
+        assert lp.logprob == pytest.approx(float(log_probs[token]), abs=1e-6)
+        top_values, top_ids = log_probs.topk(3)
+        assert [i for i, _ in lp.top] == top_ids.tolist()
+        assert [v for _, v in lp.top] == pytest.approx(top_values.tolist(), abs=1e-6)
+
+
+def test_stop_string_across_token_boundaries_is_trimmed(
+    make_engine: Callable[..., LLMEngine], run_to_completion: Run, random_prompts: Run
+) -> None:
+    engine = make_engine()
+    prompt = list(b"Once upon a time")
+    full = _generate(engine, run_to_completion, prompt, max_tokens=30, ignore_eos=True).outputs[0]
+    stop = full.text[6:9]  # three byte tokens in the middle of the output
+    assert len(stop) == 3
+    stopped = _generate(
+        engine, run_to_completion, prompt, max_tokens=30, ignore_eos=True, stop=(stop, "\x00never")
+    ).outputs[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == full.text[: full.text.find(stop)]
+    assert stop not in stopped.text
+
+
+def test_detokenizer_holds_back_split_characters_and_finds_stops(tokenizer: Any) -> None:
+    detok = IncrementalDetokenizer(tokenizer, ("wö",))
+    ids = tokenizer.encode("héllo wörld")
+    fed = 0
+    while not detok.add(ids[fed]):
+        fed += 1
+    assert fed == ids.index(0xB6)  # the stop is found at the last byte of "ö", not before
+    assert detok.text == "héllo "
+    plain = IncrementalDetokenizer(tokenizer, ())
+    for token in ids[:2]:  # "h" and the first byte of "é"
+        plain.add(token)
+    assert plain.text == "h"
+    assert plain.finish() == "h\ufffd"
+
+
+def test_eos_stops_and_ignore_eos_does_not(
+    make_engine: Callable[..., LLMEngine], run_to_completion: Run, random_prompts: Run, tokenizer: Any
+) -> None:
+    engine = make_engine()
+    eos = tokenizer.eos_token_id
+    prompts = random_prompts(32, 1, 60, seed=0)
+    results = run_to_completion(
+        engine, [EngineRequest(f"r{i}", p, SamplingParams(max_tokens=20)) for i, p in enumerate(prompts)]
+    )
+    stopped = [r for r in results.values() if r.outputs[0].finish_reason == "stop"]
+    assert stopped, "some greedy output of the demo model should reach EOS"
+    for result in stopped:
+        output = result.outputs[0]
+        assert output.token_ids[-1] == eos and eos not in output.token_ids[:-1]
+        assert output.text == tokenizer.decode(output.token_ids[:-1])
+    index = int(next(iter(r.request_id for r in stopped))[1:])
+    ignored = _generate(engine, run_to_completion, prompts[index], max_tokens=20, ignore_eos=True).outputs[0]
+    assert ignored.finish_reason == "length" and len(ignored.token_ids) == 20
+
+
+def test_max_tokens_and_context_caps_give_length(
+    make_engine: Callable[..., LLMEngine], run_to_completion: Run, random_prompts: Run
+) -> None:
+    engine = make_engine(max_model_len=64)
+    assert engine.max_context_length == 64
+    prompt = random_prompts(1, 10, 10, seed=16)[0]
+    short = _generate(engine, run_to_completion, prompt, max_tokens=5, ignore_eos=True)
+    assert short.outputs[0].finish_reason == "length" and short.completion_tokens == 5
+    capped = _generate(engine, run_to_completion, prompt, max_context_length=15, ignore_eos=True)
+    assert capped.outputs[0].finish_reason == "length" and capped.completion_tokens == 5
+    to_model_limit = _generate(engine, run_to_completion, prompt, ignore_eos=True)
+    assert to_model_limit.completion_tokens == 54
+
+
+def test_prompt_longer_than_the_context_is_an_error_not_a_crash(
+    make_engine: Callable[..., LLMEngine], run_to_completion: Run, random_prompts: Run
+) -> None:
+    engine = make_engine(max_model_len=32)
+    too_long, fits = random_prompts(1, 40, 40)[0], random_prompts(1, 5, 5)[0]
+    results = run_to_completion(
+        engine,
+        [
+            EngineRequest("long", too_long, SamplingParams(max_tokens=4)),
+            EngineRequest("full", too_long[:32], SamplingParams(max_tokens=4)),
+            EngineRequest("capped", fits, SamplingParams(max_tokens=4, max_context_length=5)),
+            EngineRequest("ok", fits, SamplingParams(max_tokens=4)),
+            EngineRequest("embed-long", too_long, task="embed"),
+        ],
+    )
+    for request_id in ("long", "full", "capped", "embed-long"):
+        error = results[request_id].error
+        assert error is not None and error.code == "context_length_exceeded", request_id
+        assert results[request_id].outputs == []
+    assert results["ok"].error is None and results["ok"].completion_tokens > 0
+
+
+def test_abort_request_and_group(
+    make_engine: Callable[..., LLMEngine], run_to_completion: Run, random_prompts: Run
+) -> None:
+    engine = make_engine()
+    prompts = random_prompts(6, 5, 20, seed=17)
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams(max_tokens=30, ignore_eos=True)
+        engine.add_request(EngineRequest(f"r{i}", prompt, params, group="a" if i < 3 else "b"))
+    engine.step()
+    assert engine.abort_request("r0")
+    assert not engine.abort_request("r0")
+    assert sorted(engine.abort_group("b")) == ["r3", "r4", "r5"]
+    results = run_to_completion(engine, [])
+    assert sorted(results) == ["r1", "r2"]
+    assert engine.stats().kv_blocks_free == engine.stats().kv_blocks_total
