@@ -1,0 +1,274 @@
+"""``AsyncBatchGenHttpClient``: the asyncio twin of ``BatchGenHttpClient``; it differs only in awaiting its I/O."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TypeVar
+
+import httpx
+
+from batchgen.schemas import (
+    BatchList,
+    BatchObject,
+    BatchOutputLine,
+    FileDeleted,
+    FileList,
+    FileObject,
+    HealthStatus,
+    Metadata,
+    ModelList,
+    ModelObject,
+    PoolStatus,
+)
+
+from . import _core
+from ._core import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT_S, ApiRequest, ClientCore, FileInput, RequestsInput
+from ._wait import BatchCallback, BatchWaiter
+
+T = TypeVar("T")
+PageT = TypeVar("PageT", FileList, BatchList)
+
+
+class AsyncBatchGenHttpClient:
+    """Asyncio client of the batchgen REST API, with the methods and arguments of ``BatchGenHttpClient``.
+
+    ``base_url`` defaults to ``$BATCHGEN_BASE_URL`` or ``http://localhost:10900``; ``api_key`` to
+    ``$BATCHGEN_API_KEY`` (sent as a Bearer token). ``timeout_s=None`` waits forever. Failed requests are retried
+    ``max_retries`` times (connection errors, 408, 429, 5xx). A passed ``http_client`` is used as is and left open.
+    """
+
+    def __init__(
+        self,
+        base_url: str | None = None,
+        *,
+        api_key: str | None = None,
+        timeout_s: float | None = DEFAULT_TIMEOUT_S,
+        max_retries: int = DEFAULT_MAX_RETRIES,
+        http_client: httpx.AsyncClient | None = None,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        self._core = ClientCore(base_url, api_key, timeout_s, max_retries)
+        self._owns_http = http_client is None
+        self._http = http_client or httpx.AsyncClient()
+        self._sleep = sleep
+
+    @property
+    def base_url(self) -> str:
+        return self._core.base_url
+
+    async def close(self) -> None:
+        if self._owns_http:
+            await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncBatchGenHttpClient:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    # -- I/O ------------------------------------------------------------------------------------------------------
+
+    async def _request(self, request: ApiRequest[T]) -> T:
+        attempt = 0
+        while True:
+            try:
+                with self._core.build(request) as kwargs:
+                    response = await self._http.send(self._http.build_request(**kwargs), stream=request.stream)
+            except httpx.TransportError as exc:
+                if (delay := self._core.retry_delay(request, attempt, None)) is None:
+                    raise _core.connection_error(exc) from exc
+            else:
+                if (delay := self._core.retry_delay(request, attempt, response)) is None:
+                    if request.stream and not response.is_success:
+                        await response.aread()
+                    return self._core.finish(request, response)
+                await response.aclose()
+            await self._sleep(delay)
+            attempt += 1
+
+    async def _paginate(self, request: ApiRequest[PageT] | None) -> AsyncIterator[Any]:
+        while request is not None:
+            page = await self._request(request)
+            for item in page.data:
+                yield item
+            request = _core.next_page(request, page)
+
+    # -- models and health ----------------------------------------------------------------------------------------
+
+    async def health_check(self) -> HealthStatus:
+        """``GET /health``: ``status`` is ``"unhealthy"`` (with a ``reason``) when the server answers 503."""
+        return await self._request(self._core.health_check())
+
+    async def list_models(self) -> ModelList:
+        return await self._request(self._core.list_models())
+
+    async def get_model(self, model_id: str) -> ModelObject:
+        return await self._request(self._core.get_model(model_id))
+
+    async def pool_status(self) -> PoolStatus:
+        return await self._request(self._core.pool_status())
+
+    # -- files ----------------------------------------------------------------------------------------------------
+
+    async def upload_file(self, file: FileInput, *, purpose: str = "batch", filename: str | None = None) -> FileObject:
+        """Upload a path, bytes or a binary file object (streamed from disk, not read into memory)."""
+        return await self._request(self._core.upload_file(file, purpose, filename))
+
+    async def get_file(self, file_id: str) -> FileObject:
+        return await self._request(self._core.get_file(file_id))
+
+    def list_files(
+        self, *, purpose: str | None = None, order: str = "desc", page_size: int = 1000
+    ) -> AsyncIterator[FileObject]:
+        """Every file, following the pagination cursor page by page (lazily)."""
+        return self._paginate(self._core.list_files(purpose, order, page_size))
+
+    async def delete_file(self, file_id: str) -> FileDeleted:
+        return await self._request(self._core.delete_file(file_id))
+
+    async def download_file_content(self, file_id: str) -> bytes:
+        return (await self._request(self._core.file_content(file_id, stream=False))).content
+
+    async def download_file(self, file_id: str, path: str | os.PathLike[str]) -> Path:
+        """Stream a file's content to ``path`` (written atomically) and return the path."""
+        response = await self._request(self._core.file_content(file_id, stream=True))
+        try:
+            with _core.atomic_write(path) as out:
+                async for chunk in response.aiter_bytes():
+                    out.write(chunk)
+        finally:
+            await response.aclose()
+        return Path(path)
+
+    # -- batches --------------------------------------------------------------------------------------------------
+
+    async def create_batch(
+        self,
+        input_file_id: str,
+        *,
+        endpoint: str = "/v1/chat/completions",
+        completion_window: str = "24h",
+        metadata: Metadata | None = None,
+        max_decoding_length: int | None = None,
+        max_context_length: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+    ) -> BatchObject:
+        """Start a batch; the batch-level generation values apply to requests that do not set their own."""
+        return await self._request(
+            self._core.create_batch(
+                input_file_id,
+                endpoint=endpoint,
+                completion_window=completion_window,
+                metadata=metadata,
+                max_decoding_length=max_decoding_length,
+                max_context_length=max_context_length,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
+            )
+        )
+
+    async def get_batch(self, batch_id: str) -> BatchObject:
+        return await self._request(self._core.get_batch(batch_id))
+
+    def list_batches(self, *, page_size: int = 100) -> AsyncIterator[BatchObject]:
+        """Every batch, newest first, following the pagination cursor page by page (lazily)."""
+        return self._paginate(self._core.list_batches(page_size))
+
+    async def cancel_batch(self, batch_id: str) -> BatchObject:
+        return await self._request(self._core.cancel_batch(batch_id))
+
+    async def wait_for_batch(
+        self,
+        batch_id: str,
+        *,
+        poll_interval: float = 5.0,
+        timeout: float | None = None,
+        progress: bool | None = None,
+        callback: BatchCallback | None = None,
+    ) -> BatchObject:
+        """Poll until the batch completes and return it.
+
+        Raises ``BatchFailedError``/``BatchCancelledError``/``BatchExpiredError`` for the other terminal states and
+        ``BatchWaitTimeoutError`` after ``timeout`` seconds. ``progress=None`` shows a bar on a terminal only;
+        ``callback`` receives every polled batch object.
+        """
+        waiter = BatchWaiter(
+            batch_id, poll_interval=poll_interval, timeout=timeout, progress=progress, callback=callback
+        )
+        try:
+            while True:
+                batch = await self.get_batch(batch_id)
+                if (delay := waiter.observe(batch)) is None:
+                    return batch
+                await self._sleep(delay)
+        finally:
+            waiter.close()
+
+    async def submit_batch(
+        self,
+        requests: RequestsInput,
+        output_path: str | os.PathLike[str] | None = None,
+        *,
+        endpoint: str = "/v1/chat/completions",
+        completion_window: str = "24h",
+        metadata: Metadata | None = None,
+        max_decoding_length: int | None = None,
+        max_context_length: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        wait: bool = True,
+        poll_interval: float = 5.0,
+        timeout: float | None = None,
+        progress: bool | None = None,
+        callback: BatchCallback | None = None,
+    ) -> BatchObject:
+        """Upload the input, create the batch and (with ``wait``) wait for it and download its output.
+
+        ``requests`` is a path, bytes or file object of JSONL input lines, or a list of input lines or of bare
+        request bodies (given ``custom_id`` ``request-<index>``).
+        """
+        uploaded = await self.upload_file(_core.batch_input(requests, endpoint))
+        batch = await self.create_batch(
+            uploaded.id,
+            endpoint=endpoint,
+            completion_window=completion_window,
+            metadata=metadata,
+            max_decoding_length=max_decoding_length,
+            max_context_length=max_context_length,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+        )
+        if not wait:
+            return batch
+        batch = await self.wait_for_batch(
+            batch.id, poll_interval=poll_interval, timeout=timeout, progress=progress, callback=callback
+        )
+        if output_path is not None and batch.output_file_id is not None:
+            await self.download_file(batch.output_file_id, output_path)
+        return batch
+
+    async def iter_results(
+        self, batch: str | BatchObject, *, in_input_order: bool = False
+    ) -> AsyncIterator[BatchOutputLine]:
+        """The typed lines of a finished batch's output and error files (successes first unless ``in_input_order``)."""
+        if isinstance(batch, str):
+            batch = await self.get_batch(batch)
+        contents = [
+            await self.download_file_content(file_id)
+            for file_id in (batch.output_file_id, batch.error_file_id)
+            if file_id
+        ]
+        input_content = await self.download_file_content(batch.input_file_id) if in_input_order else None
+        for line in _core.parse_results(contents, input_content):
+            yield line
