@@ -159,6 +159,9 @@ class BatchRunner:
     # ---- prepare thread -----------------------------------------------------------------------------------------
 
     def _prepare(self, batch: BatchObject) -> None:
+        if batch.status == "finalizing":  # every result was durable before finalizing began: publish them
+            self._publish(batch.id, batch.output_file_id, batch.error_file_id, status="completed", completed_at=_now())
+            return
         if batch.status == "validating":
             lines = self._validate(batch)
             if lines is None or self._expire_before_start(batch):
@@ -417,28 +420,32 @@ class BatchRunner:
         self._sync(active)
         active.output.close()
         active.errors.close()
+        files = (active.batch_id, active.output_file_id, active.error_file_id)
         if active.stopped:
-            self._publish_files(active)
             reason = active.stop_reason  # "cancelled" or "expired": the status and its timestamp column
-            self.db.update_batch(active.batch_id, status=reason, **{f"{reason}_at": _now()})
+            self._publish(*files, status=reason, **{f"{reason}_at": _now()})
             return
         self.db.update_batch(active.batch_id, status="finalizing", finalizing_at=_now())
-        self._publish_files(active)
-        self.db.update_batch(active.batch_id, status="completed", completed_at=_now())
+        self._publish(*files, status="completed", completed_at=_now())
 
-    def _publish_files(self, active: _Active) -> None:
-        """The results files become final; an empty one is dropped and its id cleared."""
-        cleared: dict[str, None] = {}
-        for column, file_id in (("output_file_id", active.output_file_id), ("error_file_id", active.error_file_id)):
+    def _publish(self, batch_id: str, output_file_id: str | None, error_file_id: str | None, **final: object) -> None:
+        """The results files become final and the batch takes its final ``status``, dropping an empty file.
+
+        The batch's new fields and the dropped files' rows change in one transaction, so a crash leaves either the
+        unfinished batch (resumed at startup, which publishes again) or the finished one, never a half of each.
+        """
+        empty: dict[str, str] = {}
+        for column, file_id in (("output_file_id", output_file_id), ("error_file_id", error_file_id)):
+            if file_id is None:
+                continue
             size = self.blobs.size(file_id)
             if size == 0:
-                self.db.delete_file(file_id)
-                self.blobs.delete(file_id)
-                cleared[column] = None
+                empty[column] = file_id
             else:
                 self.db.update_file(file_id, status="processed", bytes=size, checksum=self.blobs.checksum(file_id))
-        if cleared:
-            self.db.update_batch(active.batch_id, **cleared)
+        self.db.finish_batch(batch_id, drop_files=list(empty.values()), **dict.fromkeys(empty), **final)
+        for file_id in empty.values():
+            self.blobs.delete(file_id)
 
 
 def _now() -> int:

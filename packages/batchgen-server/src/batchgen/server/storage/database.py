@@ -232,6 +232,13 @@ class Database:
             fields["errors"] = _json_or_none(fields["errors"])
         return self._update("batches", batch_id, fields, only_if_status=only_if_status)
 
+    def finish_batch(self, batch_id: str, *, drop_files: list[str], **fields: Any) -> None:
+        """Set a batch's final ``fields`` and delete the rows of ``drop_files`` in one transaction."""
+        assignments = ", ".join(f"{column} = ?" for column in fields)
+        with self._transaction() as conn:
+            conn.execute(f"UPDATE batches SET {assignments} WHERE id = ?", [*fields.values(), batch_id])
+            conn.executemany("DELETE FROM files WHERE id = ?", [(file_id,) for file_id in drop_files])
+
     def queued_requests(self) -> int:
         """Requests accepted but not yet finished, over every unfinished batch of every tenant."""
         row = self._conn.execute(
