@@ -102,7 +102,7 @@ async def run(base_url: str, api_key: str | None, clients: int, duration_s: floa
     async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=60, limits=limits) as client:
         model = (await client.get("/v1/models")).raise_for_status().json()["data"][0]["id"]
         warmup = Recorder()
-        busy_file = await upload(client, warmup, "busy", input_file(model, "busy", busy_requests, 64))
+        busy_file = await upload(client, warmup, "busy", input_file(model, "busy", busy_requests, 128))
         busy_batch = None if busy_file is None else await create(client, warmup, busy_file)
         if busy_batch is None:
             print("could not start the busy batch:", warmup.errors, file=sys.stderr)
@@ -118,7 +118,9 @@ async def run(base_url: str, api_key: str | None, clients: int, duration_s: floa
         pool = (await client.get("/v1/pool/status")).json()
 
     print(f"\nload: {clients} clients for {elapsed:.0f} s, {sum(rounds)} upload+create+poll rounds")
-    print(f"busy batch while loaded: {busy['status']}, {busy['request_counts']}; pool: {pool}")
+    busy_throughout = busy["status"] == "in_progress"
+    print(f"engine busy throughout: {busy_throughout} (busy batch {busy['status']}, {busy['request_counts']})")
+    print(f"pool at the end: {pool}")
     print(f"\n{'operation':<24}{'count':>8}{'p50 ms':>10}{'p99 ms':>10}{'max ms':>10}")
     for name, values in sorted(recorder.latencies.items()):
         ordered = sorted(values)
@@ -137,7 +139,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", type=int, default=50)
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of load")
-    parser.add_argument("--busy-requests", type=int, default=2000, help="size of the batch that keeps the engine busy")
+    parser.add_argument(
+        "--busy-requests", type=int, default=20_000, help="requests of the batch keeping the engine busy"
+    )
     parser.add_argument("--url", default=None, help="an already running server (default: start one)")
     parser.add_argument("--api-key", default=None)
     args = parser.parse_args()
