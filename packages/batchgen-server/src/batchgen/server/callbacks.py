@@ -44,7 +44,7 @@ class CallbackUrlError(LimitError):
     """A callback URL the server will not call; at batch creation this is a 400 on ``metadata``."""
 
     def __init__(self, message: str) -> None:
-        super().__init__(message, param="metadata", code="invalid_callback_url")
+        super().__init__(message, param="metadata")
 
 
 def _normalize_host(host: str) -> str:

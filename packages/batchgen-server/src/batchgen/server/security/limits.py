@@ -1,6 +1,7 @@
 """Limits on what callers may send, each failing with a clear OpenAI-style error (HTTP 400).
 
-The server maps :class:`LimitError` to ``{"error": {message, type, param, code}}`` with ``status_code``.
+The server maps :class:`LimitError` to ``{"error": {message, type, param, code}}`` with ``status_code``; like every
+other bad value in the API its code is ``invalid_value`` and the message says what is wrong.
 """
 
 from __future__ import annotations
@@ -8,8 +9,7 @@ from __future__ import annotations
 import re
 import unicodedata
 from collections.abc import Mapping
-
-from batchgen.schemas import ErrorDetail, ErrorResponse
+from typing import Literal
 
 MAX_METADATA_KEYS = 16
 MAX_METADATA_KEY_LENGTH = 64
@@ -25,16 +25,12 @@ _ID_PATTERNS = {kind: re.compile(re.escape(prefix) + "[0-9a-f]{1,64}") for kind,
 class LimitError(ValueError):
     """Input over a limit or of the wrong shape; carries everything the error envelope needs."""
 
-    def __init__(self, message: str, *, param: str | None, code: str, status_code: int = 400) -> None:
+    def __init__(self, message: str, *, param: str | None, code: str = "invalid_value", status_code: int = 400) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.code = code
         self.status_code = status_code
-        self.type = "invalid_request_error"
-
-    def to_response(self) -> ErrorResponse:
-        return ErrorResponse(error=ErrorDetail(message=self.message, type=self.type, param=self.param, code=self.code))
 
 
 def validate_metadata(metadata: object) -> dict[str, str] | None:
@@ -43,33 +39,29 @@ def validate_metadata(metadata: object) -> dict[str, str] | None:
         return None
     if not isinstance(metadata, Mapping):
         message = "'metadata' must be an object of string keys and values."
-        raise LimitError(message, param="metadata", code="invalid_type")
+        raise LimitError(message, param="metadata")
     if len(metadata) > MAX_METADATA_KEYS:
         raise LimitError(
             f"'metadata' has {len(metadata)} keys; at most {MAX_METADATA_KEYS} are allowed.",
             param="metadata",
-            code="object_above_max_properties",
         )
     for key, value in metadata.items():
         if not isinstance(key, str) or not isinstance(value, str):
             raise LimitError(
                 f"'metadata' keys and values must be strings; got {type(value).__name__} for key {key!r}.",
                 param="metadata",
-                code="invalid_type",
             )
         if len(key) > MAX_METADATA_KEY_LENGTH:
             raise LimitError(
                 f"'metadata' key {key[:MAX_METADATA_KEY_LENGTH]!r}... has {len(key)} characters; "
                 f"at most {MAX_METADATA_KEY_LENGTH} are allowed.",
                 param="metadata",
-                code="string_above_max_length",
             )
         if len(value) > MAX_METADATA_VALUE_LENGTH:
             raise LimitError(
                 f"'metadata' value of key {key!r} has {len(value)} characters; "
                 f"at most {MAX_METADATA_VALUE_LENGTH} are allowed.",
                 param="metadata",
-                code="string_above_max_length",
             )
     return {str(key): str(value) for key, value in metadata.items()}
 
@@ -95,21 +87,10 @@ def sanitize_filename(name: str | None) -> str:
     return stem.encode()[:budget].decode(errors="ignore") + suffix
 
 
-def validate_id(value: str, kind: str, *, param: str) -> str:
-    """``file-<hex>`` or ``batch_<hex>``; anything else (``..``, slashes, other prefixes) is refused before lookup."""
-    if not _ID_PATTERNS[kind].fullmatch(value):
-        shown = value if len(value) <= 80 else value[:80] + "..."
-        raise LimitError(
-            f"Invalid {kind} id {shown!r}: expected '{_ID_PREFIXES[kind]}' followed by 1 to 64 lowercase hex digits.",
-            param=param,
-            code="invalid_id",
-        )
-    return value
+def is_valid_id(value: str, kind: Literal["file", "batch"]) -> bool:
+    """``file-<hex>`` or ``batch_<hex>`` as the server makes them; anything else (``..``, slashes) names nothing.
 
-
-def validate_file_id(value: str, *, param: str = "file_id") -> str:
-    return validate_id(value, "file", param=param)
-
-
-def validate_batch_id(value: str, *, param: str = "batch_id") -> str:
-    return validate_id(value, "batch", param=param)
+    Lookups treat an invalid id as not found (404, like any unknown id) without touching storage, and the blob store
+    refuses to build a path from one, so no id can walk out of the storage directory.
+    """
+    return _ID_PATTERNS[kind].fullmatch(value) is not None
