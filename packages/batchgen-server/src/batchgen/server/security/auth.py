@@ -22,7 +22,8 @@ from litestar.types import ASGIApp, HTTPResponseBodyEvent, HTTPResponseStartEven
 
 from batchgen.schemas import ErrorDetail, ErrorResponse
 
-DEFAULT_TENANT = "default"
+DEFAULT_TENANT = ""
+"""Every caller's tenant when no key is configured."""
 OPEN_PATHS: frozenset[str] = frozenset({"/health"})
 OPEN_PREFIX = "/schema"
 """Litestar serves the OpenAPI document and its viewers here; they describe the API and hold no data."""
