@@ -1,4 +1,4 @@
-"""API-key authentication: every route but ``/health`` and the OpenAPI docs needs ``Authorization: Bearer <key>``.
+"""API-key authentication: every route but ``/health``, ``/metrics`` and the OpenAPI docs needs a Bearer key.
 
 Each key is a tenant. Handlers read the tenant id of the caller from ``request.user`` (or inject ``tenant: str``
 through :func:`provide_tenant`); it is a truncated sha256 of the key, stable across restarts and useless for
@@ -24,7 +24,8 @@ from batchgen.schemas import ErrorDetail, ErrorResponse
 
 DEFAULT_TENANT = ""
 """Every caller's tenant when no key is configured."""
-OPEN_PATHS: frozenset[str] = frozenset({"/health"})
+OPEN_PATHS: frozenset[str] = frozenset({"/health", "/metrics"})
+"""Probes and scrapers: liveness and server-wide aggregates, nothing of any tenant's files or batches."""
 OPEN_PREFIX = "/schema"
 """Litestar serves the OpenAPI document and its viewers here; they describe the API and hold no data."""
 
@@ -95,7 +96,7 @@ async def _send_unauthorized(send: Send, *, missing: bool) -> None:
         "headers": [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),
-            (b"www-authenticate", b'Bearer realm="batchgen"'),
+            (b"www-authenticate", b"Bearer"),
         ],
     }
     await send(start)
