@@ -6,7 +6,7 @@ kill (creates carry an Idempotency-Key, so a retry never makes a twin). At the e
 ``completed`` and, for each: every custom_id of its input exactly once across the output and error files, every line
 whole JSON, ``request_counts`` and ``usage`` equal to what the lines say. Finally SIGTERM must drain within 30 s.
 
-    python benchmarks/soak.py                           # 30 batches x 100 requests, up to 10 kills, <= 15 min
+    python benchmarks/soak.py                           # 60 batches x 200 requests, up to 10 kills, <= 15 min
     python benchmarks/soak.py --batches 6 --kills 3     # a quick pass
 
 Talks only to 127.0.0.1. Exit status 0 only when nothing was lost, duplicated or torn.
@@ -100,7 +100,7 @@ def make_input(index: int, requests: int, model: str, rng: random.Random) -> tup
     for r in range(requests):
         custom_id = f"b{index:03d}-r{r:04d}"
         prompt = f"Batch {index}, request {r}: count from {r} upwards."
-        body: dict[str, Any] = {"model": model, "max_tokens": rng.randint(4, 48), "temperature": 0}
+        body: dict[str, Any] = {"model": model, "max_tokens": rng.randint(4, 64), "temperature": 0}
         if endpoint == "/v1/chat/completions":
             body["messages"] = [{"role": "user", "content": prompt}]
         else:
@@ -189,8 +189,8 @@ def check_batch(api: Api, batch: dict[str, Any], expected: set[str], check: Chec
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batches", type=int, default=30)
-    parser.add_argument("--requests", type=int, default=100, help="requests per batch")
+    parser.add_argument("--batches", type=int, default=60)
+    parser.add_argument("--requests", type=int, default=200, help="requests per batch")
     parser.add_argument("--in-flight", type=int, default=3, help="batches kept running at once")
     parser.add_argument("--kills", type=int, default=10, help="most SIGKILLs")
     parser.add_argument("--interval", type=float, nargs=2, default=(1.0, 6.0), metavar=("MIN_S", "MAX_S"))
