@@ -1,17 +1,20 @@
 """kill -9 at several points of a batch's life, then a restart on the same storage: every request answered once.
 
 The soak script (``benchmarks/soak.py``) kills at random moments over many batches; these are the deterministic
-points: right after the batch is accepted (validating), mid-decode, and again during the recovery itself.
+points: right after the batch is accepted (validating), mid-decode, again during the recovery itself, and the two
+states a kill during finalization leaves behind.
 """
 
 from __future__ import annotations
 
 import json
+import sqlite3
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import pytest
 from batchgen.server.launcher import ServerProcess
 from server_helpers import LiveServer, chat_line
 
@@ -29,18 +32,19 @@ def restart(storage: Path) -> LiveServer:
 
 def assert_exactly_once(server: LiveServer, batch: dict[str, Any], lines: list[dict[str, Any]]) -> None:
     assert batch["status"] == "completed", batch
-    raw = b""
-    for file_id in (batch["output_file_id"], batch["error_file_id"]):
-        if file_id is not None:
-            raw += server.http.get(f"/v1/files/{file_id}/content").raise_for_status().content
-    assert raw.endswith(b"\n")
-    answered = [json.loads(line) for line in raw.splitlines()]  # a torn line would not parse
-    counts = Counter(line["custom_id"] for line in answered)
-    assert counts == Counter(line["custom_id"] for line in lines)
-    completed = [line for line in answered if line["error"] is None and line["response"]["status_code"] == 200]
-    assert batch["request_counts"] == {"total": len(lines), "completed": len(completed), "failed": 0}
-    usage = sum(line["response"]["body"]["usage"]["completion_tokens"] for line in completed)
-    assert batch["usage"]["output_tokens"] == usage == sum(line["body"]["max_tokens"] for line in lines)
+    answered: dict[str, list[dict[str, Any]]] = {}
+    for kind in ("output_file_id", "error_file_id"):
+        raw = b"" if batch[kind] is None else server.http.get(f"/v1/files/{batch[kind]}/content").content
+        assert raw == b"" or raw.endswith(b"\n")
+        answered[kind] = [json.loads(line) for line in raw.splitlines()]  # a torn line would not parse
+    output, errors = answered["output_file_id"], answered["error_file_id"]
+    assert Counter(line["custom_id"] for line in output + errors) == Counter(line["custom_id"] for line in lines)
+    assert batch["request_counts"] == {"total": len(lines), "completed": len(output), "failed": len(errors)}
+    # ignore_eos: each request generates exactly its max_tokens
+    max_tokens = {line["custom_id"]: line["body"]["max_tokens"] for line in lines}
+    assert all(line["response"]["status_code"] == 200 for line in output)
+    usage = sum(line["response"]["body"]["usage"]["completion_tokens"] for line in output)
+    assert batch["usage"]["output_tokens"] == usage == sum(max_tokens[line["custom_id"]] for line in output)
 
 
 def test_kill_right_after_the_batch_is_accepted(tmp_path: Path) -> None:
@@ -75,6 +79,44 @@ def test_kill_mid_decode_and_again_during_recovery(tmp_path: Path) -> None:
     server = restart(tmp_path)
     try:
         assert_exactly_once(server, server.wait(batch_id, timeout_s=120), lines)
+    finally:
+        server.http.close()
+        server.process.stop()
+
+
+@pytest.mark.parametrize("published", [False, True], ids=["before-publishing", "after-publishing"])
+def test_a_crash_during_finalization_is_finished_on_restart(tmp_path: Path, published: bool) -> None:
+    lines = [chat_line(f"r{i}", max_tokens=3, ignore_eos=True) for i in range(4)]
+    if not published:  # a request answered with an error keeps the error file, so both files await publishing
+        lines.append(chat_line("too-long", content="word " * 5000, max_tokens=3))
+    server = restart(tmp_path)
+    done = server.run(lines)
+    assert done["status"] == "completed"
+    assert (done["error_file_id"] is None) == published
+    kill_9(server)
+    # Finalizing lasts milliseconds (finalizing -> results files published -> completed): too short to hit by chance.
+    # Put the storage in the state a kill there leaves: status finalizing, live counters behind the files, and the
+    # results files either not yet published or published (the empty error file already dropped).
+    with sqlite3.connect(tmp_path / "batchgen.db") as db:
+        db.execute(
+            "UPDATE batches SET status = 'finalizing', completed_at = NULL, completed = 1, output_tokens = 3 "
+            "WHERE id = ?",
+            (done["id"],),
+        )
+        if not published:
+            db.execute(
+                "UPDATE files SET status = 'uploaded' WHERE id IN (?, ?)",
+                (done["output_file_id"], done["error_file_id"]),
+            )
+
+    server = restart(tmp_path)
+    try:
+        batch = server.wait(done["id"], timeout_s=60)
+        assert_exactly_once(server, batch, lines)
+        assert (batch["output_file_id"], batch["error_file_id"]) == (done["output_file_id"], done["error_file_id"])
+        for file_id in (batch["output_file_id"], batch["error_file_id"]):
+            if file_id is not None:
+                assert server.http.get(f"/v1/files/{file_id}").json()["status"] == "processed"
     finally:
         server.http.close()
         server.process.stop()
