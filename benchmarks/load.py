@@ -98,7 +98,9 @@ async def client_loop(
 
 async def run(base_url: str, api_key: str | None, clients: int, duration_s: float, busy_requests: int) -> int:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=clients + 4)
+    # Pooled connections expire well before uvicorn closes idle ones (5 s): reusing a connection at the moment the
+    # server closes it is a client-side race (ReadError), not a server error.
+    limits = httpx.Limits(max_connections=clients + 4, keepalive_expiry=2.0)
     async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=60, limits=limits) as client:
         model = (await client.get("/v1/models")).raise_for_status().json()["data"][0]["id"]
         warmup = Recorder()
