@@ -7,7 +7,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -77,16 +77,18 @@ class Receiver:
         self.server.server_close()
 
 
+MakeReceiver = Callable[[list[Reply]], Receiver]
+
+
 @pytest.fixture
-def receiver_factory() -> Iterator[type[Receiver]]:
+def receiver_factory() -> Iterator[MakeReceiver]:
     made: list[Receiver] = []
 
-    class Tracked(Receiver):
-        def __init__(self, replies: list[Reply]) -> None:
-            super().__init__(replies)
-            made.append(self)
+    def make(replies: list[Reply]) -> Receiver:
+        made.append(Receiver(replies))
+        return made[-1]
 
-    yield Tracked
+    yield make
     for receiver in made:
         receiver.close()
 
@@ -119,7 +121,7 @@ def run_deliver(url: str, settings: CallbackSettings = FAST) -> tuple[bool, int,
     return asyncio.run(go())
 
 
-def test_delivers_the_final_batch_object_as_json(receiver_factory: type[Receiver]) -> None:
+def test_delivers_the_final_batch_object_as_json(receiver_factory: MakeReceiver) -> None:
     receiver = receiver_factory([Reply(204)])
     assert run_deliver(receiver.url + "?token=abc") == (True, 1, "HTTP 204")
     [hit] = receiver.received
@@ -132,7 +134,7 @@ def test_delivers_the_final_batch_object_as_json(receiver_factory: type[Receiver
     assert json.loads(hit.body)["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
 
 
-def test_retries_after_server_errors_with_growing_backoff(receiver_factory: type[Receiver]) -> None:
+def test_retries_after_server_errors_with_growing_backoff(receiver_factory: MakeReceiver) -> None:
     receiver = receiver_factory([Reply(500), Reply(503), Reply(200)])
     assert run_deliver(receiver.url) == (True, 3, "HTTP 200")
     assert len({hit.body for hit in receiver.received}) == 1
@@ -141,25 +143,25 @@ def test_retries_after_server_errors_with_growing_backoff(receiver_factory: type
     assert third - second >= 0.1
 
 
-def test_gives_up_after_max_attempts(receiver_factory: type[Receiver]) -> None:
+def test_gives_up_after_max_attempts(receiver_factory: MakeReceiver) -> None:
     receiver = receiver_factory([Reply(500)])
     assert run_deliver(receiver.url) == (False, 4, "HTTP 500")
     assert len(receiver.received) == 4
 
 
 @pytest.mark.parametrize("status", [400, 404, 410])
-def test_a_refusal_is_not_retried(receiver_factory: type[Receiver], status: int) -> None:
+def test_a_refusal_is_not_retried(receiver_factory: MakeReceiver, status: int) -> None:
     receiver = receiver_factory([Reply(status), Reply(200)])
     assert run_deliver(receiver.url) == (False, 1, f"HTTP {status}")
     assert len(receiver.received) == 1
 
 
-def test_too_many_requests_is_retried(receiver_factory: type[Receiver]) -> None:
+def test_too_many_requests_is_retried(receiver_factory: MakeReceiver) -> None:
     receiver = receiver_factory([Reply(429), Reply(200)])
     assert run_deliver(receiver.url) == (True, 2, "HTTP 200")
 
 
-def test_a_slow_receiver_times_out_and_is_retried(receiver_factory: type[Receiver]) -> None:
+def test_a_slow_receiver_times_out_and_is_retried(receiver_factory: MakeReceiver) -> None:
     receiver = receiver_factory([Reply(200, delay_s=1.0), Reply(200)])
     settings = CallbackSettings(allowed_hosts=LOOPBACK, max_attempts=3, initial_backoff_s=0.01, timeout_s=0.2)
     delivered, attempts, _ = run_deliver(receiver.url, settings)
@@ -175,7 +177,7 @@ def test_connection_refused_is_retried_then_given_up() -> None:
     assert detail.startswith("ConnectError")
 
 
-def test_redirects_are_not_followed(receiver_factory: type[Receiver]) -> None:
+def test_redirects_are_not_followed(receiver_factory: MakeReceiver) -> None:
     target = receiver_factory([Reply(200)])
     redirecting = receiver_factory([Reply(307, headers={"location": target.url})])
     assert run_deliver(redirecting.url) == (False, 1, "HTTP 307")
@@ -183,7 +185,7 @@ def test_redirects_are_not_followed(receiver_factory: type[Receiver]) -> None:
 
 
 def test_the_notifier_delivers_from_any_thread_and_skips_what_it_may_not_send(
-    receiver_factory: type[Receiver], caplog: pytest.LogCaptureFixture
+    receiver_factory: MakeReceiver, caplog: pytest.LogCaptureFixture
 ) -> None:
     receiver = receiver_factory([Reply(500), Reply(200)])
 
@@ -209,7 +211,7 @@ def test_the_notifier_delivers_from_any_thread_and_skips_what_it_may_not_send(
     assert "not on this server's list of allowed hosts" in caplog.text
 
 
-def test_stop_cancels_deliveries_that_outlast_the_deadline(receiver_factory: type[Receiver]) -> None:
+def test_stop_cancels_deliveries_that_outlast_the_deadline(receiver_factory: MakeReceiver) -> None:
     receiver = receiver_factory([Reply(500)])
     slow = CallbackSettings(allowed_hosts=LOOPBACK, max_attempts=10, initial_backoff_s=5.0)
 
