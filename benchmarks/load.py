@@ -26,6 +26,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+
 from batchgen.server.launcher import ServerProcess
 
 

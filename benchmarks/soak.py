@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
 from batchgen.server.launcher import ServerProcess
 
 TERMINAL = {"completed", "failed", "expired", "cancelled"}

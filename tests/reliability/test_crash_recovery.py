@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from batchgen.server.launcher import ServerProcess
 from server_helpers import LiveServer, chat_line
+
+from batchgen.server.launcher import ServerProcess
 
 
 def kill_9(server: LiveServer) -> None:
@@ -88,15 +89,7 @@ def test_kill_mid_decode_and_again_during_recovery(tmp_path: Path) -> None:
     "published",
     [
         pytest.param(False, id="before-publishing"),
-        pytest.param(
-            True,
-            id="after-publishing",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="the runner resumes a finalizing batch whose empty error file was already dropped as "
-                "'cancelled before it started', so it stays finalizing (batches/runner.py _prepare)",
-            ),
-        ),
+        pytest.param(True, id="after-publishing"),
     ],
 )
 def test_a_crash_during_finalization_is_finished_on_restart(tmp_path: Path, published: bool) -> None:

@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 import msgspec
@@ -160,7 +161,9 @@ class BatchRunner:
 
     def _prepare(self, batch: BatchObject) -> None:
         if batch.status == "finalizing":  # every result was durable before finalizing began: publish them
-            self._publish(batch.id, batch.output_file_id, batch.error_file_id, status="completed", completed_at=_now())
+            counters = recover_tally(self._results_paths(batch)).counters()
+            files = (batch.id, batch.output_file_id, batch.error_file_id)
+            self._publish(*files, status="completed", completed_at=_now(), **counters)
             return
         if batch.status == "validating":
             lines = self._validate(batch)
@@ -172,7 +175,7 @@ class BatchRunner:
         if batch.output_file_id is None or batch.error_file_id is None:  # cancelled before it started
             self._finish_cancelled_before_start(batch)
             return
-        tally = recover_tally([self.blobs.path(batch.output_file_id), self.blobs.path(batch.error_file_id)])
+        tally = recover_tally(self._results_paths(batch))
         active = _Active(
             batch_id=batch.id,
             output_file_id=batch.output_file_id,
@@ -189,6 +192,9 @@ class BatchRunner:
         if batch.status == "cancelling" or self._is_cancelling(batch.id):
             self._stop(active, "cancelled")
         self._submit(batch, active, [line for line in lines if line.custom_id not in tally.done])
+
+    def _results_paths(self, batch: BatchObject) -> list[Path]:
+        return [self.blobs.path(file_id) for file_id in (batch.output_file_id, batch.error_file_id) if file_id]
 
     def _read_lines(self, batch: BatchObject) -> list[BatchInputLine | LineError]:
         path, limits = self.blobs.path(batch.input_file_id), self.settings.validation_limits
