@@ -194,10 +194,17 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
     parser.add_argument("--skip", nargs="*", default=(), choices=("generate", "generate_batch", "prefix"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (default 1: on shared cores, OpenMP barriers make 2 threads up to 10x slower)",
+    )
     args = parser.parse_args()
     if args.quick:
         args.requests, args.prompt_len, args.output_len = 64, (16, 256), (16, 128)
     dtype = getattr(torch, args.dtype)
+    torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     torch.set_grad_enabled(False)
 

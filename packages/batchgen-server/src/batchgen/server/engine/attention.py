@@ -74,6 +74,7 @@ def paged_attention(
     gqa = q.shape[1] != k.shape[1]
     out = torch.empty_like(q)
     if paged.decode_rows is not None:
+        assert paged.decode_slots is not None and paged.decode_mask is not None
         rows, slots = paged.decode_rows.to(device), paged.decode_slots.to(device)
         qd = q[rows].unsqueeze(2)  # [decodes, heads, 1, dim]
         shape = (*slots.shape, *k_cache.shape[1:])

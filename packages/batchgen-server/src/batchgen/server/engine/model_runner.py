@@ -23,11 +23,13 @@ class ModelRunner:
             getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
         )
         self.block_size = config.block_size
-        self.device = model.get_input_embeddings().weight.device
-        self.dtype = model.get_input_embeddings().weight.dtype
+        embeddings = model.get_input_embeddings().weight
+        self.device: torch.device = embeddings.device
+        self.dtype: torch.dtype = embeddings.dtype
         model.set_attn_implementation(ATTENTION_NAME)
         self.num_blocks = config.num_kv_blocks or self._blocks_that_fit(config)
-        self.k_caches, self.v_caches = [], []
+        self.k_caches: list[torch.Tensor] = []
+        self.v_caches: list[torch.Tensor] = []
         for layer in range(self.num_layers):
             shape = (self.num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
             device = self._layer_device(layer)
@@ -67,8 +69,12 @@ class ModelRunner:
 
     def forward(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         """Run every scheduled chunk in one packed forward; return the last hidden states ``[tokens, hidden]``."""
-        input_ids, positions, slots = [], [], []
-        decode_rows, decode_tables, decode_lens = [], [], []
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        decode_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
         prefills: list[PrefillChunk] = []
         bs = self.block_size
         row = 0
