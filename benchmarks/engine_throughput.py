@@ -260,9 +260,8 @@ def main() -> None:
     print()
     print(header)
     print_table("Throughput", rows, engine_row, on_cpu)
-    print(
-        f"engine reaches {engine_row.tokens_per_second / ceiling_row.tokens_per_second:.0%} of the raw-forward ceiling"
-    )
+    share = engine_row.tokens_per_second(on_cpu) / ceiling_row.tokens_per_second(on_cpu)
+    print(f"engine reaches {share:.0%} of the raw-forward ceiling")
 
     if "prefix" not in args.skip:
         rng = random.Random(args.seed + 1)
