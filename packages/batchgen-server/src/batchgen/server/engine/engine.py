@@ -45,7 +45,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler()
         self.eos_token_ids = _eos_ids(model, tokenizer)
-        model_limit = config.max_model_len or model.config.get_text_config().max_position_embeddings
+        model_limit = config.max_model_len or getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        if model_limit is None:
+            raise ValueError("the model config names no max_position_embeddings; set max_model_len")
         self.max_context_length: int = min(model_limit, self.runner.num_blocks * config.block_size)
         self._requests: dict[str, RequestState] = {}
         self._ready: list[EngineResult] = []
