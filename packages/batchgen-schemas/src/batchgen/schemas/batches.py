@@ -95,8 +95,9 @@ class BatchList(Wire, kw_only=True):
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 
 
-class CreateBatchRequest(Body, kw_only=True, forbid_unknown_fields=True):
-    """Body of ``POST /v1/batches``. Unknown fields are rejected so that typos do not pass silently."""
+class CreateBatchRequest(Body, kw_only=True, forbid_unknown_fields=True, omit_defaults=False):
+    """Body of ``POST /v1/batches``. Unknown fields are rejected so that typos do not pass silently; every field
+    is sent (OpenAI requires ``endpoint`` and ``completion_window``)."""
 
     input_file_id: str
     endpoint: str = "/v1/chat/completions"

@@ -16,11 +16,16 @@ class PromptTokensDetails(Wire, kw_only=True):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(Wire, kw_only=True):
+    reasoning_tokens: int = 0
+
+
 class CompletionUsage(Wire, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails = msgspec.field(default_factory=PromptTokensDetails)
+    completion_tokens_details: CompletionTokensDetails = msgspec.field(default_factory=CompletionTokensDetails)
 
 
 class TopLogprob(Wire, kw_only=True):
