@@ -97,10 +97,11 @@ class LLMEngine:
         return True
 
     def abort_group(self, group: str) -> list[str]:
-        """Abort every unfinished request of ``group``; return their ids."""
+        """Abort every request of ``group`` not reported yet; return their ids."""
         ids = [rid for rid, state in self._requests.items() if state.request.group == group]
         for request_id in ids:
             self.abort_request(request_id)
+        ids += [result.request_id for result in self._ready if result.group == group]
         self._ready = [result for result in self._ready if result.group != group]
         return ids
 
