@@ -69,6 +69,20 @@ def test_completions_match_hf_greedy_with_choice_indices_and_usage(
     assert body.usage.total_tokens == prompt_tokens + completion
 
 
+def test_completions_of_32_token_prompts_match_hf_generate(
+    serve: Callable[..., Any], hf_greedy: Callable[..., list[int]], random_prompts: Run, tokenizer: Any
+) -> None:
+    prompts = random_prompts(36, 1, 90)[:32]  # the prompts of test_greedy: their references are cached
+    out, _ = serve(_line("/v1/completions", {"prompt": prompts, "max_tokens": 24}), max_num_batched_tokens=64)
+    body = out.response.body
+    assert [c.index for c in body.choices] == list(range(32))
+    for choice, prompt in zip(body.choices, prompts, strict=True):
+        expected = hf_greedy(prompt, 24)
+        assert choice.text == tokenizer.decode(expected, skip_special_tokens=True), choice.index
+        assert choice.finish_reason == ("stop" if len(expected) < 24 else "length")
+    assert body.usage.completion_tokens == sum(len(hf_greedy(p, 24)) for p in prompts)
+
+
 def test_chat_uses_the_template_and_reports_cached_tokens(
     make_engine: Callable[..., LLMEngine], run_to_completion: Run, tokenizer: Any
 ) -> None:
