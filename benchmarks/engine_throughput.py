@@ -39,7 +39,7 @@ from transformers import ContinuousBatchingConfig, GenerationConfig
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages" / "batchgen-server" / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages" / "batchgen-schemas" / "src"))
 
-from batchgen.server.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams
+from batchgen.server.engine import EngineConfig, EngineRequest, EngineStats, LLMEngine, SamplingParams
 from batchgen.server.engine.demo_model import build_model, build_tokenizer
 
 SIZES = {
@@ -96,7 +96,11 @@ def sync(device: str) -> None:
 
 def run_engine(
     model: Any, tokenizer: Any, workload: list[tuple[list[int], int]], config: EngineConfig
-) -> tuple[Row, Row, Any]:
+) -> tuple[Row, Row, EngineStats]:
+    """The engine's row, the raw-forward ceiling of the same run, and the engine's final stats.
+
+    The engine (and its KV cache) is released on return, so that the next system gets the memory back.
+    """
     engine = LLMEngine(model, tokenizer, config, "bench")
     device = str(engine.runner.device)
     forward_wall = forward_cpu = 0.0
@@ -130,7 +134,11 @@ def run_engine(
     note = f"{steps} steps, {engine.stats().preemptions} preemptions"
     engine_row = Row("batchgen engine", tokens, *clock.elapsed(), note)
     ceiling = Row("raw-forward ceiling", tokens, forward_wall, forward_cpu, "time inside the model forwards only")
-    return engine_row, ceiling, engine
+    stats = engine.stats()
+    del engine
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return engine_row, ceiling, stats
 
 
 def run_hf_generate(model: Any, workload: list[tuple[list[int], int]], device: str, batch: int = 32) -> Row:
@@ -213,6 +221,9 @@ def main() -> None:
     parser.add_argument("--skip", nargs="*", default=(), choices=("generate", "generate_batch", "prefix"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--kv-blocks", type=int, default=4096, help="engine KV blocks of 16 tokens (fixed, so every run gets the same)"
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=1,
@@ -233,7 +244,7 @@ def main() -> None:
     config = EngineConfig(
         device=args.device,
         dtype=args.dtype,
-        num_kv_blocks=None if args.device.startswith("cuda") else 4096,  # 4096 x 16 tokens: no preemption on CPU
+        num_kv_blocks=args.kv_blocks,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=256,
     )
@@ -272,11 +283,11 @@ def main() -> None:
         ]
         prefix_rows = []
         for enabled in (True, False):
-            row, _, engine = run_engine(
+            row, _, stats = run_engine(
                 model, tokenizer, shared, dataclasses.replace(config, enable_prefix_caching=enabled)
             )
             row.name = f"engine, prefix cache {'on' if enabled else 'off'}"
-            row.note = f"{engine.stats().cached_tokens} prompt tokens from the cache"
+            row.note = f"{stats.cached_tokens} prompt tokens from the cache"
             prefix_rows.append(row)
         print()
         print_table(f"Shared 1,000-token system prompt ({len(shared)} requests)", prefix_rows, prefix_rows[0], on_cpu)
