@@ -24,6 +24,15 @@ def demo_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         yield path
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """The tiny model gains nothing from threads, and on shared cores OpenMP barriers make every op wait."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def demo_path(demo_cache_dir: Path) -> Path:
     from batchgen.server.engine.demo_model import demo_model_dir

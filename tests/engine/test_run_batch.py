@@ -1,4 +1,4 @@
-"""``batchgen-server run-batch`` end to end on a small file, through the real CLI entry point."""
+"""``batchgen-server run-batch`` end to end on small files, through the real CLI entry point."""
 
 from __future__ import annotations
 
@@ -11,73 +11,73 @@ import pytest
 from batchgen.schemas import ChatCompletion, EmbeddingList, ErrorResponse, TextCompletion, parse_output_line
 from batchgen.server.cli import main
 
-LINES: list[Any] = [
-    {
-        "custom_id": "chat",
-        "method": "POST",
-        "url": "/v1/chat/completions",
-        "body": {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "n": 2},
-    },
-    {
-        "custom_id": "completion",
-        "method": "POST",
-        "url": "/v1/completions",
-        "body": {"model": "demo", "prompt": ["x", "y"], "max_tokens": 3, "ignore_eos": True},
-    },
-    {"custom_id": "embedding", "method": "POST", "url": "/v1/embeddings", "body": {"model": "demo", "input": "hello"}},
-    {
-        "custom_id": "too-long",
-        "method": "POST",
-        "url": "/v1/completions",
-        "body": {"model": "demo", "prompt": "z" * 300},
-    },
-    {
-        "custom_id": "echo",
-        "method": "POST",
-        "url": "/v1/completions",
-        "body": {"model": "demo", "prompt": "x", "echo": True},
-    },
-    "this line is not JSON",
-]
+ENGINE_FLAGS = ["--max-model-len", "256", "--num-kv-blocks", "256", "--max-num-seqs", "4", "--no-progress"]
 
 
-def _write_input(path: Path, count: int = 1) -> None:
+def _write(path: Path, url: str, bodies: dict[str, dict[str, Any]], copies: int = 1) -> None:
     with path.open("w") as f:
-        for copy in range(count):
-            for line in LINES:
-                if isinstance(line, dict):
-                    line = json.dumps({**line, "custom_id": f"{line['custom_id']}-{copy}"})
-                f.write(line + "\n\n")
+        for copy in range(copies):
+            for custom_id, body in bodies.items():
+                line = {
+                    "custom_id": f"{custom_id}-{copy}",
+                    "method": "POST",
+                    "url": url,
+                    "body": {"model": "demo", **body},
+                }
+                f.write(json.dumps(line) + "\n\n")  # blank lines are skipped
 
 
-def test_run_batch_writes_output_and_error_lines(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def _read(path: Path) -> dict[str, Any]:
+    return {line.custom_id: line for line in map(parse_output_line, path.read_text().splitlines())}
+
+
+def test_completions_file_with_per_request_failures(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     source, output, errors = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "err.jsonl"
-    _write_input(source, count=3)
+    bodies = {
+        "ok": {"prompt": ["x", "y"], "n": 2, "ignore_eos": True},
+        "too-long": {"prompt": "z" * 300},
+        "echo": {"prompt": "x", "echo": True},
+    }
+    _write(source, "/v1/completions", bodies, copies=3)
     argv = ["run-batch", "-i", str(source), "-o", str(output), "--errors-output", str(errors)]
-    argv += ["--max-decoding-length", "6", "--max-model-len", "256", "--dtype", "float32", "--max-num-seqs", "4"]
-    assert main(argv) == 0
-    good = [parse_output_line(line) for line in output.read_text().splitlines()]
-    bad = [parse_output_line(line) for line in errors.read_text().splitlines()]
-    assert len(good) == 9 and len(bad) == 9
-    by_id = {line.custom_id: line for line in good + bad}
-    for copy in range(3):
-        chat = by_id[f"chat-{copy}"].response.body
-        assert isinstance(chat, ChatCompletion) and len(chat.choices) == 2
-        assert all(choice.finish_reason in ("stop", "length") for choice in chat.choices)
-        assert chat.usage.completion_tokens <= 12  # the batch-level max_decoding_length applies
-        completion = by_id[f"completion-{copy}"].response.body
-        assert isinstance(completion, TextCompletion) and completion.usage.completion_tokens == 6
-        assert isinstance(by_id[f"embedding-{copy}"].response.body, EmbeddingList)
-        for custom_id, code in (("too-long", "context_length_exceeded"), ("echo", "unsupported_parameter")):
-            line = by_id[f"{custom_id}-{copy}"]
-            assert line.response.status_code == 400 and isinstance(line.response.body, ErrorResponse)
-            assert line.response.body.error.code == code
-    assert [line.response.body.error.code for line in bad if line.custom_id == ""] == ["invalid_json"] * 3
-    assert "9/18 completed, 9 failed" in capsys.readouterr().err
+    assert main([*argv, "--max-decoding-length", "6", *ENGINE_FLAGS]) == 0
+    good, bad = _read(output), _read(errors)
+    assert sorted(good) == ["ok-0", "ok-1", "ok-2"]
+    for line in good.values():
+        body = line.response.body
+        assert line.response.status_code == 200 and isinstance(body, TextCompletion)
+        assert [c.index for c in body.choices] == [0, 1, 2, 3]
+        assert body.usage.completion_tokens == 24  # 2 prompts x 2 choices x the batch's max_decoding_length
+    assert len(bad) == 6
+    for custom_id, line in bad.items():
+        assert line.response.status_code == 400 and isinstance(line.response.body, ErrorResponse)
+        expected = "context_length_exceeded" if custom_id.startswith("too-long") else "unsupported_parameter"
+        assert line.response.body.error.code == expected
+    assert "3/9 completed, 6 failed" in capsys.readouterr().err
 
 
-def test_run_batch_without_errors_output_puts_everything_in_one_file(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("url", "body", "body_type"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}, ChatCompletion),
+        ("/v1/embeddings", {"input": ["hello", "world"]}, EmbeddingList),
+    ],
+)
+def test_chat_and_embeddings_files(tmp_path: Path, url: str, body: dict[str, Any], body_type: type) -> None:
     source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    _write_input(source)
-    assert main(["run-batch", "-i", str(source), "-o", str(output), "--max-decoding-length", "4", "--no-progress"]) == 0
-    assert len(output.read_text().splitlines()) == len(LINES)
+    _write(source, url, {"a": body, "b": body})
+    assert main(["run-batch", "-i", str(source), "-o", str(output), *ENGINE_FLAGS]) == 0
+    lines = _read(output)
+    assert sorted(lines) == ["a-0", "b-0"]
+    assert all(isinstance(line.response.body, body_type) for line in lines.values())
+
+
+def test_invalid_file_runs_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write(source, "/v1/completions", {"a": {"prompt": "x"}})
+    with source.open("a") as f:
+        f.write("this line is not JSON\n")
+    assert main(["run-batch", "-i", str(source), "-o", str(output), *ENGINE_FLAGS]) == 2
+    err = capsys.readouterr().err
+    assert "1 invalid line(s); nothing was run" in err and "line 3: invalid_json_line" in err  # blank line 2 counts
+    assert not output.exists()

@@ -8,6 +8,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from batchgen.schemas.validation import ValidationReport, validate_input_file
+
 from .engine import EngineConfig
 
 
@@ -49,9 +51,13 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 def _run_batch(args: argparse.Namespace) -> int:
     from .engine import LLMEngine
-    from .run_batch import run_batch
+    from .run_batch import InvalidInputFile, run_batch
     from .serving import BatchDefaults
 
+    report = validate_input_file(args.input)  # before loading a model, which can take minutes
+    if not report.ok:
+        _print_invalid(args.input, report)
+        return 2
     engine = LLMEngine.from_config(engine_config_from_args(args))
     defaults = BatchDefaults(
         max_decoding_length=args.max_decoding_length,
@@ -60,7 +66,13 @@ def _run_batch(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         top_k=args.top_k,
     )
-    summary = run_batch(engine, args.input, args.output, args.errors_output, defaults, progress=not args.no_progress)
+    try:
+        summary = run_batch(
+            engine, args.input, args.output, args.errors_output, defaults, not args.no_progress, report=report
+        )
+    except InvalidInputFile as exc:  # the file changed after it was validated
+        _print_invalid(args.input, exc.report)
+        return 2
     print(
         f"{summary.completed}/{summary.total} completed, {summary.failed} failed; "
         f"{summary.prompt_tokens} prompt + {summary.completion_tokens} completion tokens in {summary.seconds:.1f}s",
@@ -73,6 +85,13 @@ def _serve(args: argparse.Namespace) -> int:
     from .serve import serve, settings_from_args
 
     return serve(settings_from_args(args, engine_config_from_args(args)), log_level=args.log_level)
+
+
+def _print_invalid(path: Path, report: ValidationReport) -> None:
+    print(f"{path}: {report.error_count} invalid line(s); nothing was run", file=sys.stderr)
+    for error in report.errors:
+        where = f"line {error.line}" if error.line is not None else "file"
+        print(f"  {where}: {error.code}: {error.message}", file=sys.stderr)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -13,9 +12,18 @@ import msgspec
 from tqdm import tqdm
 
 from batchgen.schemas import BatchInputLine, BatchOutputLine
+from batchgen.schemas.validation import LineError, ValidationReport, iter_input_lines, validate_input_file
 
 from .engine import EngineResult, LLMEngine
-from .serving import BatchDefaults, OpenAIServing, RequestRejected, decode_input_line
+from .serving import BatchDefaults, OpenAIServing, RequestRejected
+
+
+class InvalidInputFile(Exception):
+    """The input file failed validation (as the server would fail the batch); nothing was run."""
+
+    def __init__(self, report: ValidationReport) -> None:
+        super().__init__(f"{report.error_count} invalid line(s)")
+        self.report = report
 
 
 @dataclass
@@ -43,22 +51,27 @@ def run_batch(
     errors_path: Path | None = None,
     defaults: BatchDefaults | None = None,
     progress: bool = True,
+    report: ValidationReport | None = None,
 ) -> RunBatchSummary:
-    """Process every line; successes go to ``output_path``, failures to ``errors_path`` (or the output if unset).
+    """Validate the whole file first (``InvalidInputFile`` if it fails, like the server), then run every line.
 
-    Lines are read lazily and at most a few steps' worth are in flight, so memory stays flat on huge files.
+    Successes go to ``output_path``, requests that fail (unsupported parameters, prompts over the context) to
+    ``errors_path`` (or the output when unset). Lines are read lazily and only a few steps' worth are in flight, so
+    memory stays flat on huge files. ``report`` is the file's validation when the caller already has it.
     """
+    report = report or validate_input_file(input_path)
+    if not report.ok:
+        raise InvalidInputFile(report)
     defaults = defaults or BatchDefaults()
     serving = OpenAIServing(engine.tokenizer, engine.model_name, engine.max_context_length)
     group = f"run-batch-{uuid.uuid4().hex[:8]}"
     in_flight_limit = 4 * engine.config.max_num_seqs
-    summary = RunBatchSummary(total=_count_lines(input_path))
+    summary = RunBatchSummary(total=report.request_count)
     encoder = msgspec.json.Encoder()
     pending: dict[str, _Pending] = {}
     owner: dict[str, str] = {}  # engine request id -> line request id
     start = time.monotonic()
     with (
-        input_path.open("rb") as source,
         output_path.open("wb") as output,
         errors_path.open("wb") if errors_path else _nullcontext(output) as errors,
         tqdm(total=summary.total, unit="req", disable=not progress, dynamic_ncols=True) as bar,
@@ -72,22 +85,22 @@ def run_batch(
             elapsed = time.monotonic() - start
             bar.set_postfix_str(f"{summary.completion_tokens / max(elapsed, 1e-9):,.0f} tok/s", refresh=False)
 
-        lines = _input_lines(source)
+        lines = iter_input_lines(input_path)
         exhausted = False
         while True:
             while not exhausted and len(owner) < in_flight_limit:
-                raw = next(lines, None)
-                if raw is None:
+                line = next(lines, None)
+                if line is None:
                     exhausted = True
                     break
+                if isinstance(line, LineError):  # the file changed since it was validated
+                    raise InvalidInputFile(ValidationReport(0, 1, [line], None, None))
                 request_id = f"req_{uuid.uuid4().hex}"
                 try:
-                    line = decode_input_line(raw)
                     requests = serving.to_engine_requests(line, request_id=request_id, defaults=defaults, group=group)
                 except RequestRejected as exc:
-                    custom_id = _custom_id(raw)
                     rejected = serving.error_line(
-                        custom_id, request_id=request_id, code=exc.code, message=exc.message, param=exc.param
+                        line.custom_id, request_id=request_id, code=exc.code, message=exc.message, param=exc.param
                     )
                     write(errors, rejected, ok=False)
                     continue
@@ -109,27 +122,6 @@ def run_batch(
                     write(output if ok else errors, out_line, ok)
     summary.seconds = time.monotonic() - start
     return summary
-
-
-def _input_lines(source: IO[bytes]) -> Iterator[bytes]:
-    for raw in source:
-        if raw.strip():
-            yield raw
-
-
-def _count_lines(path: Path) -> int:
-    with path.open("rb") as source:
-        return sum(1 for raw in source if raw.strip())
-
-
-def _custom_id(raw: bytes) -> str:
-    """Best effort: the custom_id of a line that failed to decode, so its error line can still be matched."""
-    try:
-        value = msgspec.json.decode(raw)
-    except msgspec.DecodeError:
-        return ""
-    custom_id = value.get("custom_id") if isinstance(value, dict) else None
-    return custom_id if isinstance(custom_id, str) else ""
 
 
 class _nullcontext:

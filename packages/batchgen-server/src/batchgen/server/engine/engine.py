@@ -45,7 +45,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler()
         self.eos_token_ids = _eos_ids(model, tokenizer)
-        model_limit = config.max_model_len or model.config.get_text_config().max_position_embeddings
+        model_limit = config.max_model_len or getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        if model_limit is None:
+            raise ValueError("the model config names no max_position_embeddings; set max_model_len")
         self.max_context_length: int = min(model_limit, self.runner.num_blocks * config.block_size)
         self._requests: dict[str, RequestState] = {}
         self._ready: list[EngineResult] = []
@@ -95,10 +97,11 @@ class LLMEngine:
         return True
 
     def abort_group(self, group: str) -> list[str]:
-        """Abort every unfinished request of ``group``; return their ids."""
+        """Abort every request of ``group`` not reported yet; return their ids."""
         ids = [rid for rid, state in self._requests.items() if state.request.group == group]
         for request_id in ids:
             self.abort_request(request_id)
+        ids += [result.request_id for result in self._ready if result.group == group]
         self._ready = [result for result in self._ready if result.group != group]
         return ids
 

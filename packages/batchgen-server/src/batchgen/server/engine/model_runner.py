@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from .attention import ATTENTION_NAME, PagedStep, PrefillChunk
+from .attention import ATTENTION_NAME, GatherBuffers, PagedStep, PrefillChunk
 from .config import EngineConfig
 from .scheduler import ScheduledSeq
 
@@ -23,17 +23,20 @@ class ModelRunner:
             getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
         )
         self.block_size = config.block_size
-        self.device = model.get_input_embeddings().weight.device
-        self.dtype = model.get_input_embeddings().weight.dtype
+        embeddings = model.get_input_embeddings().weight
+        self.device: torch.device = embeddings.device
+        self.dtype: torch.dtype = embeddings.dtype
         model.set_attn_implementation(ATTENTION_NAME)
         self.num_blocks = config.num_kv_blocks or self._blocks_that_fit(config)
-        self.k_caches, self.v_caches = [], []
+        self.buffers = GatherBuffers()
+        self.k_caches: list[torch.Tensor] = []
+        self.v_caches: list[torch.Tensor] = []
         for layer in range(self.num_layers):
-            shape = (self.num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
+            shape = (self.num_kv_heads, self.num_blocks * self.block_size, self.head_dim)
             device = self._layer_device(layer)
-            # Uninitialised: only slots already written are ever read, and untouched pages cost no RAM on CPU.
-            self.k_caches.append(torch.empty(shape, dtype=self.dtype, device=device))
-            self.v_caches.append(torch.empty(shape, dtype=self.dtype, device=device))
+            # Zeroed: attention reads whole blocks, and a masked-out position must hold a finite value (0 * NaN = NaN).
+            self.k_caches.append(torch.zeros(shape, dtype=self.dtype, device=device))
+            self.v_caches.append(torch.zeros(shape, dtype=self.dtype, device=device))
 
     @property
     def block_bytes(self) -> int:
@@ -60,15 +63,21 @@ class ModelRunner:
             raise RuntimeError(f"no memory left for the KV cache ({budget / 2**20:.0f} MiB); lower the load or dtype")
         return num_blocks
 
+    @torch.no_grad()
     def copy_block(self, src: int, dst: int) -> None:
         bs = self.block_size
         for cache in (*self.k_caches, *self.v_caches):
-            cache[dst * bs : (dst + 1) * bs] = cache[src * bs : (src + 1) * bs]
+            cache[:, dst * bs : (dst + 1) * bs] = cache[:, src * bs : (src + 1) * bs]
 
+    @torch.no_grad()
     def forward(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         """Run every scheduled chunk in one packed forward; return the last hidden states ``[tokens, hidden]``."""
-        input_ids, positions, slots = [], [], []
-        decode_rows, decode_tables, decode_lens = [], [], []
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        decode_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
         prefills: list[PrefillChunk] = []
         bs = self.block_size
         row = 0
@@ -86,12 +95,15 @@ class ModelRunner:
             elif start == 0:
                 prefills.append(PrefillChunk(row, row + n, None, None))
             else:
-                context = torch.arange(start + n)
-                context_slots = torch.tensor(table)[context // bs] * bs + context % bs
+                num_blocks = -(-(start + n) // bs)
+                context = torch.arange(num_blocks * bs)
                 mask = context.unsqueeze(0) <= torch.arange(start, start + n).unsqueeze(1)
-                prefills.append(PrefillChunk(row, row + n, context_slots.to(self.device), mask.to(self.device)))
+                blocks = torch.tensor(table[:num_blocks])
+                prefills.append(PrefillChunk(row, row + n, blocks.to(self.device), mask.to(self.device)))
             row += n
         step = PagedStep(
+            block_size=bs,
+            buffers=self.buffers,
             k_caches=self.k_caches,
             v_caches=self.v_caches,
             slot_mapping=torch.tensor(slots).to(self.device),
@@ -101,18 +113,15 @@ class ModelRunner:
             width = max(len(t) for t in decode_tables)
             tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables])
             lens = torch.tensor(decode_lens).unsqueeze(1)
-            context = torch.arange(max(decode_lens)).unsqueeze(0)
-            # Padding repeats the sequence's last real slot: every gathered K/V is real data (never NaN garbage
-            # from the uninitialised cache, which a masked-out position would still turn into NaN * 0).
-            clamped = torch.minimum(context, lens - 1)
-            step.decode_slots = (tables.gather(1, clamped // bs) * bs + clamped % bs).to(self.device)
-            step.decode_mask = (context < lens)[:, None, None, :].to(self.device)
+            step.decode_blocks = tables.to(self.device)
+            step.decode_mask = (torch.arange(width * bs).unsqueeze(0) < lens)[:, None, None, :].to(self.device)
             step.decode_rows = torch.tensor(decode_rows).to(self.device)
         ids = torch.tensor(input_ids).to(self.device)
         pos = torch.tensor(positions).to(self.device)
         out = self.base_model(input_ids=ids.unsqueeze(0), position_ids=pos.unsqueeze(0), use_cache=False, paged=step)
         return out.last_hidden_state[0]
 
+    @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of the given rows only: the positions where a token is sampled."""
         logits = self.lm_head(hidden.to(self.lm_head.weight.device)).float()

@@ -33,7 +33,6 @@ class RequestState:
     seqs: list[Sequence] = field(default_factory=list)
     cached_tokens: int = 0
     embedding_sum: torch.Tensor | None = None
-    aborted: bool = False
 
     @property
     def finished(self) -> bool:

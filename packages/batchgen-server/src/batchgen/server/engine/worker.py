@@ -89,11 +89,11 @@ class EngineWorker:
                     for request_id in self.engine.abort_group(group):
                         self._callbacks.pop(request_id, None)
                 for result in self.engine.step():
-                    callback = self._callbacks.pop(result.request_id, None)
-                    if callback is None:
+                    on_result = self._callbacks.pop(result.request_id, None)
+                    if on_result is None:
                         continue
                     try:
-                        callback(result)
+                        on_result(result)
                     except Exception:  # the caller's bug must not stop everyone else's requests
                         logger.exception("result callback failed for %s", result.request_id)
                 self._stats = self.engine.stats()

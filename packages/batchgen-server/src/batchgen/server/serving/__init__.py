@@ -1,6 +1,5 @@
 """OpenAI request bodies <-> engine requests and results; shared by the REST server and ``run-batch``."""
 
-from .input_lines import decode_input_line
 from .openai_serving import BatchDefaults, OpenAIServing, RequestRejected
 
-__all__ = ["BatchDefaults", "OpenAIServing", "RequestRejected", "decode_input_line"]
+__all__ = ["BatchDefaults", "OpenAIServing", "RequestRejected"]
