@@ -94,7 +94,9 @@ def run_batch(
                     exhausted = True
                     break
                 if isinstance(line, LineError):  # the file changed since it was validated
-                    raise InvalidInputFile(ValidationReport(0, 1, [line], None, None))
+                    raise InvalidInputFile(
+                        ValidationReport(request_count=0, error_count=1, errors=[line], model=None, endpoint=None)
+                    )
                 request_id = f"req_{uuid.uuid4().hex}"
                 try:
                     requests = serving.to_engine_requests(line, request_id=request_id, defaults=defaults, group=group)
