@@ -38,7 +38,7 @@ def create_app(settings: Settings) -> Litestar:
         engine = await asyncio.to_thread(LLMEngine.from_config, settings.engine)
         worker = EngineWorker(engine)
         worker.start()
-        serving = OpenAIServing(engine.tokenizer, engine.model_name, engine.max_context_length)
+        serving = OpenAIServing(engine.tokenizer, engine.model_name, engine.max_context_length, engine.tasks)
         runner = BatchRunner(settings=settings, db=db, blobs=blobs, serving=serving, engine=worker)
         model = ModelObject(
             id=engine.model_name, created=int(time.time()), max_context_length=engine.max_context_length

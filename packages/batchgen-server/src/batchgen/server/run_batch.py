@@ -14,7 +14,7 @@ from tqdm import tqdm
 from batchgen.schemas import BatchInputLine, BatchOutputLine
 from batchgen.schemas.validation import LineError, ValidationReport, iter_input_lines, validate_input_file
 
-from .engine import EngineResult, LLMEngine
+from .engine import EncoderEngine, EngineResult, LLMEngine
 from .serving import BatchDefaults, OpenAIServing, RequestRejected
 
 
@@ -45,7 +45,7 @@ class _Pending:
 
 
 def run_batch(
-    engine: LLMEngine,
+    engine: LLMEngine | EncoderEngine,
     input_path: Path,
     output_path: Path,
     errors_path: Path | None = None,
@@ -63,7 +63,7 @@ def run_batch(
     if not report.ok:
         raise InvalidInputFile(report)
     defaults = defaults or BatchDefaults()
-    serving = OpenAIServing(engine.tokenizer, engine.model_name, engine.max_context_length)
+    serving = OpenAIServing(engine.tokenizer, engine.model_name, engine.max_context_length, engine.tasks)
     group = f"run-batch-{uuid.uuid4().hex[:8]}"
     in_flight_limit = 4 * engine.config.max_num_seqs
     summary = RunBatchSummary(total=report.request_count)

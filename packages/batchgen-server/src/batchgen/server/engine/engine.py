@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import PreTrainedModel
@@ -13,12 +13,16 @@ from transformers import PreTrainedModel
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
-from .loader import load_model
+from .loader import is_encoder_only, load_model
 from .model_runner import ModelRunner
-from .request import CompletionOutput, EngineError, EngineRequest, EngineResult, TokenLogprob
+from .pooling import normalized_mean
+from .request import CompletionOutput, EngineRequest, EngineResult, Task, TokenLogprob, admission_error
 from .sampler import Sampler, SampleRow
 from .scheduler import Scheduler
 from .sequence import RequestState, Sequence, Status
+
+if TYPE_CHECKING:
+    from .encoder_engine import EncoderEngine
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +40,8 @@ class EngineStats:
 
 
 class LLMEngine:
+    tasks: frozenset[Task] = frozenset({"generate", "embed"})
+
     def __init__(self, model: PreTrainedModel, tokenizer: Any, config: EngineConfig, model_name: str) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -55,9 +61,13 @@ class LLMEngine:
         self._totals = {"prompt": 0, "cached": 0, "generated": 0}
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> LLMEngine:
+    def from_config(cls, config: EngineConfig) -> LLMEngine | EncoderEngine:
+        """The engine for ``config.model``: this one for a causal LM, an ``EncoderEngine`` for a BERT-style encoder."""
+        from .encoder_engine import EncoderEngine  # it imports this module
+
         model, tokenizer = load_model(config)
-        return cls(model, tokenizer, config, "demo" if config.model == "demo" else Path(config.model).name)
+        engine_class = EncoderEngine if is_encoder_only(model.config) else cls
+        return engine_class(model, tokenizer, config, "demo" if config.model == "demo" else Path(config.model).name)
 
     # ---- requests in and out -----------------------------------------------------------------------------------
 
@@ -65,17 +75,7 @@ class LLMEngine:
         params = request.params
         prompt_len = len(request.prompt_token_ids)
         max_len = min(self.max_context_length, params.max_context_length or self.max_context_length)
-        error = None
-        if prompt_len == 0:
-            error = EngineError("invalid_prompt", "The prompt is empty.")
-        elif prompt_len > max_len or (request.task == "generate" and prompt_len == max_len):
-            error = EngineError(
-                "context_length_exceeded",
-                f"The prompt has {prompt_len} tokens; the maximum context length is {max_len} tokens"
-                + (" (prompt + at least one generated token)." if request.task == "generate" else "."),
-            )
-        elif request.request_id in self._requests:
-            error = EngineError("duplicate_request_id", f"Request id {request.request_id!r} is already running.")
+        error = admission_error(request, max_len, self._requests)
         if error is not None:
             self._ready.append(EngineResult(request.request_id, prompt_len, error=error, group=request.group))
             return
@@ -230,8 +230,7 @@ class LLMEngine:
     def _embedding_result(self, state: RequestState) -> EngineResult:
         del self._requests[state.request.request_id]
         assert state.embedding_sum is not None
-        mean = state.embedding_sum / len(state.request.prompt_token_ids)
-        embedding = torch.nn.functional.normalize(mean, dim=0).tolist()
+        embedding = normalized_mean(state.embedding_sum, len(state.request.prompt_token_ids)).tolist()
         result = EngineResult(
             state.request.request_id,
             len(state.request.prompt_token_ids),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -78,3 +79,19 @@ class EngineResult:
     @property
     def completion_tokens(self) -> int:
         return sum(len(output.token_ids) for output in self.outputs)
+
+
+def admission_error(request: EngineRequest, max_len: int, known_ids: Container[str]) -> EngineError | None:
+    """Why ``request`` cannot run at all (empty prompt, over the context, id already known), or ``None``."""
+    prompt_len = len(request.prompt_token_ids)
+    if prompt_len == 0:
+        return EngineError("invalid_prompt", "The prompt is empty.")
+    if prompt_len > max_len or (request.task == "generate" and prompt_len == max_len):
+        return EngineError(
+            "context_length_exceeded",
+            f"The prompt has {prompt_len} tokens; the maximum context length is {max_len} tokens"
+            + (" (prompt + at least one generated token)." if request.task == "generate" else "."),
+        )
+    if request.request_id in known_ids:
+        return EngineError("duplicate_request_id", f"Request id {request.request_id!r} is already running.")
+    return None

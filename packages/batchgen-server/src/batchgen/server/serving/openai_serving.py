@@ -36,7 +36,7 @@ from batchgen.schemas import (
     TopLogprob,
 )
 
-from ..engine.request import EngineRequest, EngineResult, SamplingParams
+from ..engine.request import EngineRequest, EngineResult, SamplingParams, Task
 from ..engine.request import TokenLogprob as EngineTokenLogprob
 
 
@@ -70,10 +70,18 @@ def _index_of(result: EngineResult) -> int:
 
 
 class OpenAIServing:
-    def __init__(self, tokenizer: Any, model_name: str, max_context_length: int) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        model_name: str,
+        max_context_length: int,
+        tasks: frozenset[Task] = frozenset({"generate", "embed"}),
+    ) -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_context_length = max_context_length
+        self.tasks = tasks
+        """What the engine runs (``engine.tasks``): an encoder model only embeds."""
         self._token_text = lru_cache(maxsize=65536)(self._decode_token)
 
     # ---- input line -> engine requests -------------------------------------------------------------------------
@@ -92,6 +100,11 @@ class OpenAIServing:
                 EngineRequest(_engine_request_id(request_id, i), ids, task="embed", group=group)
                 for i, ids in enumerate(prompts)
             ]
+        if "generate" not in self.tasks:
+            raise RequestRejected(
+                "unsupported_endpoint",
+                f"model {self.model_name!r} is an embedding model: it serves /v1/embeddings only, not {line.url}",
+            )
         params = self._sampling_params(body, defaults)
         if isinstance(body, ChatCompletionRequest):
             prompts = [self._chat_prompt(body)]

@@ -1,0 +1,127 @@
+"""EncoderEngine: the engine facade for encoder-only models (BERT, RoBERTa, MiniLM, E5, BGE, ...); embeddings only."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from .config import EngineConfig
+from .engine import EngineStats
+from .pooling import normalized_mean
+from .request import EngineError, EngineRequest, EngineResult, Task, admission_error
+
+
+class EncoderEngine:
+    """Same methods as ``LLMEngine``, so ``EngineWorker``, the server and run-batch use it unchanged.
+
+    An encoder has no KV cache and no causal mask: each step runs whole prompts, first come first served, as one
+    padded batch through the model's own forward with an attention mask, at most ``max_num_seqs`` rows and
+    ``max_num_batched_tokens`` padded tokens (a longer prompt runs alone). Each embedding is the mean of the last
+    hidden state over the prompt's tokens, L2-normalized.
+    """
+
+    tasks: frozenset[Task] = frozenset({"embed"})
+
+    def __init__(self, model: PreTrainedModel, tokenizer: Any, config: EngineConfig, model_name: str) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.model = model
+        self.device: torch.device = model.get_input_embeddings().weight.device
+        model_limit = encoder_context_length(model)
+        self.max_context_length: int = min(config.max_model_len or model_limit, model_limit)
+        self.pad_token_id: int = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self._waiting: dict[str, EngineRequest] = {}  # insertion order is arrival order
+        self._ready: list[EngineResult] = []
+        self._prompt_tokens = 0
+
+    def add_request(self, request: EngineRequest) -> None:
+        error = admission_error(request, self.max_context_length, self._waiting)
+        if error is None and request.task != "embed":
+            error = EngineError("unsupported_endpoint", f"Model {self.model_name!r} is an embedding model.")
+        if error is not None:
+            self._ready.append(
+                EngineResult(request.request_id, len(request.prompt_token_ids), error=error, group=request.group)
+            )
+            return
+        self._waiting[request.request_id] = request
+
+    def abort_request(self, request_id: str) -> bool:
+        """Drop a queued request (no result is produced for it); ``False`` if it is unknown or already done."""
+        return self._waiting.pop(request_id, None) is not None
+
+    def abort_group(self, group: str) -> list[str]:
+        """Abort every request of ``group`` not reported yet; return their ids."""
+        ids = [rid for rid, request in self._waiting.items() if request.group == group]
+        for request_id in ids:
+            del self._waiting[request_id]
+        ids += [result.request_id for result in self._ready if result.group == group]
+        self._ready = [result for result in self._ready if result.group != group]
+        return ids
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._waiting or self._ready)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            queued=len(self._waiting),
+            running=0,
+            kv_blocks_total=0,
+            kv_blocks_free=0,
+            prompt_tokens=self._prompt_tokens,
+            cached_tokens=0,
+            generated_tokens=0,
+            preemptions=0,
+        )
+
+    def step(self) -> list[EngineResult]:
+        """Embed the next batch of queued requests; return the requests that finished."""
+        finished, self._ready = self._ready, []
+        batch = self._next_batch()
+        if batch:
+            embeddings = self._embed([request.prompt_token_ids for request in batch])
+            for request, embedding in zip(batch, embeddings, strict=True):
+                finished.append(
+                    EngineResult(
+                        request.request_id, len(request.prompt_token_ids), embedding=embedding, group=request.group
+                    )
+                )
+                self._prompt_tokens += len(request.prompt_token_ids)
+        return finished
+
+    def _next_batch(self) -> list[EngineRequest]:
+        batch: list[EngineRequest] = []
+        longest = 0
+        for request in self._waiting.values():
+            longest_with = max(longest, len(request.prompt_token_ids))
+            rows = len(batch) + 1
+            if batch and (rows > self.config.max_num_seqs or rows * longest_with > self.config.max_num_batched_tokens):
+                break
+            batch.append(request)
+            longest = longest_with
+        for request in batch:
+            del self._waiting[request.request_id]
+        return batch
+
+    @torch.inference_mode()
+    def _embed(self, prompts: list[list[int]]) -> list[list[float]]:
+        longest = max(map(len, prompts))
+        input_ids = torch.full((len(prompts), longest), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), longest), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, : len(prompt)] = torch.tensor(prompt)
+            mask[row, : len(prompt)] = 1
+        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
+        hidden = self.model(input_ids=input_ids, attention_mask=mask).last_hidden_state
+        token_sums = (hidden.float() * mask.unsqueeze(-1)).sum(dim=1)
+        return normalized_mean(token_sums, mask.sum(dim=1, keepdim=True)).tolist()
+
+
+def encoder_context_length(model: PreTrainedModel) -> int:
+    """Most tokens per input: ``max_position_embeddings``, less RoBERTa's offset (its positions start after the
+    padding index)."""
+    limit: int = model.config.max_position_embeddings
+    padding_idx = getattr(getattr(model, "embeddings", None), "padding_idx", None)
+    return limit - (padding_idx + 1) if padding_idx is not None else limit
