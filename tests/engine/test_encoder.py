@@ -90,7 +90,9 @@ def test_embeddings_match_a_direct_forward(encoder_paths: dict[str, Path], kind:
     results: dict[str, EngineResult] = {}
     steps = 0
     while engine.has_unfinished_requests():
+        oldest = next(f"r{i}" for i in range(len(prompts)) if f"r{i}" not in results)
         results.update((r.request_id, r) for r in engine.step())
+        assert oldest in results  # the oldest waiting request is always in the next batch
         steps += 1
     assert steps >= 4  # several padded batches of mixed lengths under the token budget
     reference = _reference(path)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -16,8 +17,8 @@ from .request import EngineError, EngineRequest, EngineResult, Task, admission_e
 class EncoderEngine:
     """Same methods as ``LLMEngine``, so ``EngineWorker``, the server and run-batch use it unchanged.
 
-    An encoder has no KV cache and no causal mask: each step runs whole prompts, first come first served, as one
-    padded batch through the model's own forward with an attention mask, at most ``max_num_seqs`` rows and
+    An encoder has no KV cache and no causal mask: each step runs whole prompts of similar lengths as one padded
+    batch through the model's own forward with an attention mask, at most ``max_num_seqs`` rows and
     ``max_num_batched_tokens`` padded tokens (a longer prompt runs alone). Each embedding is the mean of the last
     hidden state over the prompt's tokens, L2-normalized.
     """
@@ -92,15 +93,20 @@ class EncoderEngine:
         return finished
 
     def _next_batch(self) -> list[EngineRequest]:
-        batch: list[EngineRequest] = []
-        longest = 0
-        for request in self._waiting.values():
+        """The oldest waiting request, joined by those of the next ``max_num_seqs`` closest to it in length.
+
+        Similar lengths waste little on padding; always taking the oldest keeps the queue first come, first served.
+        """
+        window = list(itertools.islice(self._waiting.values(), self.config.max_num_seqs))
+        if not window:
+            return []
+        head_len = len(window[0].prompt_token_ids)
+        batch, longest = [window[0]], head_len
+        for request in sorted(window[1:], key=lambda r: abs(len(r.prompt_token_ids) - head_len)):
             longest_with = max(longest, len(request.prompt_token_ids))
-            rows = len(batch) + 1
-            if batch and (rows > self.config.max_num_seqs or rows * longest_with > self.config.max_num_batched_tokens):
-                break
-            batch.append(request)
-            longest = longest_with
+            if (len(batch) + 1) * longest_with <= self.config.max_num_batched_tokens:
+                batch.append(request)
+                longest = longest_with
         for request in batch:
             del self._waiting[request.request_id]
         return batch
