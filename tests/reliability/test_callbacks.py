@@ -272,7 +272,11 @@ def test_allowed_urls(url: str) -> None:
 def test_refused_urls(url: str, reason: str) -> None:
     with pytest.raises(CallbackUrlError, match=reason) as raised:
         check_callback_url(url, ALLOWED)
-    assert (raised.value.status_code, raised.value.param, raised.value.code) == (400, "metadata", "invalid_value")
+    assert (raised.value.status_code, raised.value.param, raised.value.code) == (
+        400,
+        "metadata.ds_batch_finish_callback",
+        "invalid_value",
+    )
 
 
 def test_callbacks_are_off_by_default() -> None:

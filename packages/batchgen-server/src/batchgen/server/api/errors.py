@@ -15,6 +15,9 @@ from litestar.types import ExceptionHandlersMap, Message, Scope
 
 from batchgen.schemas import ErrorDetail, ErrorResponse
 
+from ..security.auth import UNAUTHORIZED_HEADERS, ApiKeyAuthMiddleware
+from ..security.limits import LimitError
+
 log = logging.getLogger("batchgen.server")
 
 _TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
@@ -69,6 +72,10 @@ def _api_error(_: Request[Any, Any, Any], exc: APIError) -> Response[ErrorRespon
     return error_response(exc.status_code, exc.message, code=exc.code, param=exc.param, headers=exc.headers)
 
 
+def _limit_error(_: Request[Any, Any, Any], exc: LimitError) -> Response[ErrorResponse]:
+    return error_response(exc.status_code, exc.message, code=exc.code, param=exc.param)
+
+
 _MISSING = re.compile(r"missing required field `([^`]+)`")
 _UNKNOWN = re.compile(r"unknown field `([^`]+)`")
 
@@ -104,6 +111,10 @@ def _http_error(request: Request[Any, Any, Any], exc: HTTPException) -> Response
         return error_response(status_code, "The server had an error while processing the request.", code="server_error")
     code = _CODES.get(status_code, "invalid_request")
     if status_code == 404:
+        # No route: the middleware never saw the request, so ask it here; without a key, nothing is revealed.
+        auth: ApiKeyAuthMiddleware = request.app.state.auth
+        if (unauthorized := auth.rejection(request.scope)) is not None:
+            return Response(unauthorized, status_code=401, headers=UNAUTHORIZED_HEADERS)
         message = f"No route for {request.method} {request.url.path}; see /schema for the API."
     elif status_code == 405:
         message = f"Method {request.method} is not allowed on {request.url.path}."
@@ -119,6 +130,7 @@ def _unexpected_error(request: Request[Any, Any, Any], exc: Exception) -> Respon
 
 EXCEPTION_HANDLERS: ExceptionHandlersMap = {
     APIError: _api_error,
+    LimitError: _limit_error,
     ValidationException: _validation_error,
     HTTPException: _http_error,
     Exception: _unexpected_error,

@@ -12,7 +12,8 @@ from litestar.response import Stream
 from batchgen.schemas import FileDeleted, FileList, FileObject
 
 from ..ids import new_file_id
-from .deps import ServerContext, now
+from ..security.limits import is_valid_id
+from .deps import ServerContext, ensure_admitting, now
 from .errors import APIError, invalid, not_found
 from .idempotency import IDEMPOTENCY_KEY, idempotent
 from .uploads import read_upload
@@ -22,8 +23,8 @@ MAX_EXPIRY_S = 30 * 24 * 3600
 
 
 def get_owned_file(context: ServerContext, file_id: str, owner: str) -> FileObject:
-    file = context.db.get_file(file_id, owner=owner)
-    if file is None:
+    file = context.db.get_file(file_id, owner=owner) if is_valid_id(file_id, "file") else None
+    if file is None or _expired(file):  # an expired file not yet swept is already gone
         raise not_found("file", file_id)
     return file
 
@@ -116,6 +117,7 @@ async def _store_upload(request: Request[Any, Any, Any], context: ServerContext,
             error = form.check_error
             where = f"line {error.line}: " if error.line is not None else ""
             raise APIError(422, f"Invalid input file, {where}{error.message}", code=error.code, param="file")
+        ensure_admitting(request)  # a shutdown may have begun while the upload streamed in
     except BaseException:
         if writer is not None:
             writer.discard()
@@ -134,6 +136,10 @@ async def _store_upload(request: Request[Any, Any, Any], context: ServerContext,
     )
     context.db.insert_file(file, owner=owner, line_count=form.line_count)
     return file
+
+
+def _expired(file: FileObject) -> bool:
+    return file.expires_at is not None and file.expires_at <= now()
 
 
 def _with_live_size(context: ServerContext, file: FileObject) -> FileObject:
