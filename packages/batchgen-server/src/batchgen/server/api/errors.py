@@ -110,11 +110,13 @@ def _http_error(request: Request[Any, Any, Any], exc: HTTPException) -> Response
         log.error("internal error: %s", exc.detail)
         return error_response(status_code, "The server had an error while processing the request.", code="server_error")
     code = _CODES.get(status_code, "invalid_request")
-    if status_code == 404:
-        # No route: the middleware never saw the request, so ask it here; without a key, nothing is revealed.
+    if status_code in (404, 405):
+        # No route, or not for this method: the middleware never saw the request, so ask it here. Without a key
+        # the answer is 401 either way, and reveals nothing of which paths exist.
         auth: ApiKeyAuthMiddleware = request.app.state.auth
         if (unauthorized := auth.rejection(request.scope)) is not None:
             return Response(unauthorized, status_code=401, headers=UNAUTHORIZED_HEADERS)
+    if status_code == 404:
         message = f"No route for {request.method} {request.url.path}; see /schema for the API."
     elif status_code == 405:
         message = f"Method {request.method} is not allowed on {request.url.path}."
