@@ -58,7 +58,7 @@ def ensure_admitting(connection: ASGIConnection[Any, Any, Any, Any]) -> None:
 
 def admit_while_running(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
     """Guard of the API: while draining, requests that create or change something (POST, DELETE) get a 503."""
-    if connection.scope["method"] in ("POST", "DELETE"):
+    if isinstance(connection, Request) and connection.method in ("POST", "DELETE"):
         ensure_admitting(connection)
 
 
