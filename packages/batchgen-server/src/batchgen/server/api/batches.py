@@ -14,7 +14,7 @@ from ..callbacks import check_callback_metadata
 from ..ids import new_batch_id
 from ..security.limits import is_valid_id, validate_metadata
 from .deps import ServerContext, now
-from .errors import APIError, invalid, not_found
+from .errors import ERROR_RESPONSES, APIError, invalid, not_found
 from .files import get_owned_file
 from .idempotency import IDEMPOTENCY_KEY, idempotent
 
@@ -45,7 +45,7 @@ class BatchesController(Controller):
     path = "/v1/batches"
     tags = ("batches",)
 
-    @post(status_code=200, summary="Create a batch from an uploaded input file")
+    @post(status_code=200, summary="Create a batch from an uploaded input file", responses=ERROR_RESPONSES)
     async def create(
         self,
         data: CreateBatchRequest,
@@ -65,7 +65,7 @@ class BatchesController(Controller):
             lambda batch_id: context.db.get_batch(batch_id, owner=owner),
         )
 
-    @get(summary="List batches, newest first")
+    @get(summary="List batches, newest first", responses=ERROR_RESPONSES)
     async def list_batches(
         self,
         context: ServerContext,
@@ -81,11 +81,11 @@ class BatchesController(Controller):
             has_more=has_more,
         )
 
-    @get("/{batch_id:str}", summary="Retrieve a batch (poll this for progress)")
+    @get("/{batch_id:str}", summary="Retrieve a batch (poll this for progress)", responses=ERROR_RESPONSES)
     async def retrieve(self, context: ServerContext, owner: str, batch_id: str) -> BatchObject:
         return get_owned_batch(context, batch_id, owner)
 
-    @post("/{batch_id:str}/cancel", status_code=200, summary="Cancel a batch")
+    @post("/{batch_id:str}/cancel", status_code=200, summary="Cancel a batch", responses=ERROR_RESPONSES)
     async def cancel(self, context: ServerContext, owner: str, batch_id: str) -> BatchObject:
         batch = get_owned_batch(context, batch_id, owner)
         if batch.status in ("cancelling", "cancelled"):

@@ -11,6 +11,7 @@ from typing import Any
 from litestar import Request, Response
 from litestar.datastructures import MutableScopeHeaders
 from litestar.exceptions import HTTPException, ValidationException
+from litestar.openapi import ResponseSpec
 from litestar.types import ExceptionHandlersMap, Message, Scope
 
 from batchgen.schemas import ErrorDetail, ErrorResponse
@@ -30,6 +31,22 @@ _CODES = {
     415: "unsupported_media_type",
     429: "rate_limit_exceeded",
 }
+
+
+ERROR_RESPONSES = {
+    status: ResponseSpec(ErrorResponse, description=description, generate_examples=False)
+    for status, description in (
+        (400, "Invalid request: the error names the parameter"),
+        (401, "Missing or invalid API key"),
+        (404, "No such object (or it belongs to another key)"),
+        (409, "Conflict with the object's state"),
+        (413, "Upload over the size limit"),
+        (422, "Invalid input file"),
+        (429, "The queue is full; retry after Retry-After seconds"),
+        (503, "The server is shutting down; retry shortly"),
+    )
+}
+"""The error envelope as the OpenAPI document publishes it, for every ``/v1`` operation (in place of Litestar's)."""
 
 
 class APIError(Exception):

@@ -14,7 +14,7 @@ from batchgen.schemas import FileDeleted, FileList, FileObject
 from ..ids import new_file_id
 from ..security.limits import is_valid_id
 from .deps import ServerContext, ensure_admitting, now
-from .errors import APIError, invalid, not_found
+from .errors import ERROR_RESPONSES, APIError, invalid, not_found
 from .idempotency import IDEMPOTENCY_KEY, idempotent
 from .uploads import read_upload
 
@@ -33,7 +33,7 @@ class FilesController(Controller):
     path = "/v1/files"
     tags = ("files",)
 
-    @post(status_code=200, summary="Upload a JSONL input file (multipart: file, purpose)")
+    @post(status_code=200, summary="Upload a JSONL input file (multipart: file, purpose)", responses=ERROR_RESPONSES)
     async def upload(
         self,
         request: Request[Any, Any, Any],
@@ -49,7 +49,7 @@ class FilesController(Controller):
 
         return await idempotent(context, owner, "files", idempotency_key, create, lookup)
 
-    @get(summary="List files, newest first by default")
+    @get(summary="List files, newest first by default", responses=ERROR_RESPONSES)
     async def list_files(
         self,
         context: ServerContext,
@@ -67,11 +67,11 @@ class FilesController(Controller):
             has_more=has_more,
         )
 
-    @get("/{file_id:str}", summary="Retrieve a file's metadata")
+    @get("/{file_id:str}", summary="Retrieve a file's metadata", responses=ERROR_RESPONSES)
     async def retrieve(self, context: ServerContext, owner: str, file_id: str) -> FileObject:
         return _with_live_size(context, get_owned_file(context, file_id, owner))
 
-    @delete("/{file_id:str}", status_code=200, summary="Delete a file")
+    @delete("/{file_id:str}", status_code=200, summary="Delete a file", responses=ERROR_RESPONSES)
     async def delete_file(self, context: ServerContext, owner: str, file_id: str) -> FileDeleted:
         get_owned_file(context, file_id, owner)
         if context.db.file_in_use(file_id):
@@ -85,7 +85,11 @@ class FilesController(Controller):
         context.blobs.delete(file_id)
         return FileDeleted(id=file_id, deleted=True)
 
-    @get("/{file_id:str}/content", summary="Download a file's content (partial while its batch runs)")
+    @get(
+        "/{file_id:str}/content",
+        summary="Download a file's content (partial while its batch runs)",
+        responses=ERROR_RESPONSES,
+    )
     async def content(self, context: ServerContext, owner: str, file_id: str) -> Response[Any]:
         file = get_owned_file(context, file_id, owner)
         # A results file still being appended to is served up to its last complete line.
