@@ -78,7 +78,7 @@ class ApiKeyAuthMiddleware(ASGIMiddleware):
     def rejection(self, scope: Scope) -> ErrorResponse | None:
         """The 401 answer owed to this request, or ``None`` (after recording its tenant in ``scope["user"]``).
 
-        The middleware asks this of every routed request; the application's 404 handler asks it of unrouted ones, so
+        The middleware asks this of every routed request; the 404/405 error handler asks it of unrouted ones, so
         a caller without a key cannot even tell which ``/v1`` paths exist.
         """
         if _is_open(scope["path"]):
