@@ -57,7 +57,7 @@ class Engine(Protocol):
 
     def submit(self, requests: list[EngineRequest], on_result: Callable[[EngineResult], None]) -> None: ...
 
-    def abort_group(self, group: str) -> None: ...
+    def abort_group(self, group: str, on_aborted: Callable[[], None] | None = None) -> None: ...
 
 
 @dataclass(slots=True)
@@ -314,12 +314,10 @@ class BatchRunner:
     def _abort(self, batch_id: str) -> None:
         """Stop the batch's requests at the next engine step, then let the writer finish the batch.
 
-        The worker applies aborts before the step that answers a request with an empty prompt (at once, with an
-        error), so that answer is the barrier: when it arrives, every result the batch will ever get has arrived.
+        Once the engine has applied the abort no result of the batch's requests submitted so far can arrive, so the
+        writer can finish the batch when ``_Stopped`` reaches it (after every result that came before).
         """
-        self.engine.abort_group(batch_id)
-        barrier = EngineRequest(f"stop_{new_request_id()}", [], group=f"{batch_id}:stop")
-        self.engine.submit([barrier], lambda _: self._inbox.put(_Stopped(batch_id)))
+        self.engine.abort_group(batch_id, lambda: self._inbox.put(_Stopped(batch_id)))
 
     def _expire_before_start(self, batch: BatchObject) -> bool:
         """A batch whose window passed while it waited or validated expires without running."""

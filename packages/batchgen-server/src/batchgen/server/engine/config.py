@@ -34,6 +34,8 @@ class EngineConfig:
     """Context cap; ``None`` uses the model's own ``max_position_embeddings``."""
     seed: int = 0
     """Seed of requests that set none (each request gets its own generator)."""
+    torch_threads: int | None = None
+    """CPU threads of torch's ops (process-wide); ``None`` keeps torch's default (the machine's cores)."""
 
     def resolved_device(self) -> torch.device:
         if self.device is not None:

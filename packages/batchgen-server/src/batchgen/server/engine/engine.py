@@ -37,6 +37,8 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, model: PreTrainedModel, tokenizer: Any, config: EngineConfig, model_name: str) -> None:
+        if config.torch_threads is not None:
+            torch.set_num_threads(config.torch_threads)
         self.config = config
         self.tokenizer = tokenizer
         self.model_name = model_name
