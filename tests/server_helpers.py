@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import httpx
@@ -74,3 +77,53 @@ class LiveServer:
         response = self.http.get(f"/v1/files/{file_id}/content")
         assert response.status_code == 200, response.text
         return [json.loads(line) for line in response.content.splitlines()]
+
+
+@dataclass
+class Reply:
+    status: int = 200
+    delay_s: float = 0.0
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Received:
+    path: str
+    headers: dict[str, str]
+    body: bytes
+    at: float
+
+
+class Receiver:
+    """A real HTTP server that answers POSTs with the scripted replies (the last one repeats) and records them."""
+
+    def __init__(self, replies: list[Reply]) -> None:
+        self.replies = replies
+        self.received: list[Received] = []
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["content-length"]))
+                receiver.received.append(Received(self.path, dict(self.headers.items()), body, time.monotonic()))
+                reply = receiver.replies[min(len(receiver.received), len(receiver.replies)) - 1]
+                time.sleep(reply.delay_s)
+                try:
+                    self.send_response(reply.status)
+                    for name, value in reply.headers.items():
+                        self.send_header(name, value)
+                    self.send_header("content-length", "0")
+                    self.end_headers()
+                except (BrokenPipeError, ConnectionResetError):  # the client timed out and hung up
+                    pass
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

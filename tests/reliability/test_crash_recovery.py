@@ -11,6 +11,7 @@ import json
 import sqlite3
 import time
 from collections import Counter
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,16 +20,28 @@ from server_helpers import LiveServer, chat_line
 
 from batchgen.server.launcher import ServerProcess
 
+Start = Callable[[], LiveServer]
+
+
+@pytest.fixture
+def start(tmp_path: Path) -> Iterator[Start]:
+    """Start a server on the test's storage; every one started is stopped at the end, whatever the outcome."""
+    started: list[LiveServer] = []
+
+    def start() -> LiveServer:
+        started.append(LiveServer(ServerProcess(tmp_path).start()))
+        return started[-1]
+
+    yield start
+    for server in started:
+        server.http.close()
+        server.process.stop()
+
 
 def kill_9(server: LiveServer) -> None:
     assert server.process.process is not None
-    server.http.close()
     server.process.process.kill()
     server.process.process.wait()
-
-
-def restart(storage: Path) -> LiveServer:
-    return LiveServer(ServerProcess(storage).start())
 
 
 def assert_exactly_once(server: LiveServer, batch: dict[str, Any], lines: list[dict[str, Any]]) -> None:
@@ -48,24 +61,20 @@ def assert_exactly_once(server: LiveServer, batch: dict[str, Any], lines: list[d
     assert batch["usage"]["output_tokens"] == usage == sum(max_tokens[line["custom_id"]] for line in output)
 
 
-def test_kill_right_after_the_batch_is_accepted(tmp_path: Path) -> None:
+def test_kill_right_after_the_batch_is_accepted(start: Start) -> None:
     lines = [chat_line(f"r{i}", content=f"request {i}", max_tokens=2, ignore_eos=True) for i in range(200)]
-    server = restart(tmp_path)
+    server = start()
     batch_id = server.create_batch(server.upload(lines)["id"])["id"]
     kill_9(server)  # while the batch is validating, or just after: the runner had milliseconds
 
-    server = restart(tmp_path)
-    try:
-        assert_exactly_once(server, server.wait(batch_id, timeout_s=120), lines)
-    finally:
-        server.http.close()
-        server.process.stop()
+    server = start()
+    assert_exactly_once(server, server.wait(batch_id, timeout_s=120), lines)
 
 
-def test_kill_mid_decode_and_again_during_recovery(tmp_path: Path) -> None:
+def test_kill_mid_decode_and_again_during_recovery(start: Start) -> None:
     lines = [chat_line(f"short-{i}", max_tokens=2, ignore_eos=True) for i in range(6)]
     lines += [chat_line(f"long-{i}", max_tokens=400, ignore_eos=True) for i in range(4)]
-    server = restart(tmp_path)
+    server = start()
     batch_id = server.create_batch(server.upload(lines)["id"])["id"]
     deadline = time.monotonic() + 60
     while (batch := server.batch(batch_id))["request_counts"]["completed"] < 6:
@@ -74,15 +83,11 @@ def test_kill_mid_decode_and_again_during_recovery(tmp_path: Path) -> None:
     assert batch["status"] == "in_progress"
     kill_9(server)  # mid-decode: the short requests are written, the long ones are half-way
 
-    server = restart(tmp_path)
+    server = start()
     kill_9(server)  # at once: while the restarted runner re-reads the results and resubmits
 
-    server = restart(tmp_path)
-    try:
-        assert_exactly_once(server, server.wait(batch_id, timeout_s=120), lines)
-    finally:
-        server.http.close()
-        server.process.stop()
+    server = start()
+    assert_exactly_once(server, server.wait(batch_id, timeout_s=120), lines)
 
 
 @pytest.mark.parametrize(
@@ -92,11 +97,11 @@ def test_kill_mid_decode_and_again_during_recovery(tmp_path: Path) -> None:
         pytest.param(True, id="after-publishing"),
     ],
 )
-def test_a_crash_during_finalization_is_finished_on_restart(tmp_path: Path, published: bool) -> None:
+def test_a_crash_during_finalization_is_finished_on_restart(tmp_path: Path, start: Start, published: bool) -> None:
     lines = [chat_line(f"r{i}", max_tokens=3, ignore_eos=True) for i in range(4)]
     if not published:  # a request answered with an error keeps the error file, so both files await publishing
         lines.append(chat_line("too-long", content="word " * 5000, max_tokens=3))
-    server = restart(tmp_path)
+    server = start()
     done = server.run(lines)
     assert done["status"] == "completed"
     assert (done["error_file_id"] is None) == published
@@ -116,14 +121,10 @@ def test_a_crash_during_finalization_is_finished_on_restart(tmp_path: Path, publ
                 (done["output_file_id"], done["error_file_id"]),
             )
 
-    server = restart(tmp_path)
-    try:
-        batch = server.wait(done["id"], timeout_s=20)
-        assert_exactly_once(server, batch, lines)
-        assert (batch["output_file_id"], batch["error_file_id"]) == (done["output_file_id"], done["error_file_id"])
-        for file_id in (batch["output_file_id"], batch["error_file_id"]):
-            if file_id is not None:
-                assert server.http.get(f"/v1/files/{file_id}").json()["status"] == "processed"
-    finally:
-        server.http.close()
-        server.process.stop()
+    server = start()
+    batch = server.wait(done["id"], timeout_s=20)
+    assert_exactly_once(server, batch, lines)
+    assert (batch["output_file_id"], batch["error_file_id"]) == (done["output_file_id"], done["error_file_id"])
+    for file_id in (batch["output_file_id"], batch["error_file_id"]):
+        if file_id is not None:
+            assert server.http.get(f"/v1/files/{file_id}").json()["status"] == "processed"

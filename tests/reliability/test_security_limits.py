@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 import pytest
@@ -16,6 +17,7 @@ from batchgen.server.security.limits import (
     sanitize_filename,
     validate_metadata,
 )
+from batchgen.server.storage.blobs import BlobStore
 
 
 def test_metadata_within_limits_passes_through() -> None:
@@ -116,5 +118,8 @@ def test_ids_as_the_server_makes_them_are_valid() -> None:
         ("batch_xyz", "batch"),
     ],
 )
-def test_anything_else_is_not_an_id(bad: str, kind: Literal["file", "batch"]) -> None:
+def test_anything_else_is_not_an_id(bad: str, kind: Literal["file", "batch"], tmp_path: Path) -> None:
     assert not is_valid_id(bad, kind)
+    if kind == "file":  # nor does the blob store build a path from it
+        with pytest.raises(ValueError, match="not a file id"):
+            BlobStore(tmp_path).path(bad)

@@ -1,12 +1,20 @@
-"""A server with API keys, a small queue capacity and a small upload limit: 401, 404 across tenants, 413, 429."""
+"""A server with API keys, a small queue capacity, a small upload limit and callbacks allowed to 127.0.0.1: 401 on
+every /v1 route, 404 across tenants, 413, metadata limits, filenames, ids, 429, the completion callback; a server
+with a fast clock: batch expiry and file expiry.
+
+The other input limits (requests per file, line length, JSON nesting depth) are checked over HTTP with the malformed
+corpus in tests/fuzz/test_corpus_api.py."""
 
 from __future__ import annotations
 
+import json
+import sqlite3
+import time
 from collections.abc import Callable
 
 import httpx
 import pytest
-from server_helpers import LiveServer, chat_line, jsonl
+from server_helpers import LiveServer, Receiver, Reply, chat_line, jsonl
 
 KEY, OTHER_KEY = "key-one", "key-two"
 
@@ -14,8 +22,23 @@ KEY, OTHER_KEY = "key-one", "key-two"
 @pytest.fixture(scope="module")
 def server(server_factory: Callable[..., LiveServer]) -> LiveServer:
     return server_factory(
-        "--max-queued-requests", "10", "--max-upload-bytes", "4096", "--api-key", OTHER_KEY, api_key=KEY
+        "--max-queued-requests",
+        "10",
+        "--max-upload-bytes",
+        "4096",
+        "--api-key",
+        OTHER_KEY,
+        "--callback-allowed-host",
+        "127.0.0.1",
+        api_key=KEY,
     )
+
+
+def assert_error(response: httpx.Response, status: int, code: str, param: str | None = None) -> None:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+    assert (error["code"], error["param"]) == (code, param), error
 
 
 @pytest.mark.parametrize(
@@ -28,7 +51,15 @@ def server(server_factory: Callable[..., LiveServer]) -> LiveServer:
         ("POST", "/v1/batches"),
         ("GET", "/v1/batches/batch_x"),
         ("POST", "/v1/batches/batch_x/cancel"),
+        ("GET", "/v1/files/file-x"),
+        ("DELETE", "/v1/files/file-x"),
+        ("GET", "/v1/files/file-x/content"),
         ("GET", "/v1/pool/status"),
+        ("POST", "/v1/inference"),
+        # No such route: still 401, so a caller without a key learns nothing about what exists.
+        ("GET", "/v1/secrets"),
+        ("DELETE", "/v1/batches/batch_x"),
+        ("GET", "/v1/files/..%2F..%2Fetc%2Fpasswd"),
     ],
 )
 @pytest.mark.parametrize("authorization", [None, "Bearer wrong-key", f"Basic {KEY}"])
@@ -41,18 +72,31 @@ def test_v1_needs_a_valid_key(server: LiveServer, method: str, path: str, author
     assert (error["type"], error["code"]) == ("authentication_error", "invalid_api_key")
 
 
-def test_health_and_metrics_stay_open(server: LiveServer) -> None:
+def test_health_metrics_and_docs_stay_open(server: LiveServer) -> None:
     assert httpx.get(f"{server.base_url}/health").status_code == 200
     assert httpx.get(f"{server.base_url}/metrics").status_code == 200
+    assert "/v1/files" in httpx.get(f"{server.base_url}/schema/openapi.json").json()["paths"]
+    # Unknown paths with a valid key are a plain 404.
+    assert_error(server.http.get("/v1/secrets"), 404, "not_found")
 
 
 def test_tenants_do_not_see_each_other(server: LiveServer) -> None:
     file_id = server.upload([chat_line("mine")])["id"]
-    other = httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {OTHER_KEY}"})
-    assert other.get(f"/v1/files/{file_id}").status_code == 404
-    assert file_id not in [f["id"] for f in other.get("/v1/files").json()["data"]]
-    refused = other.post("/v1/batches", json={"input_file_id": file_id})
-    assert refused.status_code == 404 and refused.json()["error"]["code"] == "file_not_found"
+    batch = server.run([chat_line("mine-too")])
+    output_id = batch["output_file_id"]
+    with httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {OTHER_KEY}"}) as other:
+        for path in (f"/v1/files/{file_id}", f"/v1/files/{output_id}", f"/v1/files/{output_id}/content"):
+            assert_error(other.get(path), 404, "file_not_found")
+        assert_error(other.delete(f"/v1/files/{file_id}"), 404, "file_not_found")
+        assert_error(other.get(f"/v1/batches/{batch['id']}"), 404, "batch_not_found")
+        assert_error(other.post(f"/v1/batches/{batch['id']}/cancel"), 404, "batch_not_found")
+        assert_error(other.post("/v1/batches", json={"input_file_id": file_id}), 404, "file_not_found")
+        assert file_id not in [f["id"] for f in other.get("/v1/files").json()["data"]]
+        assert batch["id"] not in [b["id"] for b in other.get("/v1/batches").json()["data"]]
+    # The owner still has everything.
+    assert server.http.get(f"/v1/files/{file_id}").status_code == 200
+    assert server.lines(output_id)[0]["custom_id"] == "mine-too"
+    assert server.http.delete(f"/v1/files/{file_id}").json()["deleted"] is True
 
 
 def test_upload_over_the_limit(server: LiveServer) -> None:
@@ -61,6 +105,86 @@ def test_upload_over_the_limit(server: LiveServer) -> None:
     response = server.http.post("/v1/files", data={"purpose": "batch"}, files={"file": ("big.jsonl", content)})
     assert response.status_code == 413
     assert (response.json()["error"]["code"], response.json()["error"]["param"]) == ("file_too_large", "file")
+
+
+def test_metadata_limits(server: LiveServer) -> None:
+    file_id = server.upload([chat_line("m")])["id"]
+    at_the_limits = {f"k{i:02}": "v" * 512 for i in range(15)} | {"x" * 64: "v"}
+    accepted = server.create_batch(file_id, metadata=at_the_limits)
+    assert accepted["metadata"] == at_the_limits
+    server.wait(accepted["id"])
+    for metadata in (
+        at_the_limits | {"one-too-many": "v"},
+        {"x" * 65: "v"},
+        {"key": "v" * 513},
+    ):
+        response = server.http.post("/v1/batches", json={"input_file_id": file_id, "metadata": metadata})
+        assert_error(response, 400, "invalid_value", "metadata")
+
+
+def test_filenames_are_sanitized(server: LiveServer) -> None:
+    raw = "../../etc/\x1b[31mevil\u202e.jsonl"  # directories, a terminal escape, a bidi override
+    response = server.http.post("/v1/files", data={"purpose": "batch"}, files={"file": (raw, jsonl([chat_line("f")]))})
+    assert response.status_code == 200, response.text
+    file = response.json()
+    assert file["filename"] == "[31mevil.jsonl"
+    content = server.http.get(f"/v1/files/{file['id']}/content")
+    assert content.headers["content-disposition"] == 'attachment; filename="[31mevil.jsonl"'
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "kind"),
+    [
+        ("GET", "/v1/files/..%2F..%2Fetc%2Fpasswd", "not_found"),
+        ("GET", "/v1/files/..%2Fbatchgen.db/content", "not_found"),
+        ("DELETE", "/v1/files/..%2Fbatchgen.db", "not_found"),
+        ("GET", "/v1/files/...", "file_not_found"),
+        ("GET", "/v1/files/batchgen.db/content", "file_not_found"),
+        ("DELETE", "/v1/files/file-..", "file_not_found"),
+        ("GET", "/v1/files/file-ABC", "file_not_found"),
+        ("GET", "/v1/batches/batch_..", "batch_not_found"),
+        ("POST", "/v1/batches/..%2F..%2Fetc/cancel", "not_found"),
+    ],
+)
+def test_ids_that_are_not_ids_are_not_found(server: LiveServer, method: str, path: str, kind: str) -> None:
+    # A percent-encoded slash decodes to a real one: no route matches (not_found); any other non-id: no such object.
+    assert_error(server.http.request(method, path), 404, kind)
+    assert (server.storage_dir / "batchgen.db").exists()
+    refused = server.http.post("/v1/batches", json={"input_file_id": "../batchgen.db"})
+    assert_error(refused, 404, "file_not_found")
+
+
+def test_completion_callback_gets_the_final_batch(server: LiveServer) -> None:
+    receiver = Receiver([Reply(200)])
+    try:
+        url = receiver.url + "?batch=1"
+        metadata = {"ds_batch_finish_callback": url, "project": "x"}
+        done = server.run([chat_line("c1"), chat_line("c2")], metadata=metadata)
+        assert done["status"] == "completed"
+        deadline = time.monotonic() + 10
+        while not receiver.received:
+            assert time.monotonic() < deadline, "no callback arrived"
+            time.sleep(0.05)
+        time.sleep(0.2)  # a second delivery would have arrived by now
+        [hit] = receiver.received
+        assert hit.path == "/hook?batch=1" and hit.headers["idempotency-key"] == done["id"]
+        assert json.loads(hit.body) == server.batch(done["id"])
+    finally:
+        receiver.close()
+    file_id = server.upload([chat_line("c")])["id"]
+    for refused_url in ("http://169.254.169.254/latest/meta-data", "file:///etc/passwd", "http://localhost:1/"):
+        response = server.http.post(
+            "/v1/batches", json={"input_file_id": file_id, "metadata": {"ds_batch_finish_callback": refused_url}}
+        )
+        assert_error(response, 400, "invalid_value", "metadata.ds_batch_finish_callback")
+
+
+def test_callbacks_are_off_by_default(live_server: LiveServer) -> None:
+    file_id = live_server.upload([chat_line("c")])["id"]
+    metadata = {"ds_batch_finish_callback": "http://127.0.0.1:9/hook"}
+    response = live_server.http.post("/v1/batches", json={"input_file_id": file_id, "metadata": metadata})
+    assert_error(response, 400, "invalid_value", "metadata.ds_batch_finish_callback")
+    assert "disabled" in response.json()["error"]["message"]
 
 
 def test_backpressure(server: LiveServer) -> None:
@@ -91,7 +215,7 @@ def test_backpressure(server: LiveServer) -> None:
 @pytest.fixture(scope="module")
 def fast_clock(server_factory: Callable[..., LiveServer]) -> LiveServer:
     """A server where an hour of completion_window lasts 0.1 s: "24h" expires after about 2 s."""
-    return server_factory("--window-hour-s", "0.1")
+    return server_factory("--window-hour-s", "0.1", "--file-sweep-interval-s", "0.2")
 
 
 def test_expiry_keeps_finished_results_and_answers_the_rest(fast_clock: LiveServer) -> None:
@@ -115,3 +239,27 @@ def test_expiry_keeps_finished_results_and_answers_the_rest(fast_clock: LiveServ
         assert line["error"]["code"] == "batch_expired" and line["error"]["message"]
     conflict = fast_clock.http.post(f"/v1/batches/{batch['id']}/cancel")
     assert (conflict.status_code, conflict.json()["error"]["code"]) == (409, "batch_not_cancellable")
+
+
+def test_expired_files_are_gone(fast_clock: LiveServer) -> None:
+    response = fast_clock.http.post(
+        "/v1/files",
+        data={"purpose": "batch", "expires_after[anchor]": "created_at", "expires_after[seconds]": "3600"},
+        files={"file": ("soon.jsonl", jsonl([chat_line("e")]))},
+    )
+    file = response.json()
+    assert file["expires_at"] == file["created_at"] + 3600
+    kept = fast_clock.upload([chat_line("k")])["id"]
+    blob = fast_clock.storage_dir / "blobs" / file["id"]
+    assert blob.exists()
+    # An hour is too long to wait: move the expiry into the past, as time passing would.
+    with sqlite3.connect(fast_clock.storage_dir / "batchgen.db") as db:
+        db.execute("UPDATE files SET expires_at = ? WHERE id = ?", (int(time.time()) - 1, file["id"]))
+    assert_error(fast_clock.http.get(f"/v1/files/{file['id']}"), 404, "file_not_found")
+    assert_error(fast_clock.http.get(f"/v1/files/{file['id']}/content"), 404, "file_not_found")
+    assert file["id"] not in [f["id"] for f in fast_clock.http.get("/v1/files").json()["data"]]
+    deadline = time.monotonic() + 10
+    while blob.exists():  # the periodic sweep deletes the content
+        assert time.monotonic() < deadline, "the expired file's content is still there"
+        time.sleep(0.1)
+    assert fast_clock.http.get(f"/v1/files/{kept}").status_code == 200

@@ -8,7 +8,7 @@ import pytest
 
 from batchgen.server.api.batches import completion_window_hours
 from batchgen.server.api.errors import APIError
-from batchgen.server.cli import build_parser, engine_config_from_args
+from batchgen.server.cli import build_parser, engine_config_from_args, main
 from batchgen.server.serve import settings_from_args
 from batchgen.server.settings import Settings
 
@@ -50,3 +50,43 @@ def test_bad_completion_windows(window: str) -> None:
     with pytest.raises(APIError) as raised:
         completion_window_hours(window)
     assert (raised.value.status_code, raised.value.param) == (400, "completion_window")
+
+
+@pytest.mark.parametrize(
+    ("args", "environ"),
+    [
+        (["--host", "0.0.0.0"], {}),
+        (["--host", "192.168.1.20"], {"BATCHGEN_INSECURE": "0"}),
+        (["--host", "::"], {"BATCHGEN_API_KEYS": ""}),
+    ],
+)
+def test_serve_refuses_a_public_bind_without_a_key(
+    args: list[str], environ: dict[str, str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name in ("BATCHGEN_API_KEYS", "BATCHGEN_INSECURE", "BATCHGEN_HOST"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    assert main(["serve", *args, "--port", "1"]) == 2  # refused before any model is loaded or port bound
+    message = capsys.readouterr().err
+    assert "Refusing to listen on" in message and "--api-key" in message and "--insecure" in message
+
+
+def test_insecure_and_callback_hosts_from_flags_and_environment() -> None:
+    parser = build_parser()
+    args = parser.parse_args(
+        ["serve", "--insecure", "--callback-allowed-host", "a.example", "--callback-allowed-host", "127.0.0.1"]
+    )
+    settings = settings_from_args(args, engine_config_from_args(args))
+    assert settings.insecure is True
+    assert settings.callbacks.allowed_hosts == frozenset({"a.example", "127.0.0.1"})
+    from_env = Settings.from_env(
+        {
+            "BATCHGEN_INSECURE": "true",
+            "BATCHGEN_CALLBACK_ALLOWED_HOSTS": "hooks.local, 10.0.0.5",
+            "BATCHGEN_SHUTDOWN_TIMEOUT_S": "5",
+        }
+    )
+    assert (from_env.insecure, from_env.callback_allowed_hosts) == (True, ("hooks.local", "10.0.0.5"))
+    assert from_env.shutdown_timeout_s == 5.0
+    assert Settings().callbacks.allowed_hosts == frozenset() and Settings().insecure is False

@@ -1,32 +1,37 @@
-"""``create_app(settings)``: the Litestar application, whose lifespan owns the store, the engine and the runner."""
+"""``create_app(settings)``: the Litestar application, whose lifespan owns the store, the engine, the runner, the
+completion callbacks and the expired-file sweep."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from litestar import Litestar, Router
+from litestar.datastructures import State
 from litestar.openapi import OpenAPIConfig
 
 from batchgen.schemas import ModelObject
 
 from .api.batches import BatchesController
-from .api.deps import DEPENDENCIES, ServerContext, require_api_key
+from .api.deps import DEPENDENCIES, ServerContext, admit_while_running
 from .api.errors import EXCEPTION_HANDLERS, add_request_id
 from .api.files import FilesController
 from .api.health import HealthController, PoolController
 from .api.legacy import legacy_inference
 from .api.models import ModelsController
 from .batches.runner import BatchRunner
+from .callbacks import CallbackNotifier
 from .engine import EngineWorker, LLMEngine
+from .security.auth import ApiKeyAuthMiddleware
 from .serving import OpenAIServing
 from .settings import MIB, Settings
 from .storage.blobs import BlobStore
 from .storage.database import Database
-
-ENGINE_STOP_TIMEOUT_S = 30.0
+from .storage.expiry import sweep_forever
 
 
 def create_app(settings: Settings) -> Litestar:
@@ -35,11 +40,16 @@ def create_app(settings: Settings) -> Litestar:
         settings.storage_dir.mkdir(parents=True, exist_ok=True)
         db = Database(settings.database_path)
         blobs = BlobStore(settings.blobs_dir)
+        sweeper = asyncio.create_task(sweep_forever(db, blobs, settings.file_sweep_interval_s))
+        notifier = CallbackNotifier(settings.callbacks)
+        await notifier.start()
         engine = await asyncio.to_thread(LLMEngine.from_config, settings.engine)
         worker = EngineWorker(engine)
         worker.start()
         serving = OpenAIServing(engine.tokenizer, engine.model_name, engine.max_context_length, engine.tasks)
-        runner = BatchRunner(settings=settings, db=db, blobs=blobs, serving=serving, engine=worker)
+        runner = BatchRunner(
+            settings=settings, db=db, blobs=blobs, serving=serving, engine=worker, on_finished=notifier.notify
+        )
         model = ModelObject(
             id=engine.model_name, created=int(time.time()), max_context_length=engine.max_context_length
         )
@@ -48,21 +58,30 @@ def create_app(settings: Settings) -> Litestar:
         try:
             yield
         finally:
-            await asyncio.to_thread(worker.stop, ENGINE_STOP_TIMEOUT_S)
+            # In-flight requests are done (uvicorn drained them); the rest of the shutdown deadline is for these.
+            await asyncio.to_thread(worker.stop, settings.shutdown_timeout_s / 2)
             await runner.stop()
+            sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sweeper
+            await notifier.stop()
             db.close()
 
     api = Router(
         path="/",
         route_handlers=[ModelsController, FilesController, BatchesController, PoolController, legacy_inference],
-        guards=[require_api_key],
+        guards=[admit_while_running],
     )
+    auth = ApiKeyAuthMiddleware(settings.api_keys)
     return Litestar(
         route_handlers=[api, HealthController],
+        middleware=[auth],
         dependencies=DEPENDENCIES,
         exception_handlers=EXCEPTION_HANDLERS,
         before_send=[add_request_id],
         lifespan=[lifespan],
+        # ``auth`` also answers unrouted requests (errors.py); ``draining`` is set by the SIGTERM handler (serve.py).
+        state=State({"auth": auth, "draining": threading.Event()}),
         # Multipart overhead on top of the largest file; the file part itself is limited exactly while it streams.
         request_max_body_size=settings.max_upload_bytes + MIB,
         openapi_config=OpenAPIConfig(

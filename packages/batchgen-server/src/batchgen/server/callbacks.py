@@ -41,10 +41,10 @@ class CallbackSettings:
 
 
 class CallbackUrlError(LimitError):
-    """A callback URL the server will not call; at batch creation this is a 400 on ``metadata``."""
+    """A callback URL the server will not call; at batch creation this is a 400 on the metadata key."""
 
     def __init__(self, message: str) -> None:
-        super().__init__(message, param="metadata")
+        super().__init__(message, param=f"metadata.{CALLBACK_METADATA_KEY}")
 
 
 def _normalize_host(host: str) -> str:

@@ -29,6 +29,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     group.add_argument("--max-model-len", type=int, default=None, help="context cap (default: the model's)")
     group.add_argument("--seed", type=int, default=0, help="seed of requests that set none")
+    group.add_argument(
+        "--torch-threads", type=int, default=None, help="CPU threads of torch's ops (default: torch's, the cores)"
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -46,6 +49,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=not args.no_prefix_caching,
         max_model_len=args.max_model_len,
         seed=args.seed,
+        torch_threads=args.torch_threads,
     )
 
 

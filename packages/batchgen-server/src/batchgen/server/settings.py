@@ -12,6 +12,7 @@ from typing import Any
 
 from batchgen.schemas.validation import ValidationLimits
 
+from .callbacks import CallbackSettings
 from .engine.config import EngineConfig
 
 MIB = 1024 * 1024
@@ -24,7 +25,16 @@ class Settings:
     storage_dir: Path = Path("batchgen-data")
     """SQLite metadata (``batchgen.db``) and file contents (``blobs/``)."""
     api_keys: tuple[str, ...] = ()
-    """Bearer keys accepted on ``/v1``; none configured means no authentication."""
+    """Bearer keys accepted on ``/v1``; none configured means no authentication (loopback only, unless insecure)."""
+    insecure: bool = False
+    """Allow listening on a non-loopback address with no API key (a trusted network)."""
+    callback_allowed_hosts: tuple[str, ...] = ()
+    """Hosts completion callbacks may reach (exact names or IPs); none means callbacks are off."""
+    shutdown_timeout_s: float = 30.0
+    """After SIGTERM: in-flight requests, then the engine and the writer, must be done by then, or the process exits
+    anyway (everything accepted is on disk; the next start resumes it)."""
+    file_sweep_interval_s: float = 60.0
+    """How often files past their ``expires_after`` are deleted (also once at startup)."""
     max_queued_requests: int = 100_000
     """Capacity: most requests waiting or running across all batches before ``POST /v1/batches`` answers 429."""
     retry_after_s: int = 30
@@ -62,6 +72,10 @@ class Settings:
         return self.storage_dir / "blobs"
 
     @property
+    def callbacks(self) -> CallbackSettings:
+        return CallbackSettings(allowed_hosts=frozenset(self.callback_allowed_hosts))
+
+    @property
     def validation_limits(self) -> ValidationLimits:
         """What the upload check and the batch validation enforce on an input file."""
         return ValidationLimits(
@@ -73,8 +87,8 @@ class Settings:
 
 def _parse(name: str, raw: str) -> Any:
     default = {f.name: f for f in dataclasses.fields(Settings)}[name].default
-    if name == "api_keys":
-        return tuple(key.strip() for key in raw.split(",") if key.strip())
+    if name in ("api_keys", "callback_allowed_hosts"):
+        return tuple(item.strip() for item in raw.split(",") if item.strip())
     if name == "storage_dir":
         return Path(raw)
     if isinstance(default, bool):

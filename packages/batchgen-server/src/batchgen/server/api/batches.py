@@ -10,15 +10,16 @@ from litestar.params import Parameter
 
 from batchgen.schemas import ENDPOINTS, BatchList, BatchObject, BatchRequestCounts, CreateBatchRequest
 
+from ..callbacks import check_callback_metadata
 from ..ids import new_batch_id
+from ..security.limits import is_valid_id, validate_metadata
 from .deps import ServerContext, now
-from .errors import APIError, invalid, not_found
+from .errors import ERROR_RESPONSES, APIError, invalid, not_found
 from .files import get_owned_file
 from .idempotency import IDEMPOTENCY_KEY, idempotent
 
 MIN_WINDOW_H, MAX_WINDOW_H = 24, 336
 MAX_TOP_K = 1_000_000
-MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
 
 
 def completion_window_hours(window: str) -> int:
@@ -34,7 +35,7 @@ def completion_window_hours(window: str) -> int:
 
 
 def get_owned_batch(context: ServerContext, batch_id: str, owner: str) -> BatchObject:
-    batch = context.db.get_batch(batch_id, owner=owner)
+    batch = context.db.get_batch(batch_id, owner=owner) if is_valid_id(batch_id, "batch") else None
     if batch is None:
         raise not_found("batch", batch_id)
     return batch
@@ -44,7 +45,7 @@ class BatchesController(Controller):
     path = "/v1/batches"
     tags = ("batches",)
 
-    @post(status_code=200, summary="Create a batch from an uploaded input file")
+    @post(status_code=200, summary="Create a batch from an uploaded input file", responses=ERROR_RESPONSES)
     async def create(
         self,
         data: CreateBatchRequest,
@@ -64,7 +65,7 @@ class BatchesController(Controller):
             lambda batch_id: context.db.get_batch(batch_id, owner=owner),
         )
 
-    @get(summary="List batches, newest first")
+    @get(summary="List batches, newest first", responses=ERROR_RESPONSES)
     async def list_batches(
         self,
         context: ServerContext,
@@ -80,11 +81,11 @@ class BatchesController(Controller):
             has_more=has_more,
         )
 
-    @get("/{batch_id:str}", summary="Retrieve a batch (poll this for progress)")
+    @get("/{batch_id:str}", summary="Retrieve a batch (poll this for progress)", responses=ERROR_RESPONSES)
     async def retrieve(self, context: ServerContext, owner: str, batch_id: str) -> BatchObject:
         return get_owned_batch(context, batch_id, owner)
 
-    @post("/{batch_id:str}/cancel", status_code=200, summary="Cancel a batch")
+    @post("/{batch_id:str}/cancel", status_code=200, summary="Cancel a batch", responses=ERROR_RESPONSES)
     async def cancel(self, context: ServerContext, owner: str, batch_id: str) -> BatchObject:
         batch = get_owned_batch(context, batch_id, owner)
         if batch.status in ("cancelling", "cancelled"):
@@ -104,7 +105,8 @@ def _create_batch(data: CreateBatchRequest, context: ServerContext, owner: str) 
     if data.endpoint not in ENDPOINTS:
         raise invalid(f"Invalid endpoint {data.endpoint!r}: use one of {', '.join(ENDPOINTS)}.", param="endpoint")
     window_s = max(1, round(completion_window_hours(data.completion_window) * context.settings.window_hour_s))
-    _check_metadata(data.metadata)
+    validate_metadata(data.metadata)
+    check_callback_metadata(data.metadata, context.settings.callbacks)
     max_context = context.model.max_context_length
     for param, value in (
         ("max_context_length", data.max_context_length),
@@ -156,20 +158,3 @@ def _create_batch(data: CreateBatchRequest, context: ServerContext, owner: str) 
     context.db.insert_batch(batch, owner=owner)
     context.runner.launch(batch)
     return batch
-
-
-def _check_metadata(metadata: dict[str, str] | None) -> None:
-    if metadata is None:
-        return
-    if len(metadata) > MAX_METADATA_KEYS:
-        raise invalid(f"metadata has more than {MAX_METADATA_KEYS} keys.", param="metadata")
-    for key, value in metadata.items():
-        if len(key) > MAX_METADATA_KEY_CHARS:
-            raise invalid(
-                f"metadata key {key[:16]!r}... is longer than {MAX_METADATA_KEY_CHARS} characters.", param="metadata"
-            )
-        if len(value) > MAX_METADATA_VALUE_CHARS:
-            raise invalid(
-                f"metadata value of {key!r} is longer than {MAX_METADATA_VALUE_CHARS} characters.",
-                param=f"metadata.{key}",
-            )

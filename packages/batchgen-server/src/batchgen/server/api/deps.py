@@ -1,10 +1,10 @@
-"""What the controllers share (the server's parts, reached through Litestar's dependency injection) and the
-authentication that decides who the caller is."""
+"""What the controllers share (the server's parts, reached through Litestar's dependency injection): the context,
+the caller's tenant (``owner``, set by :class:`~batchgen.server.security.auth.ApiKeyAuthMiddleware`), and the
+refusal of new work while a graceful shutdown drains."""
 
 from __future__ import annotations
 
-import hashlib
-import hmac
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +18,7 @@ from batchgen.schemas import ModelObject
 
 from ..batches.runner import BatchRunner
 from ..engine import EngineWorker
+from ..security.auth import provide_tenant
 from ..settings import Settings
 from ..storage.blobs import BlobStore
 from ..storage.database import Database
@@ -43,36 +44,25 @@ def _context(request: Request[Any, Any, Any]) -> ServerContext:
     return context
 
 
-def _bearer_key(connection: ASGIConnection[Any, Any, Any, Any]) -> str:
-    scheme, _, key = connection.headers.get("authorization", "").partition(" ")
-    return key.strip() if scheme.lower() == "bearer" else ""
-
-
-def require_api_key(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
-    """Guard of every ``/v1`` route: with keys configured, a valid Bearer key (compared in constant time)."""
-    keys: tuple[str, ...] = connection.app.state.context.settings.api_keys
-    if not keys:
-        return
-    given = _bearer_key(connection).encode()
-    # Compare against every key so the time taken does not tell which one (or whether any) matched.
-    matched = [hmac.compare_digest(given, key.encode()) for key in keys]
-    if not any(matched):
+def ensure_admitting(connection: ASGIConnection[Any, Any, Any, Any]) -> None:
+    """503 once the server is draining: the caller retries against the restarted server."""
+    draining: threading.Event = connection.app.state.draining  # set by the SIGTERM handler (serve.py)
+    if draining.is_set():
         raise APIError(
-            401,
-            "Missing or invalid API key; send it as 'Authorization: Bearer <key>'.",
-            code="invalid_api_key",
-            headers={"WWW-Authenticate": "Bearer"},
+            503,
+            "The server is shutting down and admits no new work; retry shortly.",
+            code="server_shutting_down",
+            headers={"Retry-After": "5"},
         )
 
 
-def _owner(request: Request[Any, Any, Any]) -> str:
-    """The tenant: a digest of the caller's API key (``""`` when the server has no keys)."""
-    if not request.app.state.context.settings.api_keys:
-        return ""
-    return hashlib.sha256(_bearer_key(request).encode()).hexdigest()[:32]
+def admit_while_running(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+    """Guard of the API: while draining, requests that create or change something (POST, DELETE) get a 503."""
+    if isinstance(connection, Request) and connection.method in ("POST", "DELETE"):
+        ensure_admitting(connection)
 
 
 DEPENDENCIES = {
     "context": Provide(_context, sync_to_thread=False),
-    "owner": Provide(_owner, sync_to_thread=False),
+    "owner": Provide(provide_tenant, sync_to_thread=False),
 }

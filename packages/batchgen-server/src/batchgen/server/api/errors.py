@@ -11,9 +11,13 @@ from typing import Any
 from litestar import Request, Response
 from litestar.datastructures import MutableScopeHeaders
 from litestar.exceptions import HTTPException, ValidationException
+from litestar.openapi import ResponseSpec
 from litestar.types import ExceptionHandlersMap, Message, Scope
 
 from batchgen.schemas import ErrorDetail, ErrorResponse
+
+from ..security.auth import UNAUTHORIZED_HEADERS, ApiKeyAuthMiddleware
+from ..security.limits import LimitError
 
 log = logging.getLogger("batchgen.server")
 
@@ -27,6 +31,22 @@ _CODES = {
     415: "unsupported_media_type",
     429: "rate_limit_exceeded",
 }
+
+
+ERROR_RESPONSES = {
+    status: ResponseSpec(ErrorResponse, description=description, generate_examples=False)
+    for status, description in (
+        (400, "Invalid request: the error names the parameter"),
+        (401, "Missing or invalid API key"),
+        (404, "No such object (or it belongs to another key)"),
+        (409, "Conflict with the object's state"),
+        (413, "Upload over the size limit"),
+        (422, "Invalid input file"),
+        (429, "The queue is full; retry after Retry-After seconds"),
+        (503, "The server is shutting down; retry shortly"),
+    )
+}
+"""The error envelope as the OpenAPI document publishes it, for every ``/v1`` operation (in place of Litestar's)."""
 
 
 class APIError(Exception):
@@ -69,6 +89,10 @@ def _api_error(_: Request[Any, Any, Any], exc: APIError) -> Response[ErrorRespon
     return error_response(exc.status_code, exc.message, code=exc.code, param=exc.param, headers=exc.headers)
 
 
+def _limit_error(_: Request[Any, Any, Any], exc: LimitError) -> Response[ErrorResponse]:
+    return error_response(exc.status_code, exc.message, code=exc.code, param=exc.param)
+
+
 _MISSING = re.compile(r"missing required field `([^`]+)`")
 _UNKNOWN = re.compile(r"unknown field `([^`]+)`")
 
@@ -103,6 +127,12 @@ def _http_error(request: Request[Any, Any, Any], exc: HTTPException) -> Response
         log.error("internal error: %s", exc.detail)
         return error_response(status_code, "The server had an error while processing the request.", code="server_error")
     code = _CODES.get(status_code, "invalid_request")
+    if status_code in (404, 405):
+        # No route, or not for this method: the middleware never saw the request, so ask it here. Without a key
+        # the answer is 401 either way, and reveals nothing of which paths exist.
+        auth: ApiKeyAuthMiddleware = request.app.state.auth
+        if (unauthorized := auth.rejection(request.scope)) is not None:
+            return Response(unauthorized, status_code=401, headers=UNAUTHORIZED_HEADERS)
     if status_code == 404:
         message = f"No route for {request.method} {request.url.path}; see /schema for the API."
     elif status_code == 405:
@@ -119,6 +149,7 @@ def _unexpected_error(request: Request[Any, Any, Any], exc: Exception) -> Respon
 
 EXCEPTION_HANDLERS: ExceptionHandlersMap = {
     APIError: _api_error,
+    LimitError: _limit_error,
     ValidationException: _validation_error,
     HTTPException: _http_error,
     Exception: _unexpected_error,

@@ -12,8 +12,9 @@ from litestar.response import Stream
 from batchgen.schemas import FileDeleted, FileList, FileObject
 
 from ..ids import new_file_id
-from .deps import ServerContext, now
-from .errors import APIError, invalid, not_found
+from ..security.limits import is_valid_id
+from .deps import ServerContext, ensure_admitting, now
+from .errors import ERROR_RESPONSES, APIError, invalid, not_found
 from .idempotency import IDEMPOTENCY_KEY, idempotent
 from .uploads import read_upload
 
@@ -22,8 +23,8 @@ MAX_EXPIRY_S = 30 * 24 * 3600
 
 
 def get_owned_file(context: ServerContext, file_id: str, owner: str) -> FileObject:
-    file = context.db.get_file(file_id, owner=owner)
-    if file is None:
+    file = context.db.get_file(file_id, owner=owner) if is_valid_id(file_id, "file") else None
+    if file is None or _expired(file):  # an expired file not yet swept is already gone
         raise not_found("file", file_id)
     return file
 
@@ -32,7 +33,7 @@ class FilesController(Controller):
     path = "/v1/files"
     tags = ("files",)
 
-    @post(status_code=200, summary="Upload a JSONL input file (multipart: file, purpose)")
+    @post(status_code=200, summary="Upload a JSONL input file (multipart: file, purpose)", responses=ERROR_RESPONSES)
     async def upload(
         self,
         request: Request[Any, Any, Any],
@@ -48,7 +49,7 @@ class FilesController(Controller):
 
         return await idempotent(context, owner, "files", idempotency_key, create, lookup)
 
-    @get(summary="List files, newest first by default")
+    @get(summary="List files, newest first by default", responses=ERROR_RESPONSES)
     async def list_files(
         self,
         context: ServerContext,
@@ -66,11 +67,11 @@ class FilesController(Controller):
             has_more=has_more,
         )
 
-    @get("/{file_id:str}", summary="Retrieve a file's metadata")
+    @get("/{file_id:str}", summary="Retrieve a file's metadata", responses=ERROR_RESPONSES)
     async def retrieve(self, context: ServerContext, owner: str, file_id: str) -> FileObject:
         return _with_live_size(context, get_owned_file(context, file_id, owner))
 
-    @delete("/{file_id:str}", status_code=200, summary="Delete a file")
+    @delete("/{file_id:str}", status_code=200, summary="Delete a file", responses=ERROR_RESPONSES)
     async def delete_file(self, context: ServerContext, owner: str, file_id: str) -> FileDeleted:
         get_owned_file(context, file_id, owner)
         if context.db.file_in_use(file_id):
@@ -84,7 +85,11 @@ class FilesController(Controller):
         context.blobs.delete(file_id)
         return FileDeleted(id=file_id, deleted=True)
 
-    @get("/{file_id:str}/content", summary="Download a file's content (partial while its batch runs)")
+    @get(
+        "/{file_id:str}/content",
+        summary="Download a file's content (partial while its batch runs)",
+        responses=ERROR_RESPONSES,
+    )
     async def content(self, context: ServerContext, owner: str, file_id: str) -> Response[Any]:
         file = get_owned_file(context, file_id, owner)
         # A results file still being appended to is served up to its last complete line.
@@ -116,6 +121,7 @@ async def _store_upload(request: Request[Any, Any, Any], context: ServerContext,
             error = form.check_error
             where = f"line {error.line}: " if error.line is not None else ""
             raise APIError(422, f"Invalid input file, {where}{error.message}", code=error.code, param="file")
+        ensure_admitting(request)  # a shutdown may have begun while the upload streamed in
     except BaseException:
         if writer is not None:
             writer.discard()
@@ -134,6 +140,10 @@ async def _store_upload(request: Request[Any, Any, Any], context: ServerContext,
     )
     context.db.insert_file(file, owner=owner, line_count=form.line_count)
     return file
+
+
+def _expired(file: FileObject) -> bool:
+    return file.expires_at is not None and file.expires_at <= now()
 
 
 def _with_live_size(context: ServerContext, file: FileObject) -> FileObject:

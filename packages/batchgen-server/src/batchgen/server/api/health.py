@@ -12,6 +12,7 @@ from batchgen.schemas import HealthStatus, PoolStatus
 
 from ..storage.database import ACTIVE_STATUSES
 from .deps import ServerContext
+from .errors import ERROR_RESPONSES
 
 THROUGHPUT_WINDOW_S = 60.0
 _BATCH_STATUSES = (
@@ -47,7 +48,7 @@ class PoolController(Controller):
     path = "/v1/pool"
     tags = ("operations",)
 
-    @get("/status", summary="Queued and running requests, capacity and active batches")
+    @get("/status", summary="Queued and running requests, capacity and active batches", responses=ERROR_RESPONSES)
     async def status(self, context: ServerContext) -> PoolStatus:
         stats = context.worker.stats()
         batches = context.db.batch_status_counts()

@@ -6,10 +6,17 @@ from typing import Any
 
 from litestar import Request, post
 
-from .errors import APIError
+from .errors import ERROR_RESPONSES, APIError
 
 
-@post("/v1/inference", status_code=410, tags=["legacy"], summary="Removed: use the batch API", include_in_schema=True)
+@post(
+    "/v1/inference",
+    status_code=410,
+    tags=["legacy"],
+    summary="Removed: use the batch API",
+    include_in_schema=True,
+    responses=ERROR_RESPONSES,
+)
 async def legacy_inference(request: Request[Any, Any, Any]) -> None:
     raise APIError(
         410,

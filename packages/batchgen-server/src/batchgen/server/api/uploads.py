@@ -3,8 +3,6 @@ blob (hashed and checked on the way, constant memory), the small text fields int
 
 from __future__ import annotations
 
-import os
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +11,7 @@ from multipart import MultipartSegment, ParserError, ParserLimitReached, PushMul
 
 from batchgen.schemas.validation import LineError, UploadChecker, ValidationLimits
 
+from ..security.limits import sanitize_filename
 from ..storage.blobs import BlobStore, UploadWriter
 from .errors import APIError, invalid
 
@@ -103,10 +102,3 @@ def _too_large(limits: ValidationLimits) -> APIError:
     return APIError(
         413, f"The file exceeds the upload limit of {limits.max_file_bytes} bytes.", code="file_too_large", param="file"
     )
-
-
-def sanitize_filename(name: str | None) -> str:
-    """The base name only, without control characters, at most 255 characters."""
-    base = os.path.basename((name or "").replace("\\", "/"))
-    cleaned = re.sub(r"[\x00-\x1f\x7f]", "", base).strip() or "upload.jsonl"
-    return cleaned[:255]

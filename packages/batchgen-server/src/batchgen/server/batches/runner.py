@@ -57,7 +57,7 @@ class Engine(Protocol):
 
     def submit(self, requests: list[EngineRequest], on_result: Callable[[EngineResult], None]) -> None: ...
 
-    def abort_group(self, group: str) -> None: ...
+    def abort_group(self, group: str, on_aborted: Callable[[], None] | None = None) -> None: ...
 
 
 @dataclass(slots=True)
@@ -103,9 +103,18 @@ class _Check(msgspec.Struct, frozen=True):
 
 class BatchRunner:
     def __init__(
-        self, *, settings: Settings, db: Database, blobs: BlobStore, serving: OpenAIServing, engine: Engine
+        self,
+        *,
+        settings: Settings,
+        db: Database,
+        blobs: BlobStore,
+        serving: OpenAIServing,
+        engine: Engine,
+        on_finished: Callable[[BatchObject], None] | None = None,
     ) -> None:
         self.settings = settings
+        self.on_finished = on_finished
+        """Told each batch that reached a terminal state (completion callbacks); called from the runner's threads."""
         self.db = db
         self.blobs = blobs
         self.serving = serving
@@ -156,6 +165,7 @@ class BatchRunner:
                 self.engine.abort_group(batch.id)
             error = BatchError(code="internal_error", message=f"The server could not run the batch: {exc}")
             self.db.update_batch(batch.id, status="failed", failed_at=_now(), errors=BatchErrors(data=[error]))
+            self._finished(batch.id)
 
     # ---- prepare thread -----------------------------------------------------------------------------------------
 
@@ -214,7 +224,9 @@ class BatchRunner:
             total=0,
             errors=BatchErrors(data=errors[:MAX_REPORTED_ERRORS]),
         )
-        if not failed:  # cancelled while validating
+        if failed:
+            self._finished(batch.id)
+        else:  # cancelled while validating
             self._finish_cancelled_before_start(batch)
         return None
 
@@ -302,27 +314,37 @@ class BatchRunner:
     def _abort(self, batch_id: str) -> None:
         """Stop the batch's requests at the next engine step, then let the writer finish the batch.
 
-        The worker applies aborts before the step that answers a request with an empty prompt (at once, with an
-        error), so that answer is the barrier: when it arrives, every result the batch will ever get has arrived.
+        Once the engine has applied the abort no result of the batch's requests submitted so far can arrive, so the
+        writer can finish the batch when ``_Stopped`` reaches it (after every result that came before).
         """
-        self.engine.abort_group(batch_id)
-        barrier = EngineRequest(f"stop_{new_request_id()}", [], group=f"{batch_id}:stop")
-        self.engine.submit([barrier], lambda _: self._inbox.put(_Stopped(batch_id)))
+        self.engine.abort_group(batch_id, lambda: self._inbox.put(_Stopped(batch_id)))
 
     def _expire_before_start(self, batch: BatchObject) -> bool:
         """A batch whose window passed while it waited or validated expires without running."""
         if batch.expires_at is None or time.time() < batch.expires_at:
             return False
-        return self.db.update_batch(batch.id, only_if_status=("validating",), status="expired", expired_at=_now())
+        expired = self.db.update_batch(batch.id, only_if_status=("validating",), status="expired", expired_at=_now())
+        if expired:
+            self._finished(batch.id)
+        return expired
 
     def _is_cancelling(self, batch_id: str) -> bool:
         with self._lock:
             return batch_id in self._cancel_requested
 
     def _finish_cancelled_before_start(self, batch: BatchObject) -> None:
-        self.db.update_batch(batch.id, only_if_status=("cancelling",), status="cancelled", cancelled_at=_now())
+        if self.db.update_batch(batch.id, only_if_status=("cancelling",), status="cancelled", cancelled_at=_now()):
+            self._finished(batch.id)
         with self._lock:
             self._cancel_requested.discard(batch.id)
+
+    def _finished(self, batch_id: str) -> None:
+        """Hand the batch, now in its terminal state, to ``on_finished``."""
+        if self.on_finished is None:
+            return
+        batch = self.db.get_batch(batch_id, owner=None)
+        if batch is not None:
+            self.on_finished(batch)
 
     # ---- engine thread ------------------------------------------------------------------------------------------
 
@@ -452,6 +474,7 @@ class BatchRunner:
         self.db.finish_batch(batch_id, drop_files=list(empty.values()), **dict.fromkeys(empty), **final)
         for file_id in empty.values():
             self.blobs.delete(file_id)
+        self._finished(batch_id)
 
 
 def _now() -> int:

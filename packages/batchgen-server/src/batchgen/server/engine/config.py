@@ -34,6 +34,12 @@ class EngineConfig:
     """Context cap; ``None`` uses the model's own ``max_position_embeddings``."""
     seed: int = 0
     """Seed of requests that set none (each request gets its own generator)."""
+    torch_threads: int | None = None
+    """CPU threads of torch's ops (process-wide); ``None`` keeps torch's default (the machine's cores)."""
+
+    def apply_torch_threads(self) -> None:
+        if self.torch_threads is not None:
+            torch.set_num_threads(self.torch_threads)
 
     def resolved_device(self) -> torch.device:
         if self.device is not None:

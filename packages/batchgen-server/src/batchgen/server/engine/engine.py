@@ -43,6 +43,7 @@ class LLMEngine:
     tasks: frozenset[Task] = frozenset({"generate", "embed"})
 
     def __init__(self, model: PreTrainedModel, tokenizer: Any, config: EngineConfig, model_name: str) -> None:
+        config.apply_torch_threads()
         self.config = config
         self.tokenizer = tokenizer
         self.model_name = model_name

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 from transformers import (
     AutoConfig,
     AutoModel,
@@ -45,5 +44,4 @@ def load_model(config: EngineConfig) -> tuple[PreTrainedModel, PreTrainedTokeniz
     if config.device_map is None:
         model = model.to(config.resolved_device())
     model.eval()
-    torch.set_grad_enabled(False)  # the engine thread never needs autograd
     return model, tokenizer

@@ -12,6 +12,10 @@ from .scheduler import ScheduledSeq
 
 class ModelRunner:
     def __init__(self, model: PreTrainedModel, config: EngineConfig) -> None:
+        # No autograd, whatever thread steps the engine (grad mode is per thread). With trainable weights, the
+        # in-place K/V writes made the cache tensors part of an autograd graph that grew by every step's saved
+        # activations and was never freed: RSS grew by gigabytes per few thousand requests.
+        model.requires_grad_(False)
         self.model = model
         self.base_model = model.base_model
         self.lm_head = model.get_output_embeddings()

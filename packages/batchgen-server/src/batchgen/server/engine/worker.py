@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -12,6 +13,7 @@ from .request import EngineRequest, EngineResult
 logger = logging.getLogger(__name__)
 
 ResultCallback = Callable[[EngineResult], None]
+AbortedCallback = Callable[[], None]
 
 
 class EngineWorker:
@@ -28,7 +30,7 @@ class EngineWorker:
         self._cond = threading.Condition()
         self._pending: list[tuple[EngineRequest, ResultCallback]] = []
         self._aborts: list[str] = []
-        self._group_aborts: list[str] = []
+        self._group_aborts: list[tuple[str, AbortedCallback | None]] = []
         self._callbacks: dict[str, ResultCallback] = {}
         self._stopping = False
         self._stats = engine.stats()
@@ -58,9 +60,14 @@ class EngineWorker:
             self._aborts.extend(request_ids)
             self._cond.notify()
 
-    def abort_group(self, group: str) -> None:
+    def abort_group(self, group: str, on_aborted: AbortedCallback | None = None) -> None:
+        """Cancel every request of ``group`` submitted before this call, at the next step.
+
+        ``on_aborted()`` is invoked from the worker thread once the abort has been applied: from then on no result
+        of those requests is ever delivered (it is not invoked if the worker stops or dies first).
+        """
         with self._cond:
-            self._group_aborts.append(group)
+            self._group_aborts.append((group, on_aborted))
             self._cond.notify()
 
     def stats(self) -> EngineStats:
@@ -85,18 +92,23 @@ class EngineWorker:
                 for request_id in aborts:
                     self.engine.abort_request(request_id)
                     self._callbacks.pop(request_id, None)
-                for group in group_aborts:
+                for group, on_aborted in group_aborts:
                     for request_id in self.engine.abort_group(group):
                         self._callbacks.pop(request_id, None)
+                    if on_aborted is not None:
+                        _call(on_aborted, f"abort callback of group {group!r}")
                 for result in self.engine.step():
                     on_result = self._callbacks.pop(result.request_id, None)
-                    if on_result is None:
-                        continue
-                    try:
-                        on_result(result)
-                    except Exception:  # the caller's bug must not stop everyone else's requests
-                        logger.exception("result callback failed for %s", result.request_id)
+                    if on_result is not None:
+                        _call(functools.partial(on_result, result), f"result callback of {result.request_id}")
                 self._stats = self.engine.stats()
         except BaseException as exc:
             logger.exception("engine loop died")
             self.error = exc
+
+
+def _call(callback: Callable[[], None], what: str) -> None:
+    try:
+        callback()
+    except Exception:  # the caller's bug must not stop everyone else's requests
+        logger.exception("%s failed", what)

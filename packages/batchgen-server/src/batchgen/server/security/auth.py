@@ -1,8 +1,9 @@
 """API-key authentication: every route but ``/health``, ``/metrics`` and the OpenAPI docs needs a Bearer key.
 
-Each key is a tenant. Handlers read the tenant id of the caller from ``request.user`` (or inject ``tenant: str``
-through :func:`provide_tenant`); it is a truncated sha256 of the key, stable across restarts and useless for
-recovering the key. With no key configured every caller is :data:`DEFAULT_TENANT`.
+Each key is a tenant. Handlers read the tenant id of the caller from ``request.user`` (the server injects it as
+``owner`` through :func:`provide_tenant`); it is a truncated sha256 of the key, stable across restarts and useless
+for recovering the key, and it is what storage records as each file's and batch's ``owner``. With no key configured
+every caller is :data:`DEFAULT_TENANT`.
 """
 
 from __future__ import annotations
@@ -36,8 +37,10 @@ def tenant_id(api_key: str) -> str:
 
 
 def _is_open(path: str) -> bool:
-    # The middleware runs after routing, so ``path`` is the literal path a handler matched: no ``..`` games.
-    return path in OPEN_PATHS or path == OPEN_PREFIX or path.startswith(OPEN_PREFIX + "/")
+    # Exact paths, and no ``..`` under the docs prefix: nothing a router might resolve elsewhere is ever open.
+    if path in OPEN_PATHS or path == OPEN_PREFIX:
+        return True
+    return path.startswith(OPEN_PREFIX + "/") and ".." not in path
 
 
 def _bearer_token(scope: Scope) -> str | None:
@@ -72,31 +75,47 @@ class ApiKeyAuthMiddleware(ASGIMiddleware):
                 tenant = key_tenant
         return tenant
 
-    async def handle(self, scope: Scope, receive: Receive, send: Send, next_app: ASGIApp) -> None:
+    def rejection(self, scope: Scope) -> ErrorResponse | None:
+        """The 401 answer owed to this request, or ``None`` (after recording its tenant in ``scope["user"]``).
+
+        The middleware asks this of every routed request; the 404/405 error handler asks it of unrouted ones, so
+        a caller without a key cannot even tell which ``/v1`` paths exist.
+        """
         if _is_open(scope["path"]):
-            await next_app(scope, receive, send)
-            return
+            return None
         token = _bearer_token(scope)
         tenant = self.authenticate(token)
         if tenant is None:
-            await _send_unauthorized(send, missing=token is None)
-            return
+            message = (
+                "Missing API key: send it as 'Authorization: Bearer <key>'."
+                if token is None
+                else "Incorrect API key provided."
+            )
+            error = ErrorDetail(message=message, type="authentication_error", code="invalid_api_key")
+            return ErrorResponse(error=error)
         scope["user"] = tenant
-        await next_app(scope, receive, send)
+        return None
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send, next_app: ASGIApp) -> None:
+        error = self.rejection(scope)
+        if error is None:
+            await next_app(scope, receive, send)
+        else:
+            await _send_unauthorized(send, error)
 
 
-async def _send_unauthorized(send: Send, *, missing: bool) -> None:
-    message = "Missing API key: send it as 'Authorization: Bearer <key>'." if missing else "Incorrect API key provided."
-    body = msgspec.json.encode(
-        ErrorResponse(error=ErrorDetail(message=message, type="authentication_error", code="invalid_api_key"))
-    )
+UNAUTHORIZED_HEADERS = {"WWW-Authenticate": "Bearer"}
+
+
+async def _send_unauthorized(send: Send, error: ErrorResponse) -> None:
+    body = msgspec.json.encode(error)
     start: HTTPResponseStartEvent = {
         "type": "http.response.start",
         "status": 401,
         "headers": [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),
-            (b"www-authenticate", b"Bearer"),
+            *((name.lower().encode(), value.encode()) for name, value in UNAUTHORIZED_HEADERS.items()),
         ],
     }
     await send(start)
@@ -105,7 +124,7 @@ async def _send_unauthorized(send: Send, *, missing: bool) -> None:
 
 
 def provide_tenant(request: Request[str, Any, State]) -> str:
-    """Litestar dependency: ``dependencies={"tenant": Provide(provide_tenant, sync_to_thread=False)}``."""
+    """Litestar dependency: the caller's tenant, as the middleware recorded it."""
     tenant: str = request.user
     return tenant
 

@@ -9,6 +9,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from ..security.limits import is_valid_id
+
 CHUNK = 1024 * 1024
 
 
@@ -21,6 +23,9 @@ class BlobStore:
             stale.unlink(missing_ok=True)
 
     def path(self, file_id: str) -> Path:
+        """Where a file's content lives; only ever built from an id the server made, so it stays in ``root``."""
+        if not is_valid_id(file_id, "file"):
+            raise ValueError(f"not a file id: {file_id!r}")
         return self.root / file_id
 
     def size(self, file_id: str) -> int:

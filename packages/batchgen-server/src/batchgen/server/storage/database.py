@@ -1,13 +1,15 @@
 """Metadata of files, batches and idempotency keys in SQLite (WAL mode, one connection per thread).
 
-Every query is scoped by ``owner`` (the tenant: a hash of the API key, ``""`` without authentication), so an object of
-another tenant simply does not exist. Rows map to the wire structs of ``batchgen.schemas`` directly.
+Every query is scoped by ``owner`` (the tenant: ``security.auth.tenant_id`` of the API key, ``""`` without
+authentication), so an object of another tenant simply does not exist. Rows map to the wire structs of
+``batchgen.schemas`` directly.
 """
 
 from __future__ import annotations
 
 import sqlite3
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -173,7 +175,7 @@ class Database:
     def list_files(
         self, *, owner: str, purpose: str | None, limit: int, order: Literal["asc", "desc"], after: str | None
     ) -> tuple[list[FileObject], bool]:
-        where, params = ["owner = ?"], [owner]
+        where, params = ["owner = ?", "(expires_at IS NULL OR expires_at > ?)"], [owner, int(time.time())]
         if purpose is not None:
             where.append("purpose = ?")
             params.append(purpose)
@@ -186,6 +188,16 @@ class Database:
     def delete_file(self, file_id: str) -> None:
         with self._transaction() as conn:
             conn.execute("DELETE FROM files WHERE id = ?", (file_id,))
+
+    def expired_files(self, now: int) -> list[str]:
+        """Files past their ``expires_at`` that no unfinished batch reads or writes (those go once it finishes)."""
+        rows = self._conn.execute(
+            f"SELECT id FROM files WHERE expires_at IS NOT NULL AND expires_at <= ? AND NOT EXISTS ("
+            f"SELECT 1 FROM batches WHERE status IN ({_marks(ACTIVE_STATUSES)}) "
+            "AND files.id IN (input_file_id, output_file_id, error_file_id))",
+            (now, *ACTIVE_STATUSES),
+        ).fetchall()
+        return [row[0] for row in rows]
 
     def file_in_use(self, file_id: str) -> bool:
         """Whether an unfinished batch reads or writes this file."""
