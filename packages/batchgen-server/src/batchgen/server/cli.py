@@ -63,13 +63,7 @@ def _run_batch(args: argparse.Namespace) -> int:
         _print_invalid(args.input, report)
         return 2
     engine = LLMEngine.from_config(engine_config_from_args(args))
-    defaults = BatchDefaults(
-        max_decoding_length=args.max_decoding_length,
-        max_context_length=args.max_context_length,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-    )
+    defaults = BatchDefaults.of(args)
     try:
         summary = run_batch(
             engine, args.input, args.output, args.errors_output, defaults, not args.no_progress, report=report

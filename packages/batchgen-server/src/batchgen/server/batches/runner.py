@@ -266,13 +266,7 @@ class BatchRunner:
         return current
 
     def _submit(self, batch: BatchObject, active: _Active, lines: list[BatchInputLine]) -> None:
-        defaults = BatchDefaults(
-            max_decoding_length=batch.max_decoding_length,
-            max_context_length=batch.max_context_length,
-            temperature=batch.temperature,
-            top_p=batch.top_p,
-            top_k=batch.top_k,
-        )
+        defaults = BatchDefaults.of(batch)
         chunk: list[EngineRequest] = []
         for line in lines:
             if active.stop_reason is not None:

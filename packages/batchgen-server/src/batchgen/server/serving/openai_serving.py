@@ -50,6 +50,11 @@ class BatchDefaults:
     top_p: float | None = None
     top_k: int | None = None
 
+    @classmethod
+    def of(cls, source: object) -> BatchDefaults:
+        """The defaults carried by anything with these attributes: a ``BatchObject``, parsed CLI arguments."""
+        return cls(**{name: getattr(source, name) for name in cls.__dataclass_fields__})
+
 
 class RequestRejected(Exception):
     """A request the server cannot run as asked; it becomes an error line with status 400."""
