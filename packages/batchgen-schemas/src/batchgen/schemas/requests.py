@@ -13,7 +13,6 @@ import msgspec
 
 from ._base import Body
 
-NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
 Temperature = Annotated[float, msgspec.Meta(ge=0, le=2)]
 TopP = Annotated[float, msgspec.Meta(gt=0, le=1)]
 TopK = Annotated[int, msgspec.Meta(ge=-1)]

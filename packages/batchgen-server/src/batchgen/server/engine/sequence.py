@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
@@ -10,8 +9,6 @@ import torch
 
 from .detokenizer import IncrementalDetokenizer
 from .request import EngineRequest, FinishReason, TokenLogprob
-
-_seq_ids = itertools.count()
 
 
 class Status(Enum):
@@ -48,7 +45,6 @@ class Sequence:
     """The choice index (0..n-1)."""
     generator: torch.Generator | None = None
     detokenizer: IncrementalDetokenizer | None = None
-    seq_id: int = field(default_factory=lambda: next(_seq_ids))
     status: Status = Status.WAITING
     num_computed_tokens: int = 0
     """Tokens whose K/V are in the cache; the rest are computed by the next steps."""
