@@ -72,6 +72,6 @@ def test_finished_requests_leave_no_state_and_no_tensors(
     assert block_manager.ref_counts == [0] * block_manager.num_blocks
     assert block_manager.num_free_blocks == block_manager.num_blocks
     assert len(block_manager.hash_to_block) <= block_manager.num_blocks  # the prefix cache is bounded by the cache
-    for cache in (*engine.runner.k_caches, *engine.runner.v_caches):
+    for cache in (*engine.runner.cache.k, *engine.runner.cache.v):
         assert cache.grad_fn is None and not cache.requires_grad
     assert not any(p.requires_grad for p in engine.runner.model.parameters())

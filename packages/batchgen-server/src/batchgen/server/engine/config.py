@@ -34,6 +34,12 @@ class EngineConfig:
     """Context cap; ``None`` uses the model's own ``max_position_embeddings``."""
     seed: int = 0
     """Seed of requests that set none (each request gets its own generator)."""
+    attention_backend: str = "auto"
+    """``gather`` (contexts copied into a buffer, then SDPA: fastest on CPU), ``flex`` (FlexAttention reading the
+    paged cache in place, compiled on CUDA), or ``auto``: flex on CUDA, gather elsewhere."""
+    self_check: bool = True
+    """At load, run a few tokens through the engine and through the model's own forward, and refuse the model if
+    they disagree (about a second on a large model on a GPU)."""
     torch_threads: int | None = None
     """CPU threads of torch's ops (process-wide); ``None`` keeps torch's default (the machine's cores)."""
 

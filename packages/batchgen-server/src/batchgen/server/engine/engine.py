@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,13 +17,24 @@ from .detokenizer import IncrementalDetokenizer
 from .loader import is_encoder_only, load_model
 from .model_runner import ModelRunner
 from .pooling import normalized_mean
-from .request import CompletionOutput, EngineRequest, EngineResult, Task, TokenLogprob, admission_error
-from .sampler import Sampler, SampleRow
-from .scheduler import Scheduler
+from .request import (
+    CompletionOutput,
+    EngineError,
+    EngineRequest,
+    EngineResult,
+    Task,
+    TokenLogprob,
+    admission_error,
+)
+from .sampler import Sampler, SampleRow, mix64
+from .scheduler import ScheduledSeq, Scheduler
+from .self_check import self_check
 from .sequence import RequestState, Sequence, Status
 
 if TYPE_CHECKING:
     from .encoder_engine import EncoderEngine
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +72,8 @@ class LLMEngine:
         self._ready: list[EngineResult] = []
         self._seeds = random.Random(config.seed)
         self._totals = {"prompt": 0, "cached": 0, "generated": 0}
+        if config.self_check:
+            self_check(self)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine | EncoderEngine:
@@ -82,7 +96,8 @@ class LLMEngine:
             return
         max_tokens = max_len - prompt_len if params.max_tokens is None else min(params.max_tokens, max_len - prompt_len)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
-        state = RequestState(request, max_len, max_tokens, frozenset(stop_ids))
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(64)
+        state = RequestState(request, max_len, max_tokens, frozenset(stop_ids), seed)
         state.seqs.append(self._new_sequence(state, list(request.prompt_token_ids), 0))
         self._requests[request.request_id] = state
         self.scheduler.add(state.seqs[0])
@@ -109,6 +124,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests or self._ready)
 
+    def reset_stats(self) -> None:
+        self._totals = dict.fromkeys(self._totals, 0)
+        self.scheduler.num_preemptions = 0
+
     def stats(self) -> EngineStats:
         return EngineStats(
             queued=len(self.scheduler.waiting),
@@ -127,60 +146,128 @@ class LLMEngine:
         """Run one forward over everything scheduled; return the requests that finished."""
         finished, self._ready = self._ready, []
         scheduled = self.scheduler.schedule()
+        if scheduled:
+            self._run(scheduled, finished)
+        return finished
+
+    def _run(self, scheduled: list[ScheduledSeq], finished: list[EngineResult]) -> None:
+        """Compute the step and commit it. If computing fails, the sequences are computed again in halves, down to
+        one, so that only the request(s) that make it fail are failed (with a ``server_error`` result) and everyone
+        else's step goes on. Computing changes no engine state and sampling is stateless, so a retried half gives
+        exactly what the whole would have."""
+        scheduled = [item for item in scheduled if item.seq.status is Status.RUNNING]  # not failed meanwhile
         if not scheduled:
-            return finished
-        hidden = self.runner.forward(scheduled)
+            return
+        try:
+            computed = self._compute(scheduled)
+        except Exception as exc:
+            if len(scheduled) == 1:
+                self._fail(scheduled[0].seq.state, exc, finished)
+                return
+            half = len(scheduled) // 2
+            self._run(scheduled[:half], finished)
+            self._run(scheduled[half:], finished)
+            return
+        self._commit(scheduled, computed, finished)
+
+    def _compute(self, scheduled: list[ScheduledSeq]) -> _Computed:
+        """The forward and the sampling of a step: no engine state changes here."""
         sample_rows: list[int] = []
-        sample_seqs: list[Sequence] = []
+        logits_rows: list[int] = []
+        rows: list[SampleRow] = []
         row = 0
         for item in scheduled:
-            seq, state = item.seq, item.seq.state
+            seq = item.seq
+            row += item.num_tokens
+            if seq.state.request.task == "embed" or seq.num_uncomputed > item.num_tokens:
+                continue  # nothing to sample: an embedding, or a prefill chunk short of the prompt's end
+            sample_rows.append(row - 1)
+            for choice in self._choices_sampled(seq):
+                logits_rows.append(len(sample_rows) - 1)
+                rows.append(SampleRow(seq.state.request.params, choice.seed, len(seq), choice.generated_ids))
+        output = self.runner.forward(scheduled, sample_rows)
+        if not rows:
+            return _Computed(output.hidden, [], [])
+        logits = output.logits[torch.tensor(logits_rows, device=output.logits.device)]
+        token_ids, logprobs = self.sampler(logits, rows)
+        return _Computed(output.hidden, token_ids, logprobs)
+
+    def _choices_sampled(self, seq: Sequence) -> list[_Choice]:
+        """The choices a sampled row feeds: ``n`` of them when the prompt just completed (they fork from it)."""
+        state = seq.state
+        if seq.forked or state.request.params.n == 1:
+            return [_Choice(seq.seed, seq.generated_ids)]
+        return [_Choice(_choice_seed(state, index), []) for index in range(state.request.params.n)]
+
+    def _commit(self, scheduled: list[ScheduledSeq], computed: _Computed, finished: list[EngineResult]) -> None:
+        tokens = iter(zip(computed.token_ids, computed.logprobs, strict=True))
+        row = 0
+        for item in scheduled:
             start, row = row, row + item.num_tokens
-            first_new_block = seq.num_computed_tokens // self.config.block_size
-            seq.num_computed_tokens += item.num_tokens
-            self.block_manager.register_full_blocks(seq, first_new_block)
-            if state.request.task == "embed":
-                chunk_sum = hidden[start:row].float().sum(dim=0)
-                state.embedding_sum = chunk_sum if state.embedding_sum is None else state.embedding_sum + chunk_sum
-            if seq.num_uncomputed:
-                continue  # a prefill chunk that does not reach the end of the prompt yet
-            if state.request.task == "embed":
+            seq = item.seq
+            sampled = seq.state.request.task == "generate" and seq.num_uncomputed == item.num_tokens
+            choices = [next(tokens) for _ in self._choices_sampled(seq)] if sampled else []
+            try:
+                self._commit_one(item, computed.hidden[start:row], choices, finished)
+            except Exception as exc:  # e.g. a tokenizer that cannot decode the token: this request alone fails
+                self._fail(seq.state, exc, finished)
+
+    def _commit_one(
+        self,
+        item: ScheduledSeq,
+        hidden: torch.Tensor,
+        choices: list[tuple[int, TokenLogprob | None]],
+        finished: list[EngineResult],
+    ) -> None:
+        seq, state = item.seq, item.seq.state
+        first_new_block = seq.num_computed_tokens // self.config.block_size
+        seq.num_computed_tokens += item.num_tokens
+        self.block_manager.register_full_blocks(seq, first_new_block)
+        if state.request.task == "embed":
+            chunk_sum = hidden.float().sum(dim=0)
+            state.embedding_sum = chunk_sum if state.embedding_sum is None else state.embedding_sum + chunk_sum
+            if not seq.num_uncomputed:
                 self.scheduler.finish(seq)
                 finished.append(self._embedding_result(state))
-                continue
-            if not seq.forked and state.request.params.n > 1:
-                self._fork(seq)
-                for child in state.seqs:
-                    sample_rows.append(row - 1)
-                    sample_seqs.append(child)
-            else:
-                sample_rows.append(row - 1)
-                sample_seqs.append(seq)
-        if sample_seqs:
-            logits = self.runner.logits(hidden[torch.tensor(sample_rows, device=hidden.device)])
-            rows = [SampleRow(s.state.request.params, s.generator, _penalised_ids(s)) for s in sample_seqs]
-            token_ids, logprobs = self.sampler(logits, rows)
-            for seq, token_id, logprob in zip(sample_seqs, token_ids, logprobs, strict=True):
-                self._append_token(seq, token_id, logprob)
-                if seq.state.finished and seq.state.request.request_id in self._requests:
-                    finished.append(self._completion_result(seq.state))
-        return finished
+            return
+        if not choices:
+            return  # a prefill chunk that does not reach the end of the prompt yet
+        targets = self._fork(seq) if len(choices) > 1 else [seq]
+        for target, (token_id, logprob) in zip(targets, choices, strict=True):
+            self._append_token(target, token_id, logprob)
+        if state.finished and state.request.request_id in self._requests:
+            finished.append(self._completion_result(state))
+
+    def _fail(self, state: RequestState, exc: Exception, finished: list[EngineResult]) -> None:
+        """Fail one request whose step raised; the engine carries on with the others."""
+        request = state.request
+        logger.error("request %s failed inside the engine", request.request_id, exc_info=exc)
+        for seq in state.seqs:
+            if seq.status is not Status.FINISHED:
+                self.scheduler.finish(seq)
+        self._requests.pop(request.request_id, None)
+        message = f"The engine failed while running this request ({type(exc).__name__}: {exc})."
+        error = EngineError("server_error", message)
+        finished.append(
+            EngineResult(request.request_id, len(request.prompt_token_ids), error=error, group=request.group)
+        )
 
     def _new_sequence(self, state: RequestState, token_ids: list[int], index: int) -> Sequence:
         params = state.request.params
-        generator = None
-        if params.temperature > 0:
-            seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-            generator = torch.Generator(device=self.runner.device)
-            generator.manual_seed((seed * 1_000_003 + index) % 2**63)
         detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop) if params.stop else None
         logprobs: list[TokenLogprob] | None = [] if params.logprobs else None
         return Sequence(
-            state, token_ids, len(state.request.prompt_token_ids), index, generator, detokenizer, logprobs=logprobs
+            state,
+            token_ids,
+            len(state.request.prompt_token_ids),
+            index,
+            _choice_seed(state, index),
+            detokenizer,
+            logprobs=logprobs,
         )
 
-    def _fork(self, parent: Sequence) -> None:
-        """Make the other n-1 choices share the prompt's KV blocks now that the prompt is computed."""
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """Make the other n-1 choices share the prompt's KV blocks now that the prompt is computed; return all n."""
         parent.forked = True
         state = parent.state
         for index in range(1, state.request.params.n):
@@ -192,6 +279,7 @@ class LLMEngine:
                 self.scheduler.running.append(child)
             else:  # no block free to copy into: the child recomputes its prompt (mostly from the prefix cache)
                 self.scheduler.add(child)
+        return state.seqs
 
     def _append_token(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> None:
         seq.token_ids.append(token_id)
@@ -247,9 +335,22 @@ class LLMEngine:
         self._totals["generated"] += result.completion_tokens
 
 
-def _penalised_ids(seq: Sequence) -> list[int]:
-    params = seq.state.request.params
-    return seq.generated_ids if params.presence_penalty or params.frequency_penalty else []
+@dataclass(frozen=True, slots=True)
+class _Choice:
+    seed: int
+    generated_ids: list[int]
+
+
+@dataclass(slots=True)
+class _Computed:
+    hidden: torch.Tensor
+    token_ids: list[int]
+    """One per sampled choice, in the order of the step's sequences."""
+    logprobs: list[TokenLogprob | None]
+
+
+def _choice_seed(state: RequestState, index: int) -> int:
+    return mix64(state.seed, index)
 
 
 def _eos_ids(model: PreTrainedModel, tokenizer: Any) -> frozenset[int]:

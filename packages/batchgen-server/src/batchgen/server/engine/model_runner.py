@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 from transformers import PreTrainedModel
 
-from .attention import ATTENTION_NAME, GatherBuffers, PagedStep, PrefillChunk
+from .attention import ATTENTION_NAME, AttentionRefused, LayerProbe, PagedStep, SeqSlice, active, make_backend
 from .config import EngineConfig
+from .errors import ModelNotSupported
+from .kv_cache import KVCache, LayerShape
 from .scheduler import ScheduledSeq
+
+
+@dataclass(slots=True)
+class StepOutput:
+    hidden: torch.Tensor
+    """Last hidden state of every packed token ``[tokens, hidden]`` (for embeddings)."""
+    logits: torch.Tensor
+    """Float32 logits of the sampled rows only, ``[sampled, vocab]``, as the model's own head makes them (its
+    scaling and soft-capping included)."""
 
 
 class ModelRunner:
@@ -17,47 +32,44 @@ class ModelRunner:
         # activations and was never freed: RSS grew by gigabytes per few thousand requests.
         model.requires_grad_(False)
         self.model = model
-        self.base_model = model.base_model
-        self.lm_head = model.get_output_embeddings()
-        text_config = model.config.get_text_config()
-        self.softcap: float | None = getattr(text_config, "final_logit_softcapping", None)
-        self.num_layers: int = text_config.num_hidden_layers
-        self.num_kv_heads: int = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
-        self.head_dim: int = (
-            getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
-        )
-        self.block_size = config.block_size
+        self.architecture = type(model).__name__
+        if "logits_to_keep" not in inspect.signature(model.forward).parameters:
+            raise ModelNotSupported(self.architecture, "its forward takes no `logits_to_keep`")
         embeddings = model.get_input_embeddings().weight
         self.device: torch.device = embeddings.device
-        self.dtype: torch.dtype = embeddings.dtype
+        self.block_size = config.block_size
         model.set_attn_implementation(ATTENTION_NAME)
+        modules, shapes = self._probe_layers()
+        self.block_bytes = KVCache.block_bytes(shapes, self.block_size)
         self.num_blocks = config.num_kv_blocks or self._blocks_that_fit(config)
-        self.buffers = GatherBuffers()
-        self.k_caches: list[torch.Tensor] = []
-        self.v_caches: list[torch.Tensor] = []
-        for layer in range(self.num_layers):
-            shape = (self.num_kv_heads, self.num_blocks * self.block_size, self.head_dim)
-            device = self._layer_device(layer)
-            # Zeroed: attention reads whole blocks, and a masked-out position must hold a finite value (0 * NaN = NaN).
-            self.k_caches.append(torch.zeros(shape, dtype=self.dtype, device=device))
-            self.v_caches.append(torch.zeros(shape, dtype=self.dtype, device=device))
+        self.cache = KVCache(modules, shapes, self.num_blocks, self.block_size)
+        self.backend = make_backend(config.attention_backend, self.device)
 
-    @property
-    def block_bytes(self) -> int:
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
-
-    def _layer_device(self, layer: int) -> torch.device:
-        layers = getattr(self.base_model, "layers", None)
-        if layers is not None and len(layers) > layer:
-            return next(layers[layer].parameters()).device
-        return self.device
+    @torch.no_grad()
+    def _probe_layers(self) -> tuple[list[torch.nn.Module], list[LayerShape]]:
+        """Run a few tokens through the model with the probe as attention context (see ``attention/probe.py``)."""
+        probe = LayerProbe()
+        ids = torch.arange(8, device=self.device).unsqueeze(0)
+        try:
+            with active(probe):
+                self.model(input_ids=ids, position_ids=ids, use_cache=False, logits_to_keep=1)
+        except AttentionRefused as exc:
+            raise ModelNotSupported(self.architecture, str(exc)) from None
+        if not probe.modules:
+            raise ModelNotSupported(
+                self.architecture,
+                "its attention does not run through transformers' AttentionInterface, so the engine cannot give it "
+                "a paged KV cache",
+            )
+        return probe.modules, probe.shapes
 
     def _blocks_that_fit(self, config: EngineConfig) -> int:
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             text_config = self.model.config.get_text_config()
+            dtype_bytes = self.model.get_input_embeddings().weight.dtype.itemsize
             # Room for the activations of the largest step and the logits of every running sequence.
-            activations = config.max_num_batched_tokens * text_config.hidden_size * self.dtype.itemsize * 16
+            activations = config.max_num_batched_tokens * text_config.hidden_size * dtype_bytes * 16
             logits = config.max_num_seqs * text_config.vocab_size * 4 * 4
             budget = free - (1 - config.gpu_memory_utilization) * total - activations - logits
         else:
@@ -67,68 +79,41 @@ class ModelRunner:
             raise RuntimeError(f"no memory left for the KV cache ({budget / 2**20:.0f} MiB); lower the load or dtype")
         return num_blocks
 
-    @torch.no_grad()
     def copy_block(self, src: int, dst: int) -> None:
-        bs = self.block_size
-        for cache in (*self.k_caches, *self.v_caches):
-            cache[:, dst * bs : (dst + 1) * bs] = cache[:, src * bs : (src + 1) * bs]
+        self.cache.copy_block(src, dst)
 
     @torch.no_grad()
-    def forward(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
-        """Run every scheduled chunk in one packed forward; return the last hidden states ``[tokens, hidden]``."""
+    def forward(self, scheduled: list[ScheduledSeq], sample_rows: list[int]) -> StepOutput:
+        """Run every scheduled chunk in one packed forward; logits at ``sample_rows`` only."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        decode_rows: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        prefills: list[PrefillChunk] = []
+        seqs: list[SeqSlice] = []
         bs = self.block_size
-        row = 0
         for item in scheduled:
             seq, n = item.seq, item.num_tokens
             start = seq.num_computed_tokens
             table = seq.block_table
+            seqs.append(SeqSlice(len(input_ids), n, start, list(table)))
             input_ids.extend(seq.token_ids[start : start + n])
             positions.extend(range(start, start + n))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            if n == 1:
-                decode_rows.append(row)
-                decode_tables.append(table)
-                decode_lens.append(start + 1)
-            elif start == 0:
-                prefills.append(PrefillChunk(row, row + n, None, None))
-            else:
-                num_blocks = -(-(start + n) // bs)
-                context = torch.arange(num_blocks * bs)
-                mask = context.unsqueeze(0) <= torch.arange(start, start + n).unsqueeze(1)
-                blocks = torch.tensor(table[:num_blocks])
-                prefills.append(PrefillChunk(row, row + n, blocks.to(self.device), mask.to(self.device)))
-            row += n
-        step = PagedStep(
-            block_size=bs,
-            buffers=self.buffers,
-            k_caches=self.k_caches,
-            v_caches=self.v_caches,
-            slot_mapping=torch.tensor(slots).to(self.device),
-            prefills=prefills,
-        )
-        if decode_rows:
-            width = max(len(t) for t in decode_tables)
-            tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables])
-            lens = torch.tensor(decode_lens).unsqueeze(1)
-            step.decode_blocks = tables.to(self.device)
-            step.decode_mask = (torch.arange(width * bs).unsqueeze(0) < lens)[:, None, None, :].to(self.device)
-            step.decode_rows = torch.tensor(decode_rows).to(self.device)
-        ids = torch.tensor(input_ids).to(self.device)
-        pos = torch.tensor(positions).to(self.device)
-        out = self.base_model(input_ids=ids.unsqueeze(0), position_ids=pos.unsqueeze(0), use_cache=False, paged=step)
-        return out.last_hidden_state[0]
+        slot_mapping = torch.tensor(slots).to(self.device)
+        step = PagedStep(self.cache, self.backend, seqs, slot_mapping, self.device)
+        ids = torch.tensor(input_ids).to(self.device).unsqueeze(0)
+        pos = torch.tensor(positions).to(self.device).unsqueeze(0)
+        keep = torch.tensor(sample_rows, dtype=torch.long).to(self.device)
+        hidden: list[torch.Tensor] = []
 
-    @torch.no_grad()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits of the given rows only: the positions where a token is sampled."""
-        logits = self.lm_head(hidden.to(self.lm_head.weight.device)).float()
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
+        def keep_hidden(module: torch.nn.Module, args: Any, output: Any) -> None:
+            hidden.append(output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0])
+
+        # The base model's output, for embeddings: the model's forward returns only the logits asked for. The hook
+        # lives for this forward only (the model may be shared with other engines).
+        handle = self.model.base_model.register_forward_hook(keep_hidden)
+        try:
+            with active(step):
+                out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep)
+        finally:
+            handle.remove()
+        return StepOutput(hidden[0][0], out.logits[0].float())

@@ -1,4 +1,10 @@
-"""Pick the next token of every sampled row at once, on the model's device."""
+"""Pick the next token of every sampled row at once, on the model's device.
+
+Sampling is stateless: each row draws one uniform number from a hash of (its seed, the token's position) and takes
+the token where it falls in the cumulative distribution (inverse-CDF sampling, exactly the categorical
+distribution). So the same seed and input give the same tokens whatever else shares the batch, and a step that is
+computed again (after a fault, say) samples exactly what it would have.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +14,33 @@ import torch
 
 from .request import SamplingParams, TokenLogprob
 
+_MASK64 = 2**64 - 1
+
+
+def mix64(*values: int) -> int:
+    """splitmix64 over the values in turn: a well-spread 64-bit hash."""
+    state = 0
+    for value in values:
+        state = (state + (value & _MASK64) + 0x9E3779B97F4A7C15) & _MASK64
+        z = state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        state = z ^ (z >> 31)
+    return state
+
+
+def uniform(seed: int, position: int) -> float:
+    """A number in [0, 1) that depends only on ``seed`` and ``position``."""
+    return (mix64(seed, position) >> 11) / 2**53
+
 
 @dataclass(slots=True)
 class SampleRow:
     params: SamplingParams
-    generator: torch.Generator | None
+    seed: int
+    """The choice's own seed (the request's, mixed with the choice index)."""
+    position: int
+    """Position of the token being sampled in its sequence."""
     generated_ids: list[int]
     """Tokens generated so far (for the presence/frequency penalties)."""
 
@@ -35,7 +63,7 @@ class Sampler:
             index = torch.tensor(wanted, device=logits.device)
             log_probs = torch.log_softmax(logits[index], dim=-1)
             chosen_lp = log_probs.gather(1, chosen[index].unsqueeze(1)).squeeze(1).tolist()
-            k = max(rows[i].params.top_logprobs for i in wanted)
+            k = min(max(rows[i].params.top_logprobs for i in wanted), logits.shape[1])
             top_lp, top_ids = log_probs.topk(k, dim=-1) if k else (log_probs[:, :0], log_probs[:, :0].long())
             top_lp_list, top_ids_list = top_lp.tolist(), top_ids.tolist()
             for j, i in enumerate(wanted):
@@ -58,24 +86,20 @@ class Sampler:
 
     @staticmethod
     def _sample(logits: torch.Tensor, rows: list[SampleRow], temperatures: list[float]) -> torch.Tensor:
-        device = logits.device
+        device, vocab = logits.device, logits.shape[1]
         greedy = logits.argmax(dim=-1)
         temps = torch.tensor([t if t > 0 else 1.0 for t in temperatures], device=device).unsqueeze(1)
-        scaled = logits / temps
-        sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)
-        ranks = torch.arange(logits.shape[1], device=device).unsqueeze(0)
-        top_k = torch.tensor([r.params.top_k or logits.shape[1] for r in rows], device=device).unsqueeze(1)
-        sorted_logits = sorted_logits.masked_fill(ranks >= top_k, float("-inf"))
+        sorted_logits, sorted_ids = (logits / temps).sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=device).unsqueeze(0)
+        top_k = torch.tensor([min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in rows], device=device)
+        sorted_logits = sorted_logits.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
         probs = sorted_logits.softmax(dim=-1)
         top_p = torch.tensor([r.params.top_p for r in rows], device=device).unsqueeze(1)
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        outside = (probs.cumsum(dim=-1) - probs) >= top_p
-        probs = probs.masked_fill(outside, 0.0)
-        # Exponential-race sampling (argmax of p / E, E ~ Exp(1)) with each row's own generator: reproducible per
-        # request whatever else is in the batch.
-        noise = torch.empty_like(probs)
-        for i, row in enumerate(rows):
-            noise[i].exponential_(generator=row.generator)
-        picked = sorted_ids.gather(1, (probs / noise).argmax(dim=-1, keepdim=True)).squeeze(1)
+        probs = probs.masked_fill((probs.cumsum(dim=-1) - probs) >= top_p, 0.0)
+        cdf = probs.double().cumsum(dim=-1)
+        draws = torch.tensor([uniform(r.seed, r.position) for r in rows], dtype=torch.float64, device=device)
+        index = torch.searchsorted(cdf, (draws * cdf[:, -1]).unsqueeze(1), right=True).clamp(max=vocab - 1)
+        picked = sorted_ids.gather(1, index).squeeze(1)
         is_greedy = torch.tensor([t == 0 for t in temperatures], device=device)
         return torch.where(is_greedy, greedy, picked)

@@ -27,6 +27,8 @@ class RequestState:
     max_tokens: int
     """Most generated tokens per choice."""
     stop_token_ids: frozenset[int]
+    seed: int
+    """The request's ``seed``, or one drawn for it: each choice samples from ``mix64(seed, choice index)``."""
     seqs: list[Sequence] = field(default_factory=list)
     cached_tokens: int = 0
     embedding_sum: torch.Tensor | None = None
@@ -43,7 +45,8 @@ class Sequence:
     num_prompt_tokens: int
     index: int = 0
     """The choice index (0..n-1)."""
-    generator: torch.Generator | None = None
+    seed: int = 0
+    """This choice's sampling seed."""
     detokenizer: IncrementalDetokenizer | None = None
     status: Status = Status.WAITING
     num_computed_tokens: int = 0

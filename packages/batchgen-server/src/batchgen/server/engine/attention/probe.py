@@ -1,0 +1,37 @@
+"""The probe: one plain forward of a few tokens through our attention, before the cache exists.
+
+It finds every attention layer (the module that calls attention, and the shape of the keys and values it produces),
+so the cache can be shaped for any architecture, and it makes every layer state what it asks of attention, so a
+model that needs something the engine does not compute is refused at load.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kv_cache import LayerShape
+from .kernels import attend, causal_mask
+from .layer import AttentionRefused, LayerAttention
+
+
+class LayerProbe:
+    """The attention context of the probe forward (one sequence, positions from 0, no cache)."""
+
+    def __init__(self) -> None:
+        self.modules: list[torch.nn.Module] = []
+        self.shapes: list[LayerShape] = []
+
+    def attend(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        layer: LayerAttention,
+    ) -> torch.Tensor:
+        if any(module is seen for seen in self.modules):
+            raise AttentionRefused("it runs the same attention layer more than once per forward (shared weights)")
+        self.modules.append(module)
+        self.shapes.append(LayerShape(key.shape[1], key.shape[3], value.shape[3], key.dtype, key.device))
+        mask = None if layer.window is None else causal_mask(query.shape[2], 0, layer.window, query.device)
+        return attend(query, key, value, layer, mask)[0].transpose(0, 1)

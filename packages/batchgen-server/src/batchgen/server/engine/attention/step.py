@@ -1,0 +1,109 @@
+"""The step the attention function serves: which forward is running, and what each of its sequences attends to.
+
+The model runner makes the step current for the duration of one forward (a thread-local, so that models whose
+layers do not pass extra keyword arguments through to attention work too); the attention function finds it there.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from ..kv_cache import KVCache
+from .layer import LayerAttention
+
+
+@dataclass(frozen=True, slots=True)
+class SeqSlice:
+    """One scheduled sequence's new tokens in the packed row."""
+
+    row: int
+    """First packed row."""
+    num_tokens: int
+    start: int
+    """Position of the first new token: the sequence's tokens before it are already in the cache."""
+    block_table: list[int]
+
+    @property
+    def end(self) -> int:
+        """Context length once this step's tokens are in the cache."""
+        return self.start + self.num_tokens
+
+
+class AttentionBackend(Protocol):
+    def attend(
+        self,
+        step: PagedStep,
+        layer_index: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        layer: LayerAttention,
+    ) -> torch.Tensor:
+        """Attend the step's packed queries ``[1, H, T, D]`` over each sequence's context in the cache, where this
+        step's keys and values (also given, ``[1, KVH, T, D]``) are already written; return ``[T, H, Dv]``."""
+        ...
+
+
+class StepContext(Protocol):
+    def attend(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        layer: LayerAttention,
+    ) -> torch.Tensor: ...
+
+
+@dataclass(eq=False)
+class PagedStep:
+    """One packed forward over the paged KV cache."""
+
+    cache: KVCache
+    backend: AttentionBackend
+    seqs: list[SeqSlice]
+    slot_mapping: torch.Tensor
+    """Cache slot of each packed token."""
+    device: torch.device
+    _memo: dict[Any, Any] = field(default_factory=dict)
+
+    def attend(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        layer: LayerAttention,
+    ) -> torch.Tensor:
+        index = self.cache.index_of(module)
+        self.cache.write(index, self.slot_mapping, key[0], value[0])
+        return self.backend.attend(self, index, query, key, value, layer)
+
+    def memo(self, key: Any, build: Callable[[], Any]) -> Any:
+        """What a backend derives once per step (and per window) and every layer reuses."""
+        if key not in self._memo:
+            self._memo[key] = build()
+        return self._memo[key]
+
+
+_local = threading.local()
+
+
+@contextmanager
+def active(step: StepContext) -> Iterator[None]:
+    previous = getattr(_local, "step", None)
+    _local.step = step
+    try:
+        yield
+    finally:
+        _local.step = previous
+
+
+def current() -> StepContext | None:
+    return getattr(_local, "step", None)

@@ -1,0 +1,102 @@
+"""The load-time self-check: a few tokens through the engine and through the model's own forward must agree.
+
+The engine runs two requests together (one prompt prefilled in chunks beside the other: packing and chunked
+continuation), decodes a few tokens, then runs the first prompt again (a prefix-cache hit). The model's own forward,
+with transformers' eager attention, then scores the same tokens. If any logprob differs beyond the dtype's
+tolerance, the engine cannot drive this model and refuses it, whatever the architecture: this catches what no list
+of known architectures can (a layer that mixes tokens outside attention, a cache it keeps itself, a head that
+post-processes logits in a way the engine does not reproduce).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import TYPE_CHECKING
+
+import torch
+
+from .attention import ATTENTION_NAME
+from .errors import ModelNotSupported
+from .request import EngineRequest, EngineResult, SamplingParams
+
+if TYPE_CHECKING:
+    from .engine import LLMEngine
+
+NEW_TOKENS = 4
+TOP = 5
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """Largest logprob difference two correct attention implementations show in this dtype."""
+    return {torch.float64: 1e-6, torch.float32: 1e-3}.get(dtype, 0.3)
+
+
+def self_check(engine: LLMEngine) -> None:
+    model = engine.runner.model
+    bs = engine.config.block_size
+    vocab = model.get_input_embeddings().weight.shape[0]
+    longest = min(2 * bs + 3, engine.max_context_length - NEW_TOKENS - 1)
+    rng = random.Random(0)
+    first = [rng.randrange(vocab) for _ in range(longest)]
+    second = [rng.randrange(vocab) for _ in range(max(1, min(bs + 5, longest - 2)))]
+    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=True, top_logprobs=TOP)
+    scheduler = engine.scheduler
+    budget = scheduler.max_num_batched_tokens
+    scheduler.max_num_batched_tokens = bs + 4  # the longer prompt takes several steps, beside the other's decode
+    try:
+        results = _run(
+            engine, [EngineRequest("self-check-0", first, params), EngineRequest("self-check-1", second, params)]
+        )
+        results += _run(engine, [EngineRequest("self-check-2", first, params)])  # its prefix is cached now
+    finally:
+        scheduler.max_num_batched_tokens = budget
+        engine.reset_stats()
+    tol = tolerance(engine.runner.cache.k[0].dtype)
+    for result, prompt in zip(results, (first, second, first), strict=True):
+        _compare(engine, result, prompt, tol)
+
+
+def _run(engine: LLMEngine, requests: list[EngineRequest]) -> list[EngineResult]:
+    for request in requests:
+        engine.add_request(request)
+    results: dict[str, EngineResult] = {}
+    while engine.has_unfinished_requests():
+        results.update((result.request_id, result) for result in engine.step())
+    return [results[request.request_id] for request in requests]
+
+
+def _compare(engine: LLMEngine, result: EngineResult, prompt: list[int], tol: float) -> None:
+    architecture = engine.runner.architecture
+    if result.error is not None:
+        raise ModelNotSupported(architecture, f"a self-check request failed in the engine: {result.error.message}")
+    output = result.outputs[0]
+    assert output.logprobs is not None
+    reference = _reference_logprobs(engine, prompt + output.token_ids)[len(prompt) - 1 :]
+    worst = 0.0
+    for position, (token, expected) in enumerate(zip(output.logprobs, reference, strict=False)):
+        pairs = [(token.token_id, token.logprob), *token.top]
+        worst = max(worst, *(abs(lp - expected[i].item()) for i, lp in pairs))
+        if expected[token.token_id] < expected.max() - tol:
+            raise ModelNotSupported(
+                architecture,
+                f"greedy decoding through the engine picked another token than the model's own forward "
+                f"(self-check, generated token {position})",
+            )
+    if worst > tol:
+        raise ModelNotSupported(
+            architecture,
+            f"its logprobs through the engine differ from the model's own forward by {worst:.3g} "
+            f"(self-check tolerance {tol:g}); run with the self-check off only if you know why",
+        )
+
+
+@torch.no_grad()
+def _reference_logprobs(engine: LLMEngine, tokens: list[int]) -> torch.Tensor:
+    model = engine.runner.model
+    model.set_attn_implementation("eager")
+    try:
+        ids = torch.tensor([tokens], device=engine.runner.device)
+        logits = model(input_ids=ids, use_cache=False).logits[0].float()
+    finally:
+        model.set_attn_implementation(ATTENTION_NAME)
+    return torch.log_softmax(logits, dim=-1)
