@@ -65,7 +65,7 @@ def test_finished_requests_leave_no_state_and_no_tensors(
     finally:
         worker.stop(timeout=10)
 
-    assert worker._callbacks == {}
+    assert worker._held == {}
     assert engine._requests == {} and engine._ready == []
     assert not engine.scheduler.waiting and not engine.scheduler.running
     block_manager = engine.block_manager

@@ -13,15 +13,21 @@ import msgspec
 
 from ._base import Body
 
+# Every number a request hands the engine is bounded here, so no value can overflow or exhaust it mid-batch.
+INT32_MAX = 2**31 - 1
 Temperature = Annotated[float, msgspec.Meta(ge=0, le=2)]
 TopP = Annotated[float, msgspec.Meta(gt=0, le=1)]
-TopK = Annotated[int, msgspec.Meta(ge=-1)]
-"""``-1`` or ``0`` disable top-k filtering (the vLLM convention)."""
+TopK = Annotated[int, msgspec.Meta(ge=-1, le=INT32_MAX)]
+"""``-1`` or ``0`` disable top-k filtering (the vLLM convention); a value above the vocabulary keeps it all."""
 Penalty = Annotated[float, msgspec.Meta(ge=-2, le=2)]
-MaxTokens = Annotated[int, msgspec.Meta(ge=1)]
+MaxTokens = Annotated[int, msgspec.Meta(ge=1, le=INT32_MAX)]
 ChoiceCount = Annotated[int, msgspec.Meta(ge=1, le=128)]
+Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+"""A signed 64-bit integer, as OpenAI takes it."""
+TopLogprobs = Annotated[int, msgspec.Meta(ge=0, le=20)]
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]
 Stop = str | Annotated[list[str], msgspec.Meta(max_length=4)]
-Prompt = str | list[str | int | list[int]]
+Prompt = str | list[str | TokenId | list[TokenId]]
 
 
 class TextContentPart(Body, kw_only=True, tag_field="type", tag="text"):
@@ -55,7 +61,7 @@ class SamplingFields(Body, kw_only=True):
     temperature: Temperature | None = None
     top_p: TopP | None = None
     top_k: TopK | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     stop: Stop | None = None
     n: ChoiceCount = 1
     ignore_eos: bool = False
@@ -69,13 +75,13 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool | None = None
-    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    top_logprobs: TopLogprobs | None = None
     response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
     prompt: Prompt
-    logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    logprobs: TopLogprobs | None = None
     echo: bool = False
 
 
@@ -83,7 +89,7 @@ class EmbeddingRequest(Body, kw_only=True):
     model: str
     input: Prompt
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    dimensions: Annotated[int, msgspec.Meta(ge=1, le=INT32_MAX)] | None = None
     user: str | None = None
 
 

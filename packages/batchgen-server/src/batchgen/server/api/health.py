@@ -35,7 +35,8 @@ class HealthController(Controller):
         worker = context.worker
         if worker.healthy:
             return Response(HealthStatus(status="healthy", model=context.model.id), status_code=HTTP_200_OK)
-        reason = f"engine stopped: {worker.error}" if worker.error else "engine not running"
+        state = "restarting after a failure" if worker.state == "restarting" else "stopped"
+        reason = f"engine {state}: {worker.error!r}" if worker.error else "engine not running"
         body = HealthStatus(status="unhealthy", reason=reason, model=context.model.id)
         return Response(body, status_code=HTTP_503_SERVICE_UNAVAILABLE)
 

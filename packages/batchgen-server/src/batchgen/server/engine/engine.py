@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -60,16 +61,13 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.runner = ModelRunner(model, config)
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler()
+        self.reset()
         self.eos_token_ids = _eos_ids(model, tokenizer)
         model_limit = config.max_model_len or getattr(model.config.get_text_config(), "max_position_embeddings", None)
         if model_limit is None:
             raise ValueError("the model config names no max_position_embeddings; set max_model_len")
         self.max_context_length: int = min(model_limit, self.runner.num_blocks * config.block_size)
-        self._requests: dict[str, RequestState] = {}
-        self._ready: list[EngineResult] = []
         self._seeds = random.Random(config.seed)
         self._totals = {"prompt": 0, "cached": 0, "generated": 0}
         if config.self_check:
@@ -83,6 +81,18 @@ class LLMEngine:
         model, tokenizer = load_model(config)
         engine_class = EncoderEngine if is_encoder_only(model.config) else cls
         return engine_class(model, tokenizer, config, "demo" if config.model == "demo" else Path(config.model).name)
+
+    def reset(self) -> None:
+        """Forget every request and start from an empty cache (the weights and the cache tensors stay): how the
+        worker recovers from a step that failed in a way it could not pin on a request."""
+        config = self.config
+        preemptions = self.scheduler.num_preemptions if hasattr(self, "scheduler") else 0
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler.num_preemptions = preemptions  # a total since start
+        self._requests: dict[str, RequestState] = {}
+        self._ready: list[EngineResult] = []
+        self._step_request_ids: list[str] | None = None
 
     # ---- requests in and out -----------------------------------------------------------------------------------
 
@@ -121,6 +131,13 @@ class LLMEngine:
         self._ready = [result for result in self._ready if result.group != group]
         return ids
 
+    def suspects(self) -> list[str]:
+        """After a step failed beyond the engine's own recovery: the requests it was running (those scheduled, or
+        if scheduling itself failed, those the scheduler was running)."""
+        if self._step_request_ids is not None:
+            return self._step_request_ids
+        return _request_ids(self.scheduler.running)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests or self._ready)
 
@@ -145,7 +162,9 @@ class LLMEngine:
     def step(self) -> list[EngineResult]:
         """Run one forward over everything scheduled; return the requests that finished."""
         finished, self._ready = self._ready, []
+        self._step_request_ids = None
         scheduled = self.scheduler.schedule()
+        self._step_request_ids = _request_ids(item.seq for item in scheduled)
         if scheduled:
             self._run(scheduled, finished)
         return finished
@@ -347,6 +366,10 @@ class _Computed:
     token_ids: list[int]
     """One per sampled choice, in the order of the step's sequences."""
     logprobs: list[TokenLogprob | None]
+
+
+def _request_ids(seqs: Iterable[Sequence]) -> list[str]:
+    return list(dict.fromkeys(seq.state.request.request_id for seq in seqs))
 
 
 def _choice_seed(state: RequestState, index: int) -> int:

@@ -5,40 +5,66 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
+from collections import Counter, deque
 from collections.abc import Callable
+from typing import Literal
 
 from .engine import EngineStats, LLMEngine
-from .request import EngineRequest, EngineResult
+from .request import EngineError, EngineRequest, EngineResult
 
 logger = logging.getLogger(__name__)
 
 ResultCallback = Callable[[EngineResult], None]
 AbortedCallback = Callable[[], None]
+State = Literal["running", "restarting", "dead"]
+
+MAX_RESTARTS = 5
+"""More engine failures than this within ``RESTART_WINDOW_S`` mean the device itself is broken: the worker stops."""
+RESTART_WINDOW_S = 60.0
+STRIKES_TO_QUARANTINE = 2
 
 
 class EngineWorker:
     """Thread-safe front of an ``LLMEngine``: submissions and aborts are queued and applied between steps.
 
     Each finished request's callback is invoked from the worker thread. When idle the thread sleeps on a condition
-    variable (no busy loop). If a step raises, the loop stops, ``healthy`` turns ``False`` and ``error`` holds the
-    exception.
+    variable (no busy loop).
+
+    The engine already fails a request whose step raises without stopping (``LLMEngine.step``). Should a step still
+    fail (a fault it could not pin on a request), the worker restarts the engine in place: it empties the engine and
+    submits again every request it held, so nothing accepted is lost. Each request of the failed step gets a strike
+    and goes on probation: requests on probation run one at a time (beside the others), so a second failure is
+    pinned on one of them; a request with two strikes is quarantined (failed with a ``server_error`` result) rather
+    than run again, so one request can never keep the engine in a restart loop. ``state`` is ``restarting``
+    meanwhile, and ``dead`` (with ``error``) if failures keep coming: then every request and abort is answered at
+    once.
     """
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.error: BaseException | None = None
+        """The last engine failure (kept after a successful restart, for the record)."""
+        self.state: State = "running"
+        self.restarts = 0
         self._cond = threading.Condition()
         self._pending: list[tuple[EngineRequest, ResultCallback]] = []
         self._aborts: list[str] = []
         self._group_aborts: list[tuple[str, AbortedCallback | None]] = []
-        self._callbacks: dict[str, ResultCallback] = {}
+        self._held: dict[str, tuple[EngineRequest, ResultCallback]] = {}
+        """Every request inside the engine, in arrival order: what a restart submits again."""
+        self._strikes: Counter[str] = Counter()
+        self._probation: deque[str] = deque()
+        """Held requests with a strike, to run one at a time; the first is in the engine once admitted."""
+        self._admitted: str | None = None
+        self._failures: deque[float] = deque()
         self._stopping = False
         self._stats = engine.stats()
         self._thread = threading.Thread(target=self._loop, name="batchgen-engine", daemon=True)
 
     @property
     def healthy(self) -> bool:
-        return self.error is None and self._thread.is_alive()
+        return self.state == "running" and self._thread.is_alive()
 
     def start(self) -> None:
         self._thread.start()
@@ -51,8 +77,12 @@ class EngineWorker:
 
     def submit(self, requests: list[EngineRequest], on_result: ResultCallback) -> None:
         with self._cond:
-            self._pending.extend((request, on_result) for request in requests)
-            self._cond.notify()
+            if self.state != "dead":
+                self._pending.extend((request, on_result) for request in requests)
+                self._cond.notify()
+                return
+        for request in requests:
+            _call(functools.partial(on_result, self._error_result(request, "the engine is down")), "result callback")
 
     def abort(self, request_ids: list[str]) -> None:
         """Cancel requests (queued or running) at the next step; no result is reported for them."""
@@ -63,48 +93,134 @@ class EngineWorker:
     def abort_group(self, group: str, on_aborted: AbortedCallback | None = None) -> None:
         """Cancel every request of ``group`` submitted before this call, at the next step.
 
-        ``on_aborted()`` is invoked from the worker thread once the abort has been applied: from then on no result
-        of those requests is ever delivered (it is not invoked if the worker stops or dies first).
+        ``on_aborted()`` is invoked (from the worker thread, or at once if the engine is down) once the abort has
+        been applied: from then on no result of those requests is ever delivered (it is not invoked if the worker is
+        stopped first).
         """
         with self._cond:
-            self._group_aborts.append((group, on_aborted))
-            self._cond.notify()
+            if self.state != "dead":
+                self._group_aborts.append((group, on_aborted))
+                self._cond.notify()
+                return
+        if on_aborted is not None:
+            _call(on_aborted, f"abort callback of group {group!r}")
 
     def stats(self) -> EngineStats:
         return self._stats
 
     def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._stopping or self._pending or self._aborts or self._group_aborts) and not (
+                    self.engine.has_unfinished_requests() or self._probation
+                ):
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                pending, self._pending = self._pending, []
+                aborts, self._aborts = self._aborts, []
+                group_aborts, self._group_aborts = self._group_aborts, []
+            try:
+                self._apply(pending, aborts, group_aborts)
+                results = self.engine.step()
+            except Exception as exc:
+                if not self._restart(exc):
+                    self._fail_everything()
+                    return
+                continue
+            for result in results:
+                self._deliver(result)
+            self._stats = self.engine.stats()
+
+    def _apply(
+        self,
+        pending: list[tuple[EngineRequest, ResultCallback]],
+        aborts: list[str],
+        group_aborts: list[tuple[str, AbortedCallback | None]],
+    ) -> None:
+        for request, callback in pending:
+            self._held[request.request_id] = (request, callback)
+            self.engine.add_request(request)
+        for request_id in aborts:
+            self.engine.abort_request(request_id)
+            self._release(request_id)
+        for group, on_aborted in group_aborts:
+            waiting = [rid for rid in self._probation if self._held[rid][0].group == group]
+            for request_id in [*self.engine.abort_group(group), *waiting]:
+                self._release(request_id)
+            if on_aborted is not None:
+                _call(on_aborted, f"abort callback of group {group!r}")
+        self._admit_probation()
+
+    def _deliver(self, result: EngineResult) -> None:
+        held = self._release(result.request_id)
+        if held is not None:
+            _call(functools.partial(held[1], result), f"result callback of {result.request_id}")
+        self._admit_probation()
+
+    def _release(self, request_id: str) -> tuple[EngineRequest, ResultCallback] | None:
+        if request_id in self._probation:
+            self._probation.remove(request_id)
+        if request_id == self._admitted:
+            self._admitted = None
+        return self._held.pop(request_id, None)
+
+    def _admit_probation(self) -> None:
+        """Put the first request on probation into the engine, unless it is there already."""
+        if self._probation and self._admitted is None:
+            self._admitted = self._probation[0]
+            self.engine.add_request(self._held[self._admitted][0])
+
+    def _restart(self, exc: Exception) -> bool:
+        """Empty the engine and give it back every request it held but the quarantined; ``False`` if the engine
+        keeps failing."""
+        logger.error("engine step failed; restarting the engine", exc_info=exc)
+        self.error, self.state = exc, "restarting"
+        now = time.monotonic()
+        self._failures.append(now)
+        while self._failures and self._failures[0] < now - RESTART_WINDOW_S:
+            self._failures.popleft()
+        if len(self._failures) > MAX_RESTARTS:
+            self.state = "dead"
+            logger.error("the engine failed %d times within %.0f s; giving up", len(self._failures), RESTART_WINDOW_S)
+            return False
+        self._strikes.update(self.engine.suspects())
         try:
-            while True:
-                with self._cond:
-                    while not (self._stopping or self._pending or self._aborts or self._group_aborts) and not (
-                        self.engine.has_unfinished_requests()
-                    ):
-                        self._cond.wait()
-                    if self._stopping:
-                        return
-                    pending, self._pending = self._pending, []
-                    aborts, self._aborts = self._aborts, []
-                    group_aborts, self._group_aborts = self._group_aborts, []
-                for request, callback in pending:
-                    self._callbacks[request.request_id] = callback
+            self.engine.reset()
+            self._probation.clear()
+            self._admitted = None
+            for request_id, (request, _) in list(self._held.items()):
+                if self._strikes[request_id] >= STRIKES_TO_QUARANTINE:
+                    logger.error("request %s quarantined: the engine failed twice while running it", request_id)
+                    reason = "it was running each of the two times the engine failed; it is not run again"
+                    self._deliver(self._error_result(request, reason))
+                elif self._strikes[request_id]:
+                    self._probation.append(request_id)
+                else:
                     self.engine.add_request(request)
-                for request_id in aborts:
-                    self.engine.abort_request(request_id)
-                    self._callbacks.pop(request_id, None)
-                for group, on_aborted in group_aborts:
-                    for request_id in self.engine.abort_group(group):
-                        self._callbacks.pop(request_id, None)
-                    if on_aborted is not None:
-                        _call(on_aborted, f"abort callback of group {group!r}")
-                for result in self.engine.step():
-                    on_result = self._callbacks.pop(result.request_id, None)
-                    if on_result is not None:
-                        _call(functools.partial(on_result, result), f"result callback of {result.request_id}")
-                self._stats = self.engine.stats()
-        except BaseException as exc:
-            logger.exception("engine loop died")
-            self.error = exc
+            self._admit_probation()
+        except Exception as again:
+            return self._restart(again)
+        self.restarts += 1
+        self.state = "running"
+        return True
+
+    def _fail_everything(self) -> None:
+        """The engine is gone for good: answer every request it held and everything still queued."""
+        with self._cond:
+            pending, self._pending = self._pending, []
+            group_aborts, self._group_aborts = self._group_aborts, []
+        for request, callback in [*self._held.values(), *pending]:
+            self._held.pop(request.request_id, None)
+            _call(functools.partial(callback, self._error_result(request, "the engine is down")), "result callback")
+        for group, on_aborted in group_aborts:
+            if on_aborted is not None:
+                _call(on_aborted, f"abort callback of group {group!r}")
+
+    def _error_result(self, request: EngineRequest, reason: str) -> EngineResult:
+        message = f"The engine could not run this request: {reason} (last failure: {self.error!r})."
+        error = EngineError("server_error", message)
+        return EngineResult(request.request_id, len(request.prompt_token_ids), error=error, group=request.group)
 
 
 def _call(callback: Callable[[], None], what: str) -> None:
