@@ -10,7 +10,7 @@ drawn from ``--output-len`` (ignore_eos, greedy). Rows, all in this process on t
 
 - ``batchgen engine``: our continuous batching (``LLMEngine``).
 - ``raw-forward ceiling``: the same run's output tokens over the time spent inside the model forwards (our packed
-  forward plus the logits), i.e. the throughput with zero scheduling/sampling/bookkeeping overhead.
+  forward, logits included), i.e. the throughput with zero scheduling/sampling/bookkeeping overhead.
 - ``HF generate (static x32)``: ``model.generate()`` on left-padded batches of 32 in arrival order; each batch runs
   to its longest output, only the requested tokens count.
 - ``HF generate_batch``: transformers' own continuous batching (``ContinuousBatchingManager``) with per-request
@@ -120,7 +120,6 @@ def run_engine(
         return wrapper
 
     engine.runner.forward = timed(engine.runner.forward)  # type: ignore[method-assign]
-    engine.runner.logits = timed(engine.runner.logits)  # type: ignore[method-assign]
     for i, (prompt, out_len) in enumerate(workload):
         engine.add_request(EngineRequest(f"r{i}", prompt, SamplingParams(max_tokens=out_len, ignore_eos=True)))
     clock = Clock()

@@ -10,6 +10,7 @@ import torch
 
 from batchgen.server.engine import EngineRequest, LLMEngine, SamplingParams
 from batchgen.server.engine.detokenizer import IncrementalDetokenizer
+from batchgen.server.engine.sampler import Sampler, SampleRow
 
 Run = Callable[..., Any]
 
@@ -207,3 +208,37 @@ def test_abort_request_and_group(
     results = run_to_completion(engine, [])
     assert sorted(results) == ["r1", "r2"]
     assert engine.stats().kv_blocks_free == engine.stats().kv_blocks_total
+
+
+@pytest.mark.parametrize(
+    ("params", "allowed"),
+    [
+        ({"temperature": 1.0}, 6),
+        ({"temperature": 0.6}, 6),
+        ({"temperature": 1.3, "top_k": 3}, 3),
+        ({"temperature": 1.0, "top_p": 0.8}, None),
+    ],
+)
+def test_sampling_draws_the_filtered_distribution(params: dict[str, Any], allowed: int | None) -> None:
+    """Counts over many (seed, position) draws against the probabilities the filters leave: a chi-square test.
+    The draws are a fixed function of seed and position, so the test is deterministic."""
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.2, -0.5, -1.0], dtype=torch.float64)
+    draws = 24_000
+    rows = [
+        SampleRow(SamplingParams(**params), seed, position, []) for seed in range(draws // 8) for position in range(8)
+    ]
+    token_ids, _ = Sampler()(logits.expand(len(rows), -1), rows)
+    probs = torch.softmax(logits / params["temperature"], dim=0)
+    if "top_k" in params:
+        probs[params["top_k"] :] = 0
+    if "top_p" in params:
+        probs[(probs.cumsum(0) - probs) >= params["top_p"]] = 0
+    probs /= probs.sum()
+    counts = torch.bincount(torch.tensor(token_ids), minlength=len(logits)).double()
+    kept = probs > 0
+    assert counts[~kept].sum() == 0, "no token the filters removed is ever drawn"
+    assert allowed is None or int(kept.sum()) == allowed
+    expected = probs[kept] * draws
+    chi_square = float(((counts[kept] - expected) ** 2 / expected).sum())
+    # 99.9th percentile of chi-square with (kept - 1) degrees of freedom, for up to 5: 10.83, 13.82, 16.27, 18.47, 20.52
+    assert chi_square < [10.83, 13.82, 16.27, 18.47, 20.52][int(kept.sum()) - 2]
