@@ -7,6 +7,7 @@ says, and hand it the responses; every decision lives here once.
 from __future__ import annotations
 
 import email.utils
+import importlib.metadata
 import os
 import random
 import time
@@ -44,7 +45,8 @@ T = TypeVar("T")
 DEFAULT_BASE_URL = "http://localhost:10900"
 DEFAULT_TIMEOUT_S = 600.0
 DEFAULT_MAX_RETRIES = 2
-USER_AGENT = "batchgen-client/0.1.0"
+VERSION = importlib.metadata.version("batchgen-client")
+USER_AGENT = f"batchgen-client/{VERSION}"
 
 FileInput = str | os.PathLike[str] | bytes | BinaryIO
 """What ``upload_file`` accepts: a path, the content itself, or a binary file object (streamed, never read whole)."""
