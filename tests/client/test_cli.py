@@ -141,6 +141,42 @@ def test_generation_options_follow_the_schema(capsys: pytest.CaptureFixture[str]
     assert "--top-k N sample among the k likeliest tokens (0 or -1: all)" in help
 
 
+def test_submit_no_wait(mock: respx.MockRouter, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    mock.post("/v1/files").respond(json=file_json("file-in"))
+    mock.post("/v1/batches").respond(json=batch_json())
+    polls = mock.get("/v1/batches/batch_abc").respond(json=batch_json())
+    (tmp_path / "in.jsonl").write_bytes(JSONL)
+    code, out, _ = run(capsys, "submit", str(tmp_path / "in.jsonl"), "--no-wait")
+    assert code == 0 and "batch_abc" in out and "validating" in out
+    assert not polls.called
+
+
+def test_failed_batch_exits_1_showing_its_errors_up_to_a_limit(
+    mock: respx.MockRouter, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = [{"code": "invalid_json", "message": "not JSON", "param": None, "line": line} for line in range(2, 28)]
+    mock.get("/v1/batches/batch_abc").respond(json=batch_json(status="failed", errors={"object": "list", "data": data}))
+    code, out, err = run(capsys, "wait", "batch_abc", "--no-progress")
+    assert code == 1
+    errors = [line.split(None, 1)[1] for line in out.splitlines() if line.startswith("error ")]
+    assert errors[0] == "line 2: not JSON (invalid_json)" and len(errors) == MAX_SHOWN_ERRORS + 1
+    assert errors[-1] == f"... and {len(data) - MAX_SHOWN_ERRORS} more ({len(data)} reported)"
+    assert err == "batchgen: batch batch_abc failed\n"
+
+    code, out, err = run(capsys, "wait", "batch_abc", "--no-progress", "--json")
+    assert (code, len(json.loads(out)["errors"]["data"])) == (1, len(data))
+    error = {"message": "batch batch_abc failed", "type": "batch_error", "param": None, "code": "failed"}
+    assert json.loads(err) == {"error": error}
+
+
+def test_wait_timeout_exits_5(mock: respx.MockRouter, capsys: pytest.CaptureFixture[str]) -> None:
+    mock.get("/v1/batches/batch_abc").respond(json=batch_json(status="in_progress"))
+    code, out, err = run(capsys, "wait", "batch_abc", "--timeout", "0", "--no-progress", "--json")
+    assert code == 5
+    assert json.loads(out)["status"] == "in_progress"
+    assert "did not finish" in err
+
+
 def test_api_error_exits_3(mock: respx.MockRouter, capsys: pytest.CaptureFixture[str]) -> None:
     error = {
         "error": {"message": "batch is completed", "type": "invalid_request_error", "param": None, "code": "conflict"}

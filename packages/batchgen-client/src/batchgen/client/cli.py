@@ -171,7 +171,7 @@ def _metadata(pairs: Sequence[str] | None) -> dict[str, str] | None:
     return metadata
 
 
-def _endpoint_of(path: Path, endpoint: str | None) -> str:
+def _validated_endpoint(path: Path, endpoint: str | None) -> str:
     """Validate the input file as the server will; its lines' ``url`` gives the endpoint unless one is given."""
     report = validate_input_file(path, endpoint=endpoint, limits=_CONTENT_ONLY, max_errors=MAX_SHOWN_ERRORS)
     if report.ok and report.endpoint is not None:
@@ -196,10 +196,10 @@ def _submit(client: BatchGenHttpClient, args: argparse.Namespace, out: Output) -
     batch = client.submit_batch(
         args.file,
         args.output,
-        endpoint=_endpoint_of(args.file, args.endpoint),
+        endpoint=_validated_endpoint(args.file, args.endpoint),
         completion_window=args.completion_window,
         metadata=metadata,
-        **msgspec.structs.asdict(msgspec.convert(args, GenerationDefaults, from_attributes=True)),
+        **{name: getattr(args, name) for name in GenerationDefaults.__struct_fields__},
         wait=args.wait,
         poll_interval=args.poll_interval,
         timeout=args.timeout,
@@ -437,7 +437,9 @@ def _main(argv: list[str]) -> int:
         error = exc
     except BatchOutcomeError as exc:
         out.batch(exc.batch)
-        error = CliError(EXIT_BATCH_UNSUCCESSFUL, "batch_error", str(exc), code=exc.batch.status)
+        # Its errors are in the batch just printed.
+        message = f"batch {exc.batch.id} {exc.batch.status}"
+        error = CliError(EXIT_BATCH_UNSUCCESSFUL, "batch_error", message, code=exc.batch.status)
     except BatchWaitTimeoutError as exc:
         out.batch(exc.batch)
         error = CliError(EXIT_WAIT_TIMEOUT, "timeout_error", str(exc), code="wait_timeout")
