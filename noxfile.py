@@ -1,53 +1,91 @@
-"""Developer tasks. `python3 -m pip install nox && python3 -m nox -s tests` sets up everything from scratch."""
+"""Developer tasks. `python3 -m pip install nox && python3 -m nox -s tests` sets up everything from scratch.
+
+Every session runs in one environment, `.nox/tests` (the path developers' commands use), so torch, the largest
+dependency by far, is installed once rather than once per session; each session adds the dependency groups it needs.
+"""
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
 
 import nox
 
-nox.options.default_venv_backend = "venv"
-nox.options.reuse_venv = "yes"
 nox.options.sessions = ["tests"]
 
 PACKAGES = ["packages/batchgen-schemas", "packages/batchgen-client", "packages/batchgen-server"]
 PYPROJECT = nox.project.load_toml("pyproject.toml")
+ENV = Path(".nox/tests")
+WINDOWS = sys.platform == "win32"
+BIN = ENV / ("Scripts" if WINDOWS else "bin")
+PYTHON = str(BIN / ("python.exe" if WINDOWS else "python"))
+
+TORCH_CPU = "torch==2.13.0"  # what the test suite runs on
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"  # PyTorch's CPU-only wheels: ~200 MB, not ~3 GB of CUDA
 
 
 def install_torch(session: nox.Session) -> None:
-    """A CPU build where no NVIDIA GPU is present (small, and what the test suite runs on); CUDA otherwise."""
+    """CUDA torch where an NVIDIA GPU is present; elsewhere a CPU build, from PyTorch's CPU index when it answers."""
+    if subprocess.run([PYTHON, "-m", "pip", "show", "--quiet", "torch"], capture_output=True).returncode == 0:
+        return  # installed by an earlier session: delete .nox/tests to reinstall
     if shutil.which("nvidia-smi"):
-        session.install("torch>=2.4")
+        session.run_install(PYTHON, "-m", "pip", "install", "torch>=2.4", silent=True)
+    elif reachable(TORCH_CPU_INDEX):
+        session.run_install(PYTHON, "-m", "pip", "install", "--index-url", TORCH_CPU_INDEX, TORCH_CPU, silent=True)
     else:
-        session.install("torch==2.13.0")
+        session.warn(
+            f"{TORCH_CPU_INDEX} cannot be reached: installing {TORCH_CPU} from the configured package index "
+            "(on Linux, PyPI's build is the CUDA one, about 3 GB)"
+        )
+        session.run_install(PYTHON, "-m", "pip", "install", TORCH_CPU, silent=True)
+
+
+def reachable(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=10):
+            return True
+    except OSError:
+        return False
 
 
 def install_project(session: nox.Session, *groups: str) -> None:
+    if not Path(PYTHON).exists():
+        session.run_install(sys.executable, "-m", "venv", str(ENV), silent=True)
     install_torch(session)
     editable = [arg for path in PACKAGES for arg in ("-e", path)]
     extras = [dep for group in groups for dep in nox.project.dependency_groups(PYPROJECT, group)]
-    session.install(*editable, *extras)
+    session.run_install(PYTHON, "-m", "pip", "install", *editable, *extras, silent=True)
 
 
-@nox.session
+def run(session: nox.Session, *args: str) -> None:
+    """Run a module of the shared environment, with its scripts first on PATH (tests start `batchgen-server`)."""
+    path = os.pathsep.join([str(BIN.resolve()), os.environ.get("PATH", "")])
+    session.run(PYTHON, *args, env={"PATH": path, "VIRTUAL_ENV": str(ENV.resolve())})
+
+
+@nox.session(venv_backend="none")
 def tests(session: nox.Session) -> None:
     """Lint, type-check, then run the whole test suite."""
     install_project(session, "test", "lint")
-    session.run("ruff", "check", ".")
-    session.run("ruff", "format", "--check", ".")
-    session.run("mypy", "packages/batchgen-schemas/src", "packages/batchgen-client/src")
-    session.run("pytest", *session.posargs)
+    run(session, "-m", "ruff", "check", ".")
+    run(session, "-m", "ruff", "format", "--check", ".")
+    run(session, "-m", "mypy", "packages/batchgen-schemas/src", "packages/batchgen-client/src")
+    run(session, "-m", "pytest", *session.posargs)
 
 
-@nox.session
+@nox.session(venv_backend="none")
 def demo(session: nox.Session) -> None:
     """The main job end to end: a server with the demo model processes the example batches through the real API."""
     install_project(session)
-    session.run("python", "examples/demo.py", *session.posargs)
+    run(session, "examples/demo.py", *session.posargs)
 
 
-@nox.session
+@nox.session(venv_backend="none")
 def bench(session: nox.Session) -> None:
     """Run one benchmark script: `nox -s bench -- benchmarks/validator.py`."""
     install_project(session, "test")
-    session.run("python", *(session.posargs or ["benchmarks/validator.py"]))
+    run(session, *(session.posargs or ["benchmarks/validator.py"]))

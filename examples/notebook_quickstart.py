@@ -2,9 +2,10 @@
 # # batchgen quick start
 #
 # Run a batch of prompts on a batchgen server from a notebook. Start a server first, for example with the tiny
-# built-in demo model: `batchgen-server serve --model demo`. Then `pip install batchgen-client` in the notebook's
-# environment (it pulls in neither torch nor transformers) and run these cells in order (`# %%` marks a cell in
-# VS Code, PyCharm and Jupytext; the file also runs as a plain script).
+# built-in demo model: `batchgen-server serve --model demo`. Then install the client in the notebook's environment
+# (`pip install ./packages/batchgen-schemas ./packages/batchgen-client` from a checkout; it pulls in neither torch
+# nor transformers) and run these cells in order (`# %%` marks a cell in VS Code, PyCharm and Jupytext; the file
+# also runs as a plain script).
 
 # %%
 import os

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 from pathlib import Path
 from typing import Any
@@ -10,10 +11,15 @@ import httpx
 import pytest
 import respx
 
-from batchgen.client.cli import main
+from batchgen.client.cli import MAX_SHOWN_ERRORS, main
+from batchgen.schemas import GenerationDefaults
 
 from .conftest import BASE, batch_json, file_json, output_line
 from .test_client_requests import JSONL, jsonl, multipart_fields
+
+COMPLETIONS = jsonl(
+    {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"model": "demo", "prompt": "hi"}}
+)
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -47,7 +53,7 @@ def test_submit_waits_and_downloads(mock: respx.MockRouter, capsys: pytest.Captu
     )
     mock.get("/v1/files/file-out/content").respond(content=jsonl(output_line("a")))
     source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    source.write_bytes(JSONL)
+    source.write_bytes(COMPLETIONS)
 
     code, out, _ = run(
         capsys,
@@ -57,8 +63,6 @@ def test_submit_waits_and_downloads(mock: respx.MockRouter, capsys: pytest.Captu
         str(target),
         "--max-decoding-length",
         "32",
-        "--endpoint",
-        "/v1/completions",
         "--metadata",
         "team=nlp",
         "--poll-interval",
@@ -70,9 +74,71 @@ def test_submit_waits_and_downloads(mock: respx.MockRouter, capsys: pytest.Captu
     assert code == 0
     assert json.loads(out)["status"] == "completed"
     assert json.loads(target.read_bytes())["custom_id"] == "a"
-    assert multipart_fields(upload.calls.last.request)["file"] == ("in.jsonl", JSONL)
+    assert multipart_fields(upload.calls.last.request)["file"] == ("in.jsonl", COMPLETIONS)
     body = json.loads(create.calls.last.request.content)
+    # The endpoint comes from the lines' url: no --endpoint needed for a completions file.
     assert (body["max_decoding_length"], body["endpoint"], body["metadata"]) == (32, "/v1/completions", {"team": "nlp"})
+
+
+def test_submit_shows_every_invalid_line_up_to_a_limit_and_uploads_nothing(
+    mock: respx.MockRouter, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    upload = mock.post("/v1/files").respond(json=file_json("file-in"))
+    good = json.loads(JSONL)
+    bad = [{**good, "custom_id": f"bad-{i}", "body": {"model": "demo"}} for i in range(MAX_SHOWN_ERRORS + 5)]
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(jsonl(good, *bad))
+
+    code, out, err = run(capsys, "submit", str(source))
+    assert (code, out) == (6, "")
+    lines = err.splitlines()
+    assert (
+        lines[0]
+        == f"batchgen: {source}: {MAX_SHOWN_ERRORS + 5} error(s) in {len(bad) + 1} request(s); nothing was uploaded"
+    )
+    assert lines[1].startswith("  line 2: Missing required parameter: 'body.messages'")
+    assert lines[MAX_SHOWN_ERRORS].startswith(f"  line {MAX_SHOWN_ERRORS + 1}: ")
+    assert lines[-1] == "  ... and 5 more" and len(lines) == MAX_SHOWN_ERRORS + 2
+
+    code, _, err = run(capsys, "submit", str(source), "--json")
+    error = json.loads(err)["error"]
+    assert (code, error["code"], error["error_count"], len(error["errors"])) == (
+        6,
+        "invalid_input_file",
+        MAX_SHOWN_ERRORS + 5,
+        MAX_SHOWN_ERRORS,
+    )
+    assert error["errors"][0] == {
+        "line": 2,
+        "code": "missing_required_parameter",
+        "message": "Missing required parameter: 'body.messages'.",
+        "param": "body.messages",
+    }
+
+    # An explicit --endpoint is checked against every line.
+    source.write_bytes(JSONL)
+    code, _, err = run(capsys, "submit", str(source), "--endpoint", "/v1/completions")
+    assert code == 6 and "line 1: The url '/v1/chat/completions' does not match" in err
+    assert not upload.called
+
+
+def test_generation_options_follow_the_schema(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(JSONL)
+    with pytest.raises(SystemExit) as caught:
+        main(["submit", str(source), "--top-p", "0"])
+    assert caught.value.code == 2
+    assert "argument --top-p: '0': Expected `float` > 0.0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["submit", str(source), "--top-k", "many", "--json"])
+    error = json.loads(capsys.readouterr().err)["error"]
+    assert error["type"] == "usage_error" and error["message"].startswith("argument --top-k: 'many': Expected `int")
+
+    with pytest.raises(SystemExit):
+        main(["submit", "--help"])
+    help = " ".join(capsys.readouterr().out.split())
+    assert all(f"--{name.replace('_', '-')} " in help for name in GenerationDefaults.__struct_fields__)
+    assert "--top-k N sample among the k likeliest tokens (0 or -1: all)" in help
 
 
 def test_submit_no_wait(mock: respx.MockRouter, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -85,13 +151,22 @@ def test_submit_no_wait(mock: respx.MockRouter, capsys: pytest.CaptureFixture[st
     assert not polls.called
 
 
-def test_failed_batch_exits_1(mock: respx.MockRouter, capsys: pytest.CaptureFixture[str]) -> None:
-    errors = {"object": "list", "data": [{"code": "invalid_json", "message": "not JSON", "param": None, "line": 2}]}
-    mock.get("/v1/batches/batch_abc").respond(json=batch_json(status="failed", errors=errors))
+def test_failed_batch_exits_1_showing_its_errors_up_to_a_limit(
+    mock: respx.MockRouter, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = [{"code": "invalid_json", "message": "not JSON", "param": None, "line": line} for line in range(2, 28)]
+    mock.get("/v1/batches/batch_abc").respond(json=batch_json(status="failed", errors={"object": "list", "data": data}))
     code, out, err = run(capsys, "wait", "batch_abc", "--no-progress")
     assert code == 1
-    assert "line 2: not JSON" in out
-    assert "batch batch_abc failed" in err
+    errors = [line.split(None, 1)[1] for line in out.splitlines() if line.startswith("error ")]
+    assert errors[0] == "line 2: not JSON (invalid_json)" and len(errors) == MAX_SHOWN_ERRORS + 1
+    assert errors[-1] == f"... and {len(data) - MAX_SHOWN_ERRORS} more ({len(data)} reported)"
+    assert err == "batchgen: batch batch_abc failed\n"
+
+    code, out, err = run(capsys, "wait", "batch_abc", "--no-progress", "--json")
+    assert (code, len(json.loads(out)["errors"]["data"])) == (1, len(data))
+    error = {"message": "batch batch_abc failed", "type": "batch_error", "param": None, "code": "failed"}
+    assert json.loads(err) == {"error": error}
 
 
 def test_wait_timeout_exits_5(mock: respx.MockRouter, capsys: pytest.CaptureFixture[str]) -> None:
@@ -111,11 +186,34 @@ def test_api_error_exits_3(mock: respx.MockRouter, capsys: pytest.CaptureFixture
     assert (code, out) == (3, "")
     assert "409: batch is completed (code=conflict, request_id=req-9)" in err
 
+    code, out, err = run(capsys, "cancel", "batch_abc", "--json")
+    assert (code, out) == (3, "")
+    assert json.loads(err) == {"error": {**error["error"], "status_code": 409, "request_id": "req-9"}}
+
 
 def test_connection_error_exits_4(mock: respx.MockRouter, capsys: pytest.CaptureFixture[str]) -> None:
-    mock.get("/health").mock(side_effect=httpx.ConnectError("connection refused"))
+    route = mock.get("/health").mock(side_effect=httpx.ConnectError("connection refused"))
     code, _, err = run(capsys, "health")
     assert code == 4 and "connection refused" in err
+    route.mock(side_effect=httpx.ReadTimeout("slow"))
+    code, _, err = run(capsys, "health", "--json")
+    error = json.loads(err)["error"]
+    assert (code, error["type"], error["code"]) == (4, "connection_error", "timeout")
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as caught:
+        main(["--version"])
+    assert caught.value.code == 0
+    assert capsys.readouterr().out == f"batchgen {importlib.metadata.version('batchgen-client')}\n"
+
+
+def test_files_delete(mock: respx.MockRouter, capsys: pytest.CaptureFixture[str]) -> None:
+    route = mock.delete("/v1/files/file-1").respond(json={"id": "file-1", "object": "file", "deleted": True})
+    assert run(capsys, "files", "delete", "file-1")[:2] == (0, "file-1 deleted\n")
+    code, out, _ = run(capsys, "files", "delete", "file-1", "--json")
+    assert (code, json.loads(out)) == (0, {"id": "file-1", "object": "file", "deleted": True})
+    assert route.call_count == 2
 
 
 def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -172,12 +270,33 @@ def test_download_batch_output_and_errors(
     assert (tmp_path / "out.jsonl").read_bytes() == b"results\n"
 
     code, _, err = run(capsys, "download", "batch_abc", "--errors", "-o", str(tmp_path / "err.jsonl"))
-    assert code == 1 and "has no error file" in err
+    assert (code, err) == (1, "batchgen: batch batch_abc is completed and no request failed, so it has no error file\n")
     assert route.call_count == 2
 
     code, out, _ = run(capsys, "download", "file-out", "-o", str(tmp_path / "again.jsonl"), "--json")
     assert code == 0
     assert json.loads(out) == {"file_id": "file-out", "path": str(tmp_path / "again.jsonl"), "bytes": 8}
+
+
+@pytest.mark.parametrize(
+    ("batch", "why"),
+    [
+        ({"status": "validating"}, "is validating: its output file does not exist yet"),
+        ({"status": "failed"}, "failed before running any request, so it has no output file"),
+        (
+            {"status": "cancelled", "in_progress_at": 1},
+            "is cancelled and no request succeeded, so it has no output file",
+        ),
+    ],
+)
+def test_download_says_why_a_batch_has_no_file(
+    mock: respx.MockRouter, capsys: pytest.CaptureFixture[str], tmp_path: Path, batch: dict[str, Any], why: str
+) -> None:
+    mock.get("/v1/batches/batch_abc").respond(json=batch_json(**batch))
+    code, _, err = run(capsys, "download", "batch_abc", "-o", str(tmp_path / "out.jsonl"), "--json")
+    error = json.loads(err)["error"]
+    assert (code, error["message"], error["code"]) == (1, f"batch batch_abc {why}", "no_output_file")
+    assert not (tmp_path / "out.jsonl").exists()
 
 
 def test_options_after_the_command_override_defaults_only(

@@ -1,4 +1,5 @@
-"""Installing the client into a fresh virtualenv pulls in neither torch nor transformers; importing it loads neither."""
+"""Every wheel ships the LICENSE; installing the client's wheels into a fresh virtualenv pulls in neither torch nor
+transformers, and importing the client loads neither."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -26,21 +28,33 @@ print(json.dumps({
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(180)
-def test_client_installs_and_imports_without_torch(tmp_path: Path) -> None:
-    venv = tmp_path / "venv"
+@pytest.mark.timeout(240)
+def test_wheels_ship_the_license_and_the_client_installs_without_torch(tmp_path: Path) -> None:
     # A clean environment: no PYTHONPATH pointing at the source tree, no inherited virtualenv.
     env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, env=env)
-    python = venv / "bin" / "python"
-    packages = [str(ROOT / "packages" / "batchgen-schemas"), str(ROOT / "packages" / "batchgen-client")]
+    pip = ["-m", "pip", "--disable-pip-version-check", "--quiet"]
+    wheels = tmp_path / "wheels"
+    packages = sorted((ROOT / "packages").iterdir())
     subprocess.run(
-        [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *packages],
+        [sys.executable, *pip, "wheel", "--no-deps", "--wheel-dir", str(wheels), *map(str, packages)],
         check=True,
         env=env,
         cwd=tmp_path,
         capture_output=True,
     )
+    license = (ROOT / "LICENSE").read_bytes()
+    built = sorted(wheels.glob("*.whl"))
+    assert [wheel.name.split("-")[0] for wheel in built] == [p.name.replace("-", "_") for p in packages]
+    for wheel in built:
+        with zipfile.ZipFile(wheel) as archive:
+            (licenses,) = [name for name in archive.namelist() if ".dist-info/licenses/" in name]
+            assert archive.read(licenses) == license, wheel.name
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, env=env)
+    python = venv / "bin" / "python"
+    client_wheels = [str(wheel) for wheel in built if not wheel.name.startswith("batchgen_server")]
+    subprocess.run([python, *pip, "install", *client_wheels], check=True, env=env, cwd=tmp_path, capture_output=True)
 
     result = subprocess.run([python, "-c", CHECK], check=True, env=env, cwd=tmp_path, capture_output=True, text=True)
     report = json.loads(result.stdout)

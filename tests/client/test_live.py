@@ -11,6 +11,8 @@ import io
 import json
 import os
 import runpy
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -278,6 +280,23 @@ def test_cli(live_server: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str
 
     code, out, _ = cli("submit", str(source), "--no-wait", "--json")
     assert code == 0 and json.loads(out)["status"] in ("validating", "in_progress", "completed")
+
+
+def test_cli_closed_pipe_is_quiet(live_server: Any) -> None:
+    """`batchgen list files | head` when head has already exited: no broken-pipe traceback or message."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # every write to stdout now fails with EPIPE
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "batchgen.client", "--base-url", live_server.base_url, "list", "files"],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(write_end)
+    assert (result.returncode, result.stderr) == (141, "")
 
 
 def test_cli_connection_error(capsys: pytest.CaptureFixture[str]) -> None:

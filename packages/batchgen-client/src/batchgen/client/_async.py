@@ -1,10 +1,13 @@
-"""``AsyncBatchGenHttpClient``: the asyncio twin of ``BatchGenHttpClient``; it differs only in awaiting its I/O."""
+"""The client's I/O (every decision is in ``_core``).
+
+``_async.py`` is the source: ``_sync.py`` is generated from it by ``scripts/generate_sync_client.py``.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
@@ -18,6 +21,7 @@ from batchgen.schemas import (
     FileDeleted,
     FileList,
     FileObject,
+    GenerationDefaults,
     HealthStatus,
     Metadata,
     ModelList,
@@ -26,7 +30,7 @@ from batchgen.schemas import (
 )
 
 from . import _core
-from ._core import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT_S, ApiRequest, ClientCore, FileInput, RequestsInput
+from ._core import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT_S, ApiRequest, AsyncSleep, ClientCore, FileInput, RequestsInput
 from ._wait import BatchCallback, BatchWaiter
 
 T = TypeVar("T")
@@ -34,7 +38,7 @@ PageT = TypeVar("PageT", FileList, BatchList)
 
 
 class AsyncBatchGenHttpClient:
-    """Asyncio client of the batchgen REST API, with the methods and arguments of ``BatchGenHttpClient``.
+    """Client of the batchgen REST API (OpenAI Batch API compatible); the sync and async clients are the same.
 
     ``base_url`` defaults to ``$BATCHGEN_BASE_URL`` or ``http://localhost:10900``; ``api_key`` to
     ``$BATCHGEN_API_KEY`` (sent as a Bearer token). ``timeout_s=None`` waits forever. Failed requests are retried
@@ -49,7 +53,7 @@ class AsyncBatchGenHttpClient:
         timeout_s: float | None = DEFAULT_TIMEOUT_S,
         max_retries: int = DEFAULT_MAX_RETRIES,
         http_client: httpx.AsyncClient | None = None,
-        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        sleep: AsyncSleep = asyncio.sleep,
     ) -> None:
         self._core = ClientCore(base_url, api_key, timeout_s, max_retries)
         self._owns_http = http_client is None
@@ -133,7 +137,8 @@ class AsyncBatchGenHttpClient:
         return await self._request(self._core.delete_file(file_id))
 
     async def download_file_content(self, file_id: str) -> bytes:
-        return (await self._request(self._core.file_content(file_id, stream=False))).content
+        response = await self._request(self._core.file_content(file_id, stream=False))
+        return response.content
 
     async def download_file(self, file_id: str, path: str | os.PathLike[str]) -> Path:
         """Stream a file's content to ``path`` (written atomically) and return the path."""
@@ -161,18 +166,21 @@ class AsyncBatchGenHttpClient:
         top_p: float | None = None,
         top_k: int | None = None,
     ) -> BatchObject:
-        """Start a batch; the batch-level generation values apply to requests that do not set their own."""
+        """Start a batch; the batch-level ``GenerationDefaults`` apply to requests that do not set their own."""
+        defaults = GenerationDefaults(
+            max_decoding_length=max_decoding_length,
+            max_context_length=max_context_length,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+        )
         return await self._request(
             self._core.create_batch(
                 input_file_id,
                 endpoint=endpoint,
                 completion_window=completion_window,
                 metadata=metadata,
-                max_decoding_length=max_decoding_length,
-                max_context_length=max_context_length,
-                temperature=temperature,
-                top_p=top_p,
-                top_k=top_k,
+                defaults=defaults,
             )
         )
 

@@ -7,11 +7,12 @@ says, and hand it the responses; every decision lives here once.
 from __future__ import annotations
 
 import email.utils
+import importlib.metadata
 import os
 import random
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -28,6 +29,7 @@ from batchgen.schemas import (
     FileDeleted,
     FileList,
     FileObject,
+    GenerationDefaults,
     HealthStatus,
     Metadata,
     ModelList,
@@ -43,12 +45,16 @@ T = TypeVar("T")
 DEFAULT_BASE_URL = "http://localhost:10900"
 DEFAULT_TIMEOUT_S = 600.0
 DEFAULT_MAX_RETRIES = 2
-USER_AGENT = "batchgen-client/0.1.0"
+VERSION = importlib.metadata.version("batchgen-client")
+USER_AGENT = f"batchgen-client/{VERSION}"
 
 FileInput = str | os.PathLike[str] | bytes | BinaryIO
 """What ``upload_file`` accepts: a path, the content itself, or a binary file object (streamed, never read whole)."""
 RequestsInput = FileInput | Sequence[Mapping[str, Any]]
 """What ``submit_batch`` accepts: a file input as above, or a list of input lines or request bodies."""
+Sleep = Callable[[float], None]
+AsyncSleep = Callable[[float], Awaitable[None]]
+"""How a client waits between retries and polls (tests pass a recorder); ``_sync.py`` gets ``Sleep``."""
 
 
 @dataclass(frozen=True)
@@ -292,25 +298,15 @@ class ClientCore:
         endpoint: str,
         completion_window: str,
         metadata: Metadata | None,
-        max_decoding_length: int | None,
-        max_context_length: int | None,
-        temperature: float | None,
-        top_p: float | None,
-        top_k: int | None,
+        defaults: GenerationDefaults,
     ) -> ApiRequest[BatchObject]:
-        optional = {
-            "metadata": metadata,
-            "max_decoding_length": max_decoding_length,
-            "max_context_length": max_context_length,
-            "temperature": temperature,
-            "top_p": top_p,
-            "top_k": top_k,
-        }
+        """Unset (``None``) metadata and defaults are left out of the body."""
         body = {
             "input_file_id": input_file_id,
             "endpoint": endpoint,
             "completion_window": completion_window,
-            **{name: value for name, value in optional.items() if value is not None},
+            **({"metadata": metadata} if metadata is not None else {}),
+            **msgspec.to_builtins(defaults),
         }
         return ApiRequest("POST", "/v1/batches", _parse_batch, json=msgspec.json.encode(body), headers=_idempotency())
 

@@ -1,10 +1,14 @@
-"""``BatchGenHttpClient``: the blocking client. All decisions are in ``_core``; this module only does the I/O."""
+# Generated from _async.py by scripts/generate_sync_client.py: do not edit.
+"""The client's I/O (every decision is in ``_core``).
+
+``_async.py`` is the source: ``_sync.py`` is generated from it by ``scripts/generate_sync_client.py``.
+"""
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
@@ -18,6 +22,7 @@ from batchgen.schemas import (
     FileDeleted,
     FileList,
     FileObject,
+    GenerationDefaults,
     HealthStatus,
     Metadata,
     ModelList,
@@ -26,7 +31,7 @@ from batchgen.schemas import (
 )
 
 from . import _core
-from ._core import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT_S, ApiRequest, ClientCore, FileInput, RequestsInput
+from ._core import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT_S, ApiRequest, ClientCore, FileInput, RequestsInput, Sleep
 from ._wait import BatchCallback, BatchWaiter
 
 T = TypeVar("T")
@@ -34,7 +39,7 @@ PageT = TypeVar("PageT", FileList, BatchList)
 
 
 class BatchGenHttpClient:
-    """Client of the batchgen REST API (OpenAI Batch API compatible).
+    """Client of the batchgen REST API (OpenAI Batch API compatible); the sync and async clients are the same.
 
     ``base_url`` defaults to ``$BATCHGEN_BASE_URL`` or ``http://localhost:10900``; ``api_key`` to
     ``$BATCHGEN_API_KEY`` (sent as a Bearer token). ``timeout_s=None`` waits forever. Failed requests are retried
@@ -49,7 +54,7 @@ class BatchGenHttpClient:
         timeout_s: float | None = DEFAULT_TIMEOUT_S,
         max_retries: int = DEFAULT_MAX_RETRIES,
         http_client: httpx.Client | None = None,
-        sleep: Callable[[float], None] = time.sleep,
+        sleep: Sleep = time.sleep,
     ) -> None:
         self._core = ClientCore(base_url, api_key, timeout_s, max_retries)
         self._owns_http = http_client is None
@@ -132,7 +137,8 @@ class BatchGenHttpClient:
         return self._request(self._core.delete_file(file_id))
 
     def download_file_content(self, file_id: str) -> bytes:
-        return self._request(self._core.file_content(file_id, stream=False)).content
+        response = self._request(self._core.file_content(file_id, stream=False))
+        return response.content
 
     def download_file(self, file_id: str, path: str | os.PathLike[str]) -> Path:
         """Stream a file's content to ``path`` (written atomically) and return the path."""
@@ -160,18 +166,21 @@ class BatchGenHttpClient:
         top_p: float | None = None,
         top_k: int | None = None,
     ) -> BatchObject:
-        """Start a batch; the batch-level generation values apply to requests that do not set their own."""
+        """Start a batch; the batch-level ``GenerationDefaults`` apply to requests that do not set their own."""
+        defaults = GenerationDefaults(
+            max_decoding_length=max_decoding_length,
+            max_context_length=max_context_length,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+        )
         return self._request(
             self._core.create_batch(
                 input_file_id,
                 endpoint=endpoint,
                 completion_window=completion_window,
                 metadata=metadata,
-                max_decoding_length=max_decoding_length,
-                max_context_length=max_context_length,
-                temperature=temperature,
-                top_p=top_p,
-                top_k=top_k,
+                defaults=defaults,
             )
         )
 
@@ -265,4 +274,4 @@ class BatchGenHttpClient:
             self.download_file_content(file_id) for file_id in (batch.output_file_id, batch.error_file_id) if file_id
         ]
         input_content = self.download_file_content(batch.input_file_id) if in_input_order else None
-        return _core.parse_results(contents, input_content)
+        yield from _core.parse_results(contents, input_content)

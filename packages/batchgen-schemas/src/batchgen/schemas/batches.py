@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 import msgspec
+from msgspec import Meta
 
 from ._base import Body, Wire
 
@@ -53,7 +54,23 @@ class BatchUsage(Wire, kw_only=True):
     total_tokens: int = 0
 
 
-class BatchObject(Wire, kw_only=True):
+class GenerationDefaults(Body, kw_only=True):
+    """Batch-level generation defaults, batchgen's extension of ``POST /v1/batches`` (echoed on the batch object).
+
+    Each applies to the requests of the batch that set no value of their own (a request's value always wins); ``None``
+    sets no default. The one definition of these fields: the batch types inherit them, the server fills requests from
+    them, the client sends them and the CLI derives its options (help text included) from them.
+    """
+
+    max_decoding_length: Annotated[int, Meta(ge=1, description="max output tokens of a request")] | None = None
+    max_context_length: Annotated[int, Meta(ge=1, description="max prompt + output tokens of a request")] | None = None
+    temperature: Annotated[float, Meta(ge=0, le=2, description="sampling temperature (0: greedy)")] | None = None
+    top_p: Annotated[float, Meta(gt=0, le=1, description="nucleus sampling's probability mass")] | None = None
+    top_k: Annotated[int, Meta(ge=-1, description="sample among the k likeliest tokens (0 or -1: all)")] | None = None
+
+
+# Multiple inheritance keeps the wire format flat; msgspec puts the inherited fields first.
+class BatchObject(Wire, GenerationDefaults, kw_only=True, omit_defaults=False):
     id: str
     object: Literal["batch"] = "batch"
     endpoint: str
@@ -76,12 +93,6 @@ class BatchObject(Wire, kw_only=True):
     request_counts: BatchRequestCounts = msgspec.field(default_factory=BatchRequestCounts)
     usage: BatchUsage = msgspec.field(default_factory=BatchUsage)
     metadata: Metadata | None = None
-    # batchgen extensions: batch-level defaults that per-request values override.
-    max_decoding_length: int | None = None
-    max_context_length: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
 
 
 class BatchList(Wire, kw_only=True):
@@ -92,10 +103,7 @@ class BatchList(Wire, kw_only=True):
     has_more: bool = False
 
 
-PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
-
-
-class CreateBatchRequest(Body, kw_only=True, forbid_unknown_fields=True, omit_defaults=False):
+class CreateBatchRequest(GenerationDefaults, kw_only=True, forbid_unknown_fields=True, omit_defaults=False):
     """Body of ``POST /v1/batches``. Unknown fields are rejected so that typos do not pass silently; every field
     is sent (OpenAI requires ``endpoint`` and ``completion_window``)."""
 
@@ -103,8 +111,3 @@ class CreateBatchRequest(Body, kw_only=True, forbid_unknown_fields=True, omit_de
     endpoint: str = "/v1/chat/completions"
     completion_window: str = "24h"
     metadata: Metadata | None = None
-    max_decoding_length: PositiveInt | None = None
-    max_context_length: PositiveInt | None = None
-    temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] | None = None
-    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
-    top_k: Annotated[int, msgspec.Meta(ge=-1)] | None = None

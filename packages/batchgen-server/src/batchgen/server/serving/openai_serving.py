@@ -7,7 +7,6 @@ import math
 import struct
 import time
 import uuid
-from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -30,6 +29,7 @@ from batchgen.schemas import (
     EmbeddingUsage,
     ErrorDetail,
     ErrorResponse,
+    GenerationDefaults,
     PromptTokensDetails,
     TextCompletion,
     TokenLogprob,
@@ -40,20 +40,13 @@ from ..engine.request import EngineRequest, EngineResult, SamplingParams, Task
 from ..engine.request import TokenLogprob as EngineTokenLogprob
 
 
-@dataclass(frozen=True)
-class BatchDefaults:
-    """Batch-level defaults (a batchgen extension); values set on a request override them."""
-
-    max_decoding_length: int | None = None
-    max_context_length: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
+class BatchDefaults(GenerationDefaults, kw_only=True):
+    """The schemas' batch-level defaults (a batchgen extension); values set on a request override them."""
 
     @classmethod
     def of(cls, source: object) -> BatchDefaults:
         """The defaults carried by anything with these attributes: a ``BatchObject``, parsed CLI arguments."""
-        return cls(**{name: getattr(source, name) for name in cls.__dataclass_fields__})
+        return cls(**{name: getattr(source, name) for name in GenerationDefaults.__struct_fields__})
 
 
 class RequestRejected(Exception):
