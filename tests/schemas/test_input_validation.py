@@ -237,6 +237,13 @@ def test_missing_nested_parameters_name_their_path() -> None:
         ({"response_format": {"type": "xml"}}, "body.response_format.type"),
         ({"seed": 1.5}, "body.seed"),
         ({"model": 7}, "body.model"),
+        # Numbers that would overflow or exhaust the engine mid-batch are bounded here, by name.
+        ({"temperature": 1, "top_k": 9223372036854775808}, "body.top_k"),
+        ({"top_k": 2**31}, "body.top_k"),
+        ({"seed": 2**63}, "body.seed"),
+        ({"seed": -(2**63) - 1}, "body.seed"),
+        ({"max_tokens": 2**31}, "body.max_tokens"),
+        ({"max_completion_tokens": 2**40}, "body.max_completion_tokens"),
     ],
 )
 def test_invalid_request_param_is_the_body_path(body: dict[str, Any], param: str) -> None:
@@ -266,6 +273,8 @@ def test_invalid_request_on_the_envelope(line: dict[str, Any], param: str) -> No
         ("/v1/completions", "prompt", ["a", 1], "only texts"),
         ("/v1/completions", "prompt", [[1], 2], "only texts"),
         ("/v1/completions", "prompt", [1, -1], "non-negative"),
+        ("/v1/completions", "prompt", [1, 2**31], "at most 2147483647"),
+        ("/v1/completions", "prompt", [[1], [2**63 + 5]], "at most 2147483647"),
         ("/v1/completions", "prompt", [[1], []], "must not be empty"),
         ("/v1/embeddings", "input", [[1, 2], [3, -4]], "non-negative"),
         ("/v1/embeddings", "input", ["a", [1]], "only texts"),

@@ -25,9 +25,8 @@ ChoiceCount = Annotated[int, msgspec.Meta(ge=1, le=128)]
 Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 """A signed 64-bit integer, as OpenAI takes it."""
 TopLogprobs = Annotated[int, msgspec.Meta(ge=0, le=20)]
-TokenId = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]
 Stop = str | Annotated[list[str], msgspec.Meta(max_length=4)]
-Prompt = str | list[str | TokenId | list[TokenId]]
+Prompt = str | list[str | int | list[int]]
 
 
 class TextContentPart(Body, kw_only=True, tag_field="type", tag="text"):

@@ -26,7 +26,15 @@ from typing import Annotated, BinaryIO, Generic, NamedTuple, TypeVar
 import msgspec
 
 from .batches import BatchError, BatchErrors
-from .requests import BODY_TYPES, BatchInputLine, ChatCompletionRequest, CompletionRequest, Prompt, RequestBody
+from .requests import (
+    BODY_TYPES,
+    INT32_MAX,
+    BatchInputLine,
+    ChatCompletionRequest,
+    CompletionRequest,
+    Prompt,
+    RequestBody,
+)
 
 __all__ = [
     "DEFAULT_LIMITS",
@@ -455,7 +463,9 @@ def _prompt_problem(prompt: Prompt) -> str | None:
 
 
 def _token_problem(tokens: list[int]) -> str | None:
-    return "token ids must be non-negative." if min(tokens) < 0 else None
+    if min(tokens) < 0:
+        return "token ids must be non-negative."
+    return f"token ids must be at most {INT32_MAX}." if max(tokens) > INT32_MAX else None
 
 
 # --- public API ---------------------------------------------------------------------------------------------------
