@@ -64,6 +64,8 @@ class PoolController(Controller):
             active_batches=sum(batches.get(status, 0) for status in ACTIVE_STATUSES),
             kv_blocks_total=stats.kv_blocks_total,
             kv_blocks_free=stats.kv_blocks_free,
+            prompt_tokens=stats.prompt_tokens,
+            generated_tokens=stats.generated_tokens,
         )
 
 
