@@ -25,6 +25,7 @@ from .api.models import ModelsController
 from .api.openapi import BEARER_AUTH, docs_assets, openapi_config
 from .batches.runner import BatchRunner
 from .callbacks import CallbackNotifier
+from .console import console_assets, console_page
 from .engine import EngineWorker, LLMEngine
 from .security.auth import ApiKeyAuthMiddleware
 from .serving import OpenAIServing
@@ -75,7 +76,7 @@ def create_app(settings: Settings) -> Litestar:
     )
     auth = ApiKeyAuthMiddleware(settings.api_keys)
     return Litestar(
-        route_handlers=[api, HealthController, docs_assets],
+        route_handlers=[api, HealthController, docs_assets, console_page, console_assets],
         middleware=[auth],
         dependencies=DEPENDENCIES,
         exception_handlers=EXCEPTION_HANDLERS,
