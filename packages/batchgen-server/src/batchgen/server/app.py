@@ -22,7 +22,7 @@ from .api.files import FilesController
 from .api.health import HealthController, PoolController
 from .api.legacy import legacy_inference
 from .api.models import ModelsController
-from .api.openapi import BEARER_AUTH, docs_assets, openapi_config
+from .api.openapi import BEARER_AUTH, openapi_config
 from .batches.runner import BatchRunner
 from .callbacks import CallbackNotifier
 from .console import console_assets, console_page
@@ -76,7 +76,7 @@ def create_app(settings: Settings) -> Litestar:
     )
     auth = ApiKeyAuthMiddleware(settings.api_keys)
     return Litestar(
-        route_handlers=[api, HealthController, docs_assets, console_page, console_assets],
+        route_handlers=[api, HealthController, console_page, console_assets],
         middleware=[auth],
         dependencies=DEPENDENCIES,
         exception_handlers=EXCEPTION_HANDLERS,

@@ -11,6 +11,11 @@ from litestar.exceptions import NotFoundException
 from litestar.handlers import HTTPRouteHandler
 from litestar.response import File
 
+SAME_ORIGIN_POLICY = (
+    "default-src 'self'; img-src 'self' data:; object-src 'none'; base-uri 'none'; frame-ancestors 'none'"
+)
+"""The Content-Security-Policy of the pages: the browser loads nothing from another host (so a page works offline and
+tells no one it was opened), and nobody may frame them."""
 NO_CACHE = {"Cache-Control": "no-cache"}
 """Revalidate every time (the files carry an ETag): a page never runs a script left over from an older version."""
 

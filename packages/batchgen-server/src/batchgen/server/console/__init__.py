@@ -8,18 +8,14 @@ from pathlib import Path
 from litestar import get
 from litestar.response import File
 
-from ..static_files import NO_CACHE, serve_file, static_files
+from ..static_files import NO_CACHE, SAME_ORIGIN_POLICY, serve_file, static_files
 
 HERE = Path(__file__).parent
-CONTENT_SECURITY_POLICY = (
-    "default-src 'self'; img-src 'self' data:; object-src 'none'; base-uri 'none'; frame-ancestors 'none'"
-)
-"""Same origin only: the page can load nothing from another host, nor run an injected inline script."""
 
 
 @get("/", include_in_schema=False, sync_to_thread=False)
 def console_page() -> File:
-    return serve_file(HERE / "index.html", {**NO_CACHE, "Content-Security-Policy": CONTENT_SECURITY_POLICY})
+    return serve_file(HERE / "index.html", {**NO_CACHE, "Content-Security-Policy": SAME_ORIGIN_POLICY})
 
 
 console_assets = static_files(
