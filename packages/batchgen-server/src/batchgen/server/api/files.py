@@ -32,6 +32,8 @@ class UploadOperation(Operation):
     itself (uploads.py), so Litestar cannot infer it, and without it the docs pages offer no file field."""
 
     def __post_init__(self) -> None:
+        # The empty examples: Swagger UI fills each optional field with a sample ('created_at', 3600) and so would
+        # make every upload from the docs page expire; blank fields are sent as no expiry (see _expires_at).
         form = Schema(
             type=OpenAPIType.OBJECT,
             required=["file", "purpose"],
@@ -40,12 +42,18 @@ class UploadOperation(Operation):
                     type=OpenAPIType.STRING, format=OpenAPIFormat.BINARY, description="The JSONL input file."
                 ),
                 "purpose": Schema(type=OpenAPIType.STRING, enum=["batch"]),
-                "expires_after[anchor]": Schema(type=OpenAPIType.STRING, enum=["created_at"]),
+                "expires_after[anchor]": Schema(
+                    type=OpenAPIType.STRING,
+                    enum=["created_at"],
+                    examples=[""],
+                    description="With 'expires_after[seconds]', the file is deleted; leave both out to keep it.",
+                ),
                 "expires_after[seconds]": Schema(
                     type=OpenAPIType.INTEGER,
                     minimum=MIN_EXPIRY_S,
                     maximum=MAX_EXPIRY_S,
-                    description="Delete the file this many seconds after its upload (with 'expires_after[anchor]').",
+                    examples=[""],
+                    description="Seconds after the upload at which the file is deleted.",
                 ),
             },
         )
@@ -193,7 +201,8 @@ def _with_live_size(context: ServerContext, file: FileObject) -> FileObject:
 
 
 def _expires_at(fields: dict[str, str], created_at: int) -> int | None:
-    anchor, seconds = fields.get("expires_after[anchor]"), fields.get("expires_after[seconds]")
+    # A blank field is no field: forms, the docs page's included, send the ones left empty.
+    anchor, seconds = fields.get("expires_after[anchor]") or None, fields.get("expires_after[seconds]") or None
     if anchor is None and seconds is None:
         return None
     if anchor != "created_at":
