@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+from pathlib import Path
 
 import nox
 
@@ -29,10 +31,21 @@ def install_project(session: nox.Session, *groups: str) -> None:
     session.install(*editable, *extras)
 
 
+def install_chromium(session: nox.Session) -> None:
+    """Debian's chromium for the browser tests, where it is missing and apt-get may install it (root on Debian);
+    elsewhere those tests skip and say why."""
+    if shutil.which("chromium") or os.geteuid() != 0 or not Path("/etc/debian_version").exists():
+        return
+    env = {"DEBIAN_FRONTEND": "noninteractive"}
+    session.run_install("apt-get", "update", "-qq", external=True, env=env)
+    session.run_install("apt-get", "install", "-y", "-qq", "chromium", external=True, env=env)
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
     """Lint, type-check, then run the whole test suite."""
     install_project(session, "test", "lint")
+    install_chromium(session)
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     session.run("mypy", "packages/batchgen-schemas/src", "packages/batchgen-client/src")
