@@ -1,4 +1,4 @@
-"""One headless Chromium for the whole session, driven by Playwright through ``executable_path`` (the system's
+"""One headless Chromium for all the browser tests, driven by Playwright through ``executable_path`` (the system's
 browser: Playwright's own download does not work offline). Tests using it skip, saying why, where there is none."""
 
 from __future__ import annotations
@@ -45,8 +45,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 item.add_marker(pytest.mark.skip(reason=reason))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def browser() -> Iterator[Browser]:
+    """Closed when the last browser test is done: Playwright's sync API keeps an asyncio loop running on this thread,
+    and tests run after these start their own."""
     from playwright.sync_api import sync_playwright
 
     executable = find_chromium()
