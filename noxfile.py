@@ -67,10 +67,21 @@ def run(session: nox.Session, *args: str) -> None:
     session.run(PYTHON, *args, env={"PATH": path, "VIRTUAL_ENV": str(ENV.resolve())})
 
 
+def install_chromium(session: nox.Session) -> None:
+    """Debian's chromium for the browser tests, where it is missing and apt-get may install it (root on Debian);
+    elsewhere those tests skip and say why."""
+    if shutil.which("chromium") or os.geteuid() != 0 or not Path("/etc/debian_version").exists():
+        return
+    env = {"DEBIAN_FRONTEND": "noninteractive"}
+    session.run_install("apt-get", "update", "-qq", external=True, env=env)
+    session.run_install("apt-get", "install", "-y", "-qq", "chromium", external=True, env=env)
+
+
 @nox.session(venv_backend="none")
 def tests(session: nox.Session) -> None:
     """Lint, type-check, then run the whole test suite."""
     install_project(session, "test", "lint")
+    install_chromium(session)
     run(session, "-m", "ruff", "check", ".")
     run(session, "-m", "ruff", "format", "--check", ".")
     run(session, "-m", "mypy", "packages/batchgen-schemas/src", "packages/batchgen-client/src")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import pytest
-from server_helpers import LiveServer
+from server_helpers import TENANT_KEYS, LiveServer
 
 from batchgen.server.launcher import ServerProcess
 
@@ -34,3 +34,9 @@ def server_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callabl
     for server in started:
         server.http.close()
         server.process.stop()
+
+
+@pytest.fixture(scope="session")
+def keyed_server(server_factory: Callable[..., LiveServer]) -> LiveServer:
+    """One server with two API keys (two tenants) for the session; its ``http`` uses ``TENANT_KEYS[0]``."""
+    return server_factory("--api-key", TENANT_KEYS[1], api_key=TENANT_KEYS[0])

@@ -14,6 +14,8 @@ import httpx
 from batchgen.server.launcher import ServerProcess
 
 TERMINAL = {"completed", "failed", "expired", "cancelled"}
+TENANT_KEYS = ("tenant-a-key-0123", "tenant-b-key-4567")
+"""The two API keys of the ``keyed_server`` fixture: two tenants."""
 
 
 def chat_line(custom_id: str, content: str = "Hello!", **body: Any) -> dict[str, Any]:

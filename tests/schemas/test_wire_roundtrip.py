@@ -71,7 +71,14 @@ OBJECTS: list[Callable[[], msgspec.Struct]] = [
     lambda: HealthStatus(status="healthy", model="demo"),
     lambda: HealthStatus(status="unhealthy", reason="engine stopped"),
     lambda: PoolStatus(
-        queued_requests=3, running_requests=2, capacity=100, active_batches=1, kv_blocks_total=64, kv_blocks_free=10
+        queued_requests=3,
+        running_requests=2,
+        capacity=100,
+        active_batches=1,
+        kv_blocks_total=64,
+        kv_blocks_free=10,
+        prompt_tokens=1200,
+        generated_tokens=345,
     ),
     full_chat_request,
     lambda: CompletionRequest(model="demo", prompt=[[1, 2], [3]], stop=["\n"]),

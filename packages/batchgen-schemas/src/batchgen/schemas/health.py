@@ -22,3 +22,7 @@ class PoolStatus(Wire, kw_only=True):
     active_batches: int
     kv_blocks_total: int
     kv_blocks_free: int
+    prompt_tokens: int = 0
+    """Prompt tokens the engine has processed since the server started (a counter: its rate is the throughput)."""
+    generated_tokens: int = 0
+    """Tokens the engine has generated since the server started (a counter)."""

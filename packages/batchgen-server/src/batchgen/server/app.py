@@ -12,7 +12,6 @@ from contextlib import asynccontextmanager
 
 from litestar import Litestar, Router
 from litestar.datastructures import State
-from litestar.openapi import OpenAPIConfig
 
 from batchgen.schemas import ModelObject
 
@@ -23,8 +22,10 @@ from .api.files import FilesController
 from .api.health import HealthController, PoolController
 from .api.legacy import legacy_inference
 from .api.models import ModelsController
+from .api.openapi import BEARER_AUTH, openapi_config
 from .batches.runner import BatchRunner
 from .callbacks import CallbackNotifier
+from .console import console_assets, console_page
 from .engine import EngineWorker, LLMEngine
 from .security.auth import ApiKeyAuthMiddleware
 from .serving import OpenAIServing
@@ -71,10 +72,11 @@ def create_app(settings: Settings) -> Litestar:
         path="/",
         route_handlers=[ModelsController, FilesController, BatchesController, PoolController, legacy_inference],
         guards=[admit_while_running],
+        security=BEARER_AUTH,
     )
     auth = ApiKeyAuthMiddleware(settings.api_keys)
     return Litestar(
-        route_handlers=[api, HealthController],
+        route_handlers=[api, HealthController, console_page, console_assets],
         middleware=[auth],
         dependencies=DEPENDENCIES,
         exception_handlers=EXCEPTION_HANDLERS,
@@ -84,9 +86,5 @@ def create_app(settings: Settings) -> Litestar:
         state=State({"auth": auth, "draining": threading.Event()}),
         # Multipart overhead on top of the largest file; the file part itself is limited exactly while it streams.
         request_max_body_size=settings.max_upload_bytes + MIB,
-        openapi_config=OpenAPIConfig(
-            title="batchgen",
-            version="0.1.0",
-            description="OpenAI-compatible batch inference: Files and Batches API over batchgen's own engine.",
-        ),
+        openapi_config=openapi_config(),
     )

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from litestar import Controller, Request, Response, delete, get, post
+from litestar.openapi import ResponseSpec
+from litestar.openapi.spec import OpenAPIFormat, OpenAPIMediaType, OpenAPIType, Operation, RequestBody, Schema
 from litestar.params import Parameter
 from litestar.response import Stream
 
@@ -20,6 +23,41 @@ from .uploads import read_upload
 
 MIN_EXPIRY_S = 3600
 MAX_EXPIRY_S = 30 * 24 * 3600
+JSONL = "application/jsonl"
+
+
+@dataclass
+class UploadOperation(Operation):
+    """The multipart body of ``POST /v1/files`` as the OpenAPI document publishes it: the handler reads the stream
+    itself (uploads.py), so Litestar cannot infer it, and without it the docs pages offer no file field."""
+
+    def __post_init__(self) -> None:
+        # The empty examples: Swagger UI fills each optional field with a sample ('created_at', 3600) and so would
+        # make every upload from the docs page expire; blank fields are sent as no expiry (see _expires_at).
+        form = Schema(
+            type=OpenAPIType.OBJECT,
+            required=["file", "purpose"],
+            properties={
+                "file": Schema(
+                    type=OpenAPIType.STRING, format=OpenAPIFormat.BINARY, description="The JSONL input file."
+                ),
+                "purpose": Schema(type=OpenAPIType.STRING, enum=["batch"]),
+                "expires_after[anchor]": Schema(
+                    type=OpenAPIType.STRING,
+                    enum=["created_at"],
+                    examples=[""],
+                    description="With 'expires_after[seconds]', the file is deleted; leave both out to keep it.",
+                ),
+                "expires_after[seconds]": Schema(
+                    type=OpenAPIType.INTEGER,
+                    minimum=MIN_EXPIRY_S,
+                    maximum=MAX_EXPIRY_S,
+                    examples=[""],
+                    description="Seconds after the upload at which the file is deleted.",
+                ),
+            },
+        )
+        self.request_body = RequestBody(content={"multipart/form-data": OpenAPIMediaType(schema=form)}, required=True)
 
 
 def get_owned_file(context: ServerContext, file_id: str, owner: str) -> FileObject:
@@ -33,7 +71,12 @@ class FilesController(Controller):
     path = "/v1/files"
     tags = ("files",)
 
-    @post(status_code=200, summary="Upload a JSONL input file (multipart: file, purpose)", responses=ERROR_RESPONSES)
+    @post(
+        status_code=200,
+        summary="Upload a JSONL input file (multipart: file, purpose)",
+        responses=ERROR_RESPONSES,
+        operation_class=UploadOperation,
+    )
     async def upload(
         self,
         request: Request[Any, Any, Any],
@@ -88,7 +131,11 @@ class FilesController(Controller):
     @get(
         "/{file_id:str}/content",
         summary="Download a file's content (partial while its batch runs)",
-        responses=ERROR_RESPONSES,
+        media_type=JSONL,
+        responses={
+            **ERROR_RESPONSES,
+            200: ResponseSpec(str, description="The file's lines (JSONL)", media_type=JSONL, generate_examples=False),
+        },
     )
     async def content(self, context: ServerContext, owner: str, file_id: str) -> Response[Any]:
         file = get_owned_file(context, file_id, owner)
@@ -96,7 +143,7 @@ class FilesController(Controller):
         length = context.blobs.complete_lines_length(file_id) if file.status == "uploaded" else file.bytes
         return Stream(
             context.blobs.read(file_id, length=length),
-            media_type="application/jsonl",
+            media_type=JSONL,
             headers={
                 "Content-Disposition": f'attachment; filename="{file.filename}"',
                 "Content-Length": str(length),
@@ -154,7 +201,8 @@ def _with_live_size(context: ServerContext, file: FileObject) -> FileObject:
 
 
 def _expires_at(fields: dict[str, str], created_at: int) -> int | None:
-    anchor, seconds = fields.get("expires_after[anchor]"), fields.get("expires_after[seconds]")
+    # A blank field is no field: forms, the docs page's included, send the ones left empty.
+    anchor, seconds = fields.get("expires_after[anchor]") or None, fields.get("expires_after[seconds]") or None
     if anchor is None and seconds is None:
         return None
     if anchor != "created_at":

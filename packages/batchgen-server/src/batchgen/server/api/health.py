@@ -6,6 +6,7 @@ import time
 from collections import deque
 
 from litestar import Controller, Response, get
+from litestar.openapi import ResponseSpec
 from litestar.status_codes import HTTP_200_OK, HTTP_503_SERVICE_UNAVAILABLE
 
 from batchgen.schemas import HealthStatus, PoolStatus
@@ -30,7 +31,11 @@ _BATCH_STATUSES = (
 class HealthController(Controller):
     tags = ("operations",)
 
-    @get("/health", summary="200 when the engine is running, 503 with a reason otherwise")
+    @get(
+        "/health",
+        summary="200 when the engine is running, 503 with a reason otherwise",
+        responses={503: ResponseSpec(HealthStatus, description="The engine is not running", generate_examples=False)},
+    )
     async def health(self, context: ServerContext) -> Response[HealthStatus]:
         worker = context.worker
         if worker.healthy:
@@ -60,6 +65,8 @@ class PoolController(Controller):
             active_batches=sum(batches.get(status, 0) for status in ACTIVE_STATUSES),
             kv_blocks_total=stats.kv_blocks_total,
             kv_blocks_free=stats.kv_blocks_free,
+            prompt_tokens=stats.prompt_tokens,
+            generated_tokens=stats.generated_tokens,
         )
 
 

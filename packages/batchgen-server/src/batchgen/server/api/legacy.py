@@ -5,6 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from litestar import Request, post
+from litestar.openapi import ResponseSpec
+
+from batchgen.schemas import ErrorResponse
 
 from .errors import ERROR_RESPONSES, APIError
 
@@ -15,7 +18,12 @@ from .errors import ERROR_RESPONSES, APIError
     tags=["legacy"],
     summary="Removed: use the batch API",
     include_in_schema=True,
-    responses=ERROR_RESPONSES,
+    responses={
+        **ERROR_RESPONSES,
+        410: ResponseSpec(
+            ErrorResponse, description="Removed: the error points to the batch API", generate_examples=False
+        ),
+    },
 )
 async def legacy_inference(request: Request[Any, Any, Any]) -> None:
     raise APIError(

@@ -1,4 +1,5 @@
-"""API-key authentication: every route but ``/health``, ``/metrics`` and the OpenAPI docs needs a Bearer key.
+"""API-key authentication: every route but ``/health``, ``/metrics``, the OpenAPI docs and the console's page and
+assets needs a Bearer key.
 
 Each key is a tenant. Handlers read the tenant id of the caller from ``request.user`` (the server injects it as
 ``owner`` through :func:`provide_tenant`); it is a truncated sha256 of the key, stable across restarts and useless
@@ -25,10 +26,11 @@ from batchgen.schemas import ErrorDetail, ErrorResponse
 
 DEFAULT_TENANT = ""
 """Every caller's tenant when no key is configured."""
-OPEN_PATHS: frozenset[str] = frozenset({"/health", "/metrics"})
-"""Probes and scrapers: liveness and server-wide aggregates, nothing of any tenant's files or batches."""
-OPEN_PREFIX = "/schema"
-"""Litestar serves the OpenAPI document and its viewers here; they describe the API and hold no data."""
+OPEN_PATHS: frozenset[str] = frozenset({"/health", "/metrics", "/"})
+"""Probes and scrapers (liveness and server-wide aggregates, nothing of any tenant's files or batches), and the
+console's page, which asks for a key itself before it calls the API."""
+OPEN_PREFIXES = ("/schema", "/console")
+"""The OpenAPI document and its viewers, the console's script and style: they hold no data."""
 
 
 def tenant_id(api_key: str) -> str:
@@ -37,10 +39,10 @@ def tenant_id(api_key: str) -> str:
 
 
 def _is_open(path: str) -> bool:
-    # Exact paths, and no ``..`` under the docs prefix: nothing a router might resolve elsewhere is ever open.
-    if path in OPEN_PATHS or path == OPEN_PREFIX:
+    # Exact paths, and no ``..`` under the open prefixes: nothing a router might resolve elsewhere is ever open.
+    if path in OPEN_PATHS or path in OPEN_PREFIXES:
         return True
-    return path.startswith(OPEN_PREFIX + "/") and ".." not in path
+    return path.startswith(tuple(prefix + "/" for prefix in OPEN_PREFIXES)) and ".." not in path
 
 
 def _bearer_token(scope: Scope) -> str | None:
