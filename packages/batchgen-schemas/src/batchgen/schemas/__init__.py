@@ -30,6 +30,8 @@ from .requests import (
     RequestBody,
     ResponseFormat,
     TextContentPart,
+    count_sequences,
+    sequences_of,
 )
 from .responses import (
     BatchLineError,
@@ -108,5 +110,7 @@ __all__ = [
     "TextContentPart",
     "TokenLogprob",
     "TopLogprob",
+    "count_sequences",
     "parse_output_line",
+    "sequences_of",
 ]

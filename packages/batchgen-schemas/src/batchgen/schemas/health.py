@@ -16,9 +16,13 @@ class HealthStatus(Wire, kw_only=True):
 class PoolStatus(Wire, kw_only=True):
     object: Literal["pool.status"] = "pool.status"
     queued_requests: int
+    """Work accepted and not yet running, in sequences (prompts x n)."""
     running_requests: int
+    """Sequences the engine is running."""
     capacity: int
-    """Most requests the server accepts into its queue before ``POST /v1/batches`` answers 429."""
+    """Most sequences the server accepts into its queue before ``POST /v1/batches`` answers 429."""
     active_batches: int
     kv_blocks_total: int
     kv_blocks_free: int
+    storage_fault: str | None = None
+    """Why batch results cannot be written now (a full disk...): batches are paused and resume by themselves."""
