@@ -8,8 +8,7 @@ import pytest
 
 from batchgen.server.api.batches import completion_window_hours
 from batchgen.server.api.errors import APIError
-from batchgen.server.cli import build_parser, engine_config_from_args, main
-from batchgen.server.serve import settings_from_args
+from batchgen.server.cli import build_parser, main, settings_from_args
 from batchgen.server.settings import Settings
 
 
@@ -35,7 +34,7 @@ def test_flags_override_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     args = build_parser().parse_args(
         ["serve", "--port", "5", "--api-key", "k1", "--api-key", "k2", "--max-num-seqs", "8", "--storage", "s"]
     )
-    settings = settings_from_args(args, engine_config_from_args(args))
+    settings = settings_from_args(args)
     assert (settings.port, settings.max_queued_requests, settings.api_keys) == (5, 7, ("k1", "k2"))
     assert (settings.engine.model, settings.engine.max_num_seqs, settings.storage_dir) == ("from-env", 8, Path("s"))
 
@@ -77,7 +76,7 @@ def test_insecure_and_callback_hosts_from_flags_and_environment() -> None:
     args = parser.parse_args(
         ["serve", "--insecure", "--callback-allowed-host", "a.example", "--callback-allowed-host", "127.0.0.1"]
     )
-    settings = settings_from_args(args, engine_config_from_args(args))
+    settings = settings_from_args(args)
     assert settings.insecure is True
     assert settings.callbacks.allowed_hosts == frozenset({"a.example", "127.0.0.1"})
     from_env = Settings.from_env(
