@@ -13,7 +13,6 @@ from .request import EngineRequest, EngineResult
 logger = logging.getLogger(__name__)
 
 ResultCallback = Callable[[EngineResult], None]
-AbortedCallback = Callable[[], None]
 
 
 class EngineWorker:
@@ -30,7 +29,6 @@ class EngineWorker:
         self._cond = threading.Condition()
         self._pending: list[tuple[EngineRequest, ResultCallback]] = []
         self._aborts: list[str] = []
-        self._group_aborts: list[tuple[str, AbortedCallback | None]] = []
         self._callbacks: dict[str, ResultCallback] = {}
         self._stopping = False
         self._stats = engine.stats()
@@ -60,16 +58,6 @@ class EngineWorker:
             self._aborts.extend(request_ids)
             self._cond.notify()
 
-    def abort_group(self, group: str, on_aborted: AbortedCallback | None = None) -> None:
-        """Cancel every request of ``group`` submitted before this call, at the next step.
-
-        ``on_aborted()`` is invoked from the worker thread once the abort has been applied: from then on no result
-        of those requests is ever delivered (it is not invoked if the worker stops or dies first).
-        """
-        with self._cond:
-            self._group_aborts.append((group, on_aborted))
-            self._cond.notify()
-
     def stats(self) -> EngineStats:
         return self._stats
 
@@ -77,7 +65,7 @@ class EngineWorker:
         try:
             while True:
                 with self._cond:
-                    while not (self._stopping or self._pending or self._aborts or self._group_aborts) and not (
+                    while not (self._stopping or self._pending or self._aborts) and not (
                         self.engine.has_unfinished_requests()
                     ):
                         self._cond.wait()
@@ -85,18 +73,12 @@ class EngineWorker:
                         return
                     pending, self._pending = self._pending, []
                     aborts, self._aborts = self._aborts, []
-                    group_aborts, self._group_aborts = self._group_aborts, []
                 for request, callback in pending:
                     self._callbacks[request.request_id] = callback
                     self.engine.add_request(request)
                 for request_id in aborts:
                     self.engine.abort_request(request_id)
                     self._callbacks.pop(request_id, None)
-                for group, on_aborted in group_aborts:
-                    for request_id in self.engine.abort_group(group):
-                        self._callbacks.pop(request_id, None)
-                    if on_aborted is not None:
-                        _call(on_aborted, f"abort callback of group {group!r}")
                 for result in self.engine.step():
                     on_result = self._callbacks.pop(result.request_id, None)
                     if on_result is not None:
