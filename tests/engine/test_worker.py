@@ -31,9 +31,7 @@ def test_worker_runs_requests_reports_from_its_thread_and_aborts(
             [EngineRequest(f"r{i}", p, SamplingParams(max_tokens=8)) for i, p in enumerate(prompts[:4])], on_result
         )
         long = SamplingParams(max_tokens=100_000, ignore_eos=True)
-        worker.submit(
-            [EngineRequest("slow-a", prompts[4], long), EngineRequest("slow-b", prompts[5], long)], on_result
-        )
+        worker.submit([EngineRequest("slow-a", prompts[4], long), EngineRequest("slow-b", prompts[5], long)], on_result)
         assert done.wait(30)
         worker.abort(["slow-a", "slow-b"])
         deadline = time.monotonic() + 10

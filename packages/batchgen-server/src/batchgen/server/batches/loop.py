@@ -266,10 +266,7 @@ class BatchLoop:
             return True
         deadline = time.monotonic() + SLICE_S
         while task is not None:
-            try:
-                task()
-            except Exception:
-                log.exception("a message to the batch loop failed")
+            _run_task(task)
             if time.monotonic() > deadline:
                 return True
             try:
@@ -302,7 +299,7 @@ class BatchLoop:
             except queue.Empty:
                 break
             if task is not None:
-                task()
+                _run_task(task)
         for batch in self._batches.values():
             try:
                 self._write(batch, sync=True)
@@ -649,6 +646,13 @@ class BatchLoop:
         output, errors = batch.results
         batch.unwritten.append(_Answer(line, _encode(line) + b"\n", output if succeeded(line) else errors))
         batch.work -= work
+
+
+def _run_task(task: Callable[[], None]) -> None:
+    try:
+        task()
+    except Exception:  # a bug in one message must not stop the loop
+        log.exception("a message to the batch loop failed")
 
 
 def _now() -> int:

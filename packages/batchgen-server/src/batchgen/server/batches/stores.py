@@ -89,10 +89,15 @@ class DatabaseStore:
             )
             for kind, file_id in (("output", new_file_id()), ("error", new_file_id()))
         ]
-        for file in files:
-            self.blobs.path(file.id).touch()
         ids = {"output_file_id": files[0].id, "error_file_id": files[1].id}
-        self.db.start_batch(batch.id, owner=owner, files=files, **ids, **fields)
+        try:
+            for file in files:
+                self.blobs.path(file.id).touch()
+            self.db.start_batch(batch.id, owner=owner, files=files, **ids, **fields)
+        except BaseException:  # a full disk: retried later with new files, so leave none of these behind
+            for file in files:
+                self.blobs.delete(file.id)
+            raise
         started = self.db.get_batch(batch.id, owner=owner)
         assert started is not None
         return started

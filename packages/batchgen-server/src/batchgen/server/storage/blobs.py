@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import tempfile
@@ -103,8 +104,9 @@ class UploadWriter:
         _fsync_dir(self._store.root)
 
     def discard(self) -> None:
-        self._file.close()
         self._tmp_path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # closing flushes what is buffered, which fails again on a full disk
+            self._file.close()
 
 
 class ResultsFile:
