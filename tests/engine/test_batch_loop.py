@@ -82,17 +82,26 @@ def _custom_ids(path: Path) -> list[str]:
     return [json.loads(line)["custom_id"] for line in path.read_text().splitlines()]
 
 
-def test_turns_go_round_tenants_then_their_batches() -> None:
+def test_turns_even_out_the_engine_between_tenants_then_batches() -> None:
     turns: Turns[str] = Turns()
     for tenant, batch in (("a", "a1"), ("a", "a2"), ("a", "a3"), ("b", "b1"), ("c", "c1")):
         turns.add(tenant, batch)
-    order = [turns.next(lambda _: True) for _ in range(9)]
-    # Each tenant gets every third turn whatever its number of batches; a tenant's batches share its turns.
-    assert order == ["a1", "b1", "c1", "a2", "b1", "c1", "a3", "b1", "c1"]
+    running = dict.fromkeys(["a1", "a2", "a3", "b1", "c1"], 0)
+
+    def take() -> str | None:
+        item = turns.next(lambda _: True, running.__getitem__)
+        if item is not None:
+            running[item] += 1
+        return item
+
+    # Equal shares: round-robin, each tenant every third turn however many batches it has, which share its turns.
+    assert [take() for _ in range(9)] == ["a1", "b1", "c1", "a2", "b1", "c1", "a3", "b1", "c1"]
+    # A newcomer holds nothing: it takes every place until it holds as much as the others.
+    turns.add("d", "d1")
+    running["d1"] = 0
+    assert [take() for _ in range(3)] == ["d1", "d1", "d1"]
+    assert take() == "a1"  # a's three batches hold 3 together, as much as b, c and now d: back to the turns
 
     turns.remove("b", "b1")
-    blocked = {"c1"}
-    assert [turns.next(lambda item: item not in blocked) for _ in range(3)] == ["a1", "a2", "a3"]
-    blocked.add("a1")
-    blocked.update({"a2", "a3"})
-    assert turns.next(lambda item: item not in blocked) is None
+    assert turns.next(lambda item: item.startswith("c"), running.__getitem__) == "c1"
+    assert turns.next(lambda item: False, running.__getitem__) is None

@@ -54,7 +54,7 @@ class Settings:
         256, "most sequences (prompts x n) one request may ask for; a line over it gets an error line"
     )
     engine_window: int | None = setting(
-        None, "most sequences the batch loop keeps inside the engine (default: 1.5 x --max-num-seqs)"
+        None, "most sequences the batch loop keeps inside the engine (default: 1.25 x --max-num-seqs)"
     )
     retry_after_s: int = setting(30, "Retry-After of a 429")
     max_upload_bytes: int = setting(200 * MIB, "largest uploaded file (413 above)")

@@ -7,8 +7,9 @@ Per batch the loop
 1. prepares: reads back the results files of a batch resumed after a restart (the files are the truth), then makes
    one streaming pass over the input file that validates it and counts its work in sequences (prompts x n);
 2. runs: a second streaming pass feeds the engine a line at a time while fewer than ``window`` sequences of all
-   batches are inside it; free room goes to the tenants in turn and to each tenant's batches in turn (``Turns``), so
-   a small batch finishes promptly behind a huge one, and memory stays flat whatever the file's size;
+   batches are inside it; free room goes to the tenant with the fewest sequences inside, then to its batch with the
+   fewest, round-robin among equals (``Turns``), so a small batch finishes promptly behind a huge one, and memory
+   stays flat whatever the file's size;
 3. writes: each finished request becomes one output or error line, appended whole at once and fsynced every
    ``flush_interval_s``; only then does it count as done (and the live counts get published);
 4. finishes: ``finalizing`` -> ``completed`` once every line is durable, or ``cancelled``, ``expired``, ``failed``,
@@ -70,9 +71,9 @@ T = TypeVar("T")
 
 
 def default_window(max_num_seqs: int) -> int:
-    """Enough sequences beyond the engine's running set to keep it full while the loop refills, and few enough that
-    a newcomer's requests wait behind at most half a running set."""
-    return max_num_seqs + max(1, max_num_seqs // 2)
+    """The engine's running set and a quarter more: enough queued to keep it full while the loop refills, few enough
+    that a newcomer's requests wait in the engine behind a quarter of a running set at most."""
+    return max_num_seqs + max(1, max_num_seqs // 4)
 
 
 class Engine(Protocol):
@@ -150,6 +151,8 @@ class _Batch:
     held: BatchInputLine | None = None
     """A line taken that waits for room in the engine."""
     in_engine: dict[str, _Request] = field(default_factory=dict)
+    running: int = 0
+    """Sequences inside the engine: its share, which the turns even out."""
     results: Results | None = None
     tally: Tally = field(default_factory=Tally)
     """What is durably written."""
@@ -351,6 +354,7 @@ class BatchLoop:
             if (found := self._requests.pop(request_id, None)) is not None:
                 entry, index = found
                 self._in_engine -= entry.requests[index].params.n
+        batch.running = 0
         if ids:
             self.engine.abort(ids)
         unanswered = [entry.line for entry in batch.in_engine.values()] + ([batch.held] if batch.held else [])
@@ -576,7 +580,10 @@ class BatchLoop:
         submitted: list[EngineRequest] = []
         while self._in_engine < self.window:
             waiting, self._waiting_for_room = self._waiting_for_room, None
-            batch = waiting if waiting is not None and self._ready(waiting) else self._turns.next(self._ready)
+            if waiting is not None and self._ready(waiting):
+                batch: _Batch | None = waiting
+            else:
+                batch = self._turns.next(self._ready, _running)
             if batch is None:
                 break
             try:
@@ -625,6 +632,7 @@ class BatchLoop:
         for index, request in enumerate(requests):
             self._requests[request.request_id] = (entry, index)
             self._in_engine += request.params.n
+            batch.running += request.params.n
         return requests
 
     def _take_result(self, result: EngineResult) -> None:
@@ -634,6 +642,7 @@ class BatchLoop:
         entry, index = found
         entry.results[index] = result
         self._in_engine -= entry.requests[index].params.n
+        entry.batch.running -= entry.requests[index].params.n
         if any(r is None for r in entry.results):
             return
         batch = entry.batch
@@ -646,6 +655,10 @@ class BatchLoop:
         output, errors = batch.results
         batch.unwritten.append(_Answer(line, _encode(line) + b"\n", output if succeeded(line) else errors))
         batch.work -= work
+
+
+def _running(batch: _Batch) -> int:
+    return batch.running
 
 
 def _run_task(task: Callable[[], None]) -> None:

@@ -1,7 +1,9 @@
-"""Whose turn it is to put a request into the engine: tenants in turn, and each tenant's batches in turn.
+"""Who puts the next request into the engine: the tenant with the fewest sequences in it, then that tenant's batch
+with the fewest; ties go round-robin.
 
-A tenant with ten batches gets no more turns than a tenant with one, and a batch of ten requests gets as many turns
-as one of fifty thousand, so a small batch finishes promptly behind a huge one.
+So a tenant with ten batches gets no more of the engine than a tenant with one, and a batch created behind a huge
+one takes every free place until it holds as many as the huge one: a small batch finishes promptly whatever is
+queued ahead of it. When every batch holds the same share, this is plain round-robin.
 """
 
 from __future__ import annotations
@@ -33,15 +35,20 @@ class Turns(Generic[T]):
             del self._items[tenant]
             self._tenants.remove(tenant)
 
-    def next(self, ready: Callable[[T], bool]) -> T | None:
-        """The first ready item in turn order; it and its tenant then go to the back of their queues."""
-        for _ in range(len(self._tenants)):
-            tenant = self._tenants[0]
-            self._tenants.rotate(-1)
-            items = self._items[tenant]
-            for _ in range(len(items)):
-                item = items[0]
-                items.rotate(-1)
-                if ready(item):
-                    return item
-        return None
+    def next(self, ready: Callable[[T], bool], load: Callable[[T], int]) -> T | None:
+        """The ready item whose tenant, then itself, has the least ``load``, the earliest in turn among equals; it
+        and its tenant then go to the back of their queues."""
+        candidates = [(tenant, [item for item in self._items[tenant] if ready(item)]) for tenant in self._tenants]
+        candidates = [(tenant, items) for tenant, items in candidates if items]
+        if not candidates:
+            return None
+        tenant, items = min(candidates, key=lambda pair: sum(map(load, self._items[pair[0]])))
+        item = min(items, key=load)
+        _to_back(self._tenants, tenant)
+        _to_back(self._items[tenant], item)
+        return item
+
+
+def _to_back(queue: deque[T], item: T) -> None:
+    queue.remove(item)
+    queue.append(item)
