@@ -9,12 +9,12 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-from batchgen.schemas import BatchObject, BatchRequestCounts
 from batchgen.server.batches.loop import BatchLoop
 from batchgen.server.batches.stores import FileStore
 from batchgen.server.batches.turns import Turns
 from batchgen.server.engine import EngineRequest, EngineResult, EngineWorker, LLMEngine
-from batchgen.server.serving import OpenAIServing
+from batchgen.server.run_batch import offline_batch
+from batchgen.server.serving import BatchDefaults, OpenAIServing
 
 
 class CountingWorker(EngineWorker):
@@ -50,16 +50,7 @@ def test_a_replaced_engine_gets_what_was_inside(make_engine: Callable[..., LLMEn
     loop.start()
     replacement = CountingWorker(make_engine())
     try:
-        batch = BatchObject(
-            id="batch_1",
-            endpoint="/v1/completions",
-            input_file_id="",
-            completion_window="24h",
-            status="validating",
-            created_at=0,
-            request_counts=BatchRequestCounts(),
-        )
-        loop.admit(batch, "", 12).result(timeout=10)
+        loop.admit(offline_batch(BatchDefaults()), "", 12).result(timeout=10)
         deadline = time.monotonic() + 30
         while store.fields.get("completed", 0) < 3:  # the short ones; long ones fill the window now
             assert time.monotonic() < deadline, store.fields

@@ -66,7 +66,7 @@ def run_batch(
         worker.start()
         loop.start()
         try:
-            loop.admit(_batch(defaults or BatchDefaults()), owner="", sequences=0).result()
+            loop.admit(offline_batch(defaults or BatchDefaults()), owner="", sequences=0).result()
             while not store.finished.wait(0.5):
                 if not worker.healthy:
                     raise RuntimeError(f"the engine stopped: {worker.error}") from worker.error
@@ -89,8 +89,8 @@ def run_batch(
     )
 
 
-def _batch(defaults: BatchDefaults) -> BatchObject:
-    """The one batch of a run: its endpoint comes from the file, it never expires."""
+def offline_batch(defaults: BatchDefaults) -> BatchObject:
+    """The one batch of a run-batch: its endpoint comes from the file, it never expires."""
     return BatchObject(
         id=new_batch_id(),
         endpoint="",

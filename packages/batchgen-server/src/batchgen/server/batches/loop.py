@@ -140,6 +140,8 @@ class _Batch:
     work: int
     """Sequences not answered yet: the upload's count until prepared, then exact."""
     defaults: BatchDefaults
+    started: bool
+    """It has (or had) results files: what it wrote must be read back before it can finish."""
     preparing: Iterator[None] | None = None
     total: int = 0
     errors: list[BatchError] = field(default_factory=list)
@@ -326,7 +328,7 @@ class BatchLoop:
             reply.set_result(batch)
 
     def _track(self, record: BatchObject, owner: str, work: int) -> None:
-        batch = _Batch(record, owner, record.status, work, BatchDefaults.of(record))
+        batch = _Batch(record, owner, record.status, work, BatchDefaults.of(record), record.status != "validating")
         batch.preparing = self._prepare(batch)
         if batch.status == "cancelling":
             batch.stopping = "cancelled"
@@ -347,7 +349,7 @@ class BatchLoop:
         """Take no more work for the batch and drop what the engine holds of it; an expired batch answers every
         request not done with ``batch_expired``."""
         batch.stopping = reason
-        if batch.status == "validating":
+        if not batch.started:
             batch.preparing = None
         ids = [request.request_id for entry in batch.in_engine.values() for request in entry.requests]
         for request_id in ids:
@@ -392,11 +394,7 @@ class BatchLoop:
         try:
             self._advance(batch)
         except Exception as exc:
-            reason = storage_fault(exc)
-            if reason is None:
-                self._fail(batch, exc)
-            else:
-                self._pause(batch, reason)
+            self._trouble(batch, exc)
             return
         if batch.fault is not None:
             log.warning("batch %s: storage recovered; resuming", batch.id)
@@ -410,9 +408,13 @@ class BatchLoop:
             return
         if batch.preparing is not None:
             deadline = time.monotonic() + SLICE_S
-            for _ in batch.preparing:
-                if time.monotonic() > deadline:
-                    return
+            try:
+                for _ in batch.preparing:
+                    if time.monotonic() > deadline:
+                        return
+            except Exception:
+                batch.preparing = self._prepare(batch)  # a retry starts over
+                raise
             batch.preparing = None
             batch.taken = set(batch.tally.done)
             if batch.status in ("validating", "in_progress") and not batch.errors:
@@ -425,31 +427,27 @@ class BatchLoop:
                 self._finish(batch, batch.stopping)
                 return
             self._start(batch)
+        if batch.status == "in_progress" and batch.results is None:
+            batch.results = self.store.open_results(batch.record)
         if batch.stopping == "expired" and batch.lines is not None:
             self._answer_expired(batch)
         drained = self._drained(batch)
         self._write(batch, sync=drained or batch.stopping is not None)
         if not drained or batch.unwritten or batch.unsynced or not batch.published:
             return
-        if batch.stopping is None and len(batch.tally.done) < batch.total:
-            # Every custom_id must have its line before ``completed``: look again for any without one.
-            log.error(
-                "batch %s: %d request(s) without a line; running them", batch.id, batch.total - len(batch.tally.done)
-            )
-            batch.taken = set(batch.tally.done)
-            batch.lines = self._unanswered(batch)
-            return
+        missing = batch.total - len(batch.tally.done)
+        if batch.stopping is None and missing:  # ``completed`` only with a line for every custom_id: never claim it
+            raise RuntimeError(f"{missing} request(s) have no line after the input was drained")
         self._finish(batch, batch.stopping or "completed")
 
     def _prepare(self, batch: _Batch) -> Iterator[None]:
         """Read back what a resumed batch had written, then validate the input and count its unanswered work."""
+        batch.tally, batch.errors = Tally(), []
         for path in self.store.results_paths(batch.record):
             yield from recover(path, batch.tally)
         if batch.status not in ("validating", "in_progress"):  # cancelling or finalizing: nothing more to write
             batch.work = 0
             return
-        if batch.status == "in_progress":
-            batch.results = self.store.open_results(batch.record)
         batch.total = batch.work = 0
         endpoint = batch.record.endpoint or None
         for item in iter_input_lines(self.store.input_path(batch.record), endpoint=endpoint, limits=self.limits):
@@ -476,21 +474,30 @@ class BatchLoop:
         lifecycle.check(batch.status, "in_progress")
         fields = {"status": "in_progress", "in_progress_at": _now(), "total": batch.total}
         batch.record = self.store.start(batch.record, batch.owner, **fields)
-        batch.results = self.store.open_results(batch.record)
-        batch.status = "in_progress"
+        batch.status, batch.started = "in_progress", True
 
     def _drained(self, batch: _Batch) -> bool:
         """Nothing of the batch is left to read or inside the engine."""
         return batch.preparing is None and batch.lines is None and batch.held is None and not batch.in_engine
 
-    def _answer_expired(self, batch: _Batch) -> None:
+    def _next_line(self, batch: _Batch) -> BatchInputLine | None:
+        """The next unanswered line of the input (``None`` at its end); after an error reading it, a retry goes on
+        from where it was."""
         assert batch.lines is not None
+        try:
+            line = next(batch.lines, None)
+        except Exception:
+            batch.lines = self._unanswered(batch)  # a new pass skips every line already taken
+            raise
+        if line is None:
+            batch.lines = None
+        return line
+
+    def _answer_expired(self, batch: _Batch) -> None:
         deadline = time.monotonic() + SLICE_S
-        for line in batch.lines:
-            self._answer(batch, _expired_line(line.custom_id), sequences_of(line.body))
-            if time.monotonic() > deadline:
-                return
-        batch.lines = None
+        while batch.lines is not None and time.monotonic() <= deadline:
+            if (line := self._next_line(batch)) is not None:
+                self._answer(batch, _expired_line(line.custom_id), sequences_of(line.body))
 
     def _write(self, batch: _Batch, *, sync: bool) -> None:
         """Append what is answered; fsync when due (or ``sync``), and only then count it done and publish."""
@@ -545,6 +552,14 @@ class BatchLoop:
         if self._waiting_for_room is batch:
             self._waiting_for_room = None
 
+    def _trouble(self, batch: _Batch, exc: Exception) -> None:
+        """A storage fault pauses the batch until the disk recovers; anything else is a bug that fails it."""
+        reason = storage_fault(exc)
+        if reason is None:
+            self._fail(batch, exc)
+        else:
+            self._pause(batch, reason)
+
     def _pause(self, batch: _Batch, reason: str) -> None:
         if batch.fault is None:
             log.warning("batch %s paused by a storage fault (%s); retrying until it clears", batch.id, reason)
@@ -571,7 +586,7 @@ class BatchLoop:
             batch.status == "in_progress"
             and batch.stopping is None
             and batch.fault is None
-            and batch.preparing is None
+            and batch.results is not None
             and (batch.held is not None or batch.lines is not None)
         )
 
@@ -589,12 +604,7 @@ class BatchLoop:
             try:
                 requests = self._take(batch)
             except Exception as exc:  # the input file could not be read: the batch's problem only
-                batch.lines = self._unanswered(batch)  # a new pass, after what was taken
-                reason = storage_fault(exc)
-                if reason is None:
-                    self._fail(batch, exc)
-                else:
-                    self._pause(batch, reason)
+                self._trouble(batch, exc)
                 continue
             if requests is None:
                 self._waiting_for_room = batch
@@ -607,10 +617,9 @@ class BatchLoop:
         """The engine requests of the batch's next line (none if it was answered at once), or ``None`` when it
         waits for room."""
         line, batch.held = batch.held, None
-        if line is None and batch.lines is not None:
-            line = next(batch.lines, None)
         if line is None:
-            batch.lines = None
+            line = self._next_line(batch)
+        if line is None:
             return []
         work = sequences_of(line.body)
         if self._in_engine and work <= self.serving.max_sequences and self._in_engine + work > self.window:
