@@ -329,6 +329,7 @@ class BatchLoop:
 
     def _track(self, record: BatchObject, owner: str, work: int) -> None:
         batch = _Batch(record, owner, record.status, work, BatchDefaults.of(record), record.status != "validating")
+        batch.total = record.request_counts.total  # counted again while preparing, unless it is finalizing
         batch.preparing = self._prepare(batch)
         if batch.status == "cancelling":
             batch.stopping = "cancelled"
@@ -436,7 +437,7 @@ class BatchLoop:
         if not drained or batch.unwritten or batch.unsynced or not batch.published:
             return
         missing = batch.total - len(batch.tally.done)
-        if batch.stopping is None and missing:  # ``completed`` only with a line for every custom_id: never claim it
+        if batch.stopping is None and missing > 0:  # ``completed`` only with a line for every custom_id
             raise RuntimeError(f"{missing} request(s) have no line after the input was drained")
         self._finish(batch, batch.stopping or "completed")
 
