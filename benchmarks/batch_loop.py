@@ -32,13 +32,14 @@ from api_latency import RESULTS, RssSampler
 
 from batchgen.server.launcher import ServerProcess
 
-SYSTEM = (
+_INSTRUCTIONS = (
     "Είστε ένας ακριβής και έντιμος βοηθός: απαντάτε στα ελληνικά, εξηγείτε τα βασικά βήματα, αποφεύγετε τις "
     "γενικότητες, αναφέρετε τις υποθέσεις, επισημαίνετε την αβεβαιότητα, ελέγχετε τις μονάδες, περιγράφετε τα "
     "ενδιάμεσα αποτελέσματα και κλείνετε με ένα σύντομο, σαφές και βέβαιο συμπέρασμα. "
 ) * 3
-SYSTEM = SYSTEM[: SYSTEM.rindex(" ", 0, 730)]  # lines of about 4.1 KB: 50,000 of them fit the 200 MiB upload limit
-"""Shared by every request (the prefix cache serves it); JSON-escaped (six bytes a letter) it is most of a line."""
+SYSTEM = _INSTRUCTIONS[: _INSTRUCTIONS.rindex(" ", 0, 730)]
+"""Shared by every request (the prefix cache serves it). JSON-escaped, six bytes a letter, it makes lines of about
+4.1 KB: 50,000 of them are 205 MB, within the 200 MiB upload limit."""
 
 
 def request(custom_id: str, question: str, max_tokens: int) -> dict[str, Any]:
