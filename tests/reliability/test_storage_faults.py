@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+import sqlite3
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -28,6 +29,7 @@ from batchgen.server.engine import EngineConfig
 from batchgen.server.launcher import ServerProcess
 from batchgen.server.settings import Settings
 from batchgen.server.storage import blobs
+from batchgen.server.storage.database import Database
 
 
 def wait_for(condition: Callable[[], Any], timeout_s: float = 60, what: str = "the condition") -> Any:
@@ -187,3 +189,22 @@ def test_an_upload_that_cannot_be_stored_answers_507(in_process: LiveServer, fau
     finally:
         faulty.fsync_error = None
     assert in_process.upload([chat_line("after")])["bytes"] > 0
+
+
+def test_a_delete_the_database_cannot_record_answers_507_and_changes_nothing(
+    in_process: LiveServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    file = in_process.upload([chat_line("kept")])
+
+    def full(self: Database, file_id: str) -> None:
+        error = sqlite3.OperationalError("database or disk is full")
+        error.sqlite_errorcode = sqlite3.SQLITE_FULL  # as SQLite raises it on a full disk
+        raise error
+
+    monkeypatch.setattr(Database, "delete_file", full)
+    refused = in_process.http.delete(f"/v1/files/{file['id']}")
+    assert refused.status_code == 507 and refused.json()["error"]["code"] == "insufficient_storage", refused.text
+    assert "database or disk is full" in refused.json()["error"]["message"]
+    monkeypatch.undo()
+    assert in_process.http.get(f"/v1/files/{file['id']}").json() == file
+    assert in_process.raw(file["id"]) == jsonl([chat_line("kept")])
