@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -35,10 +37,18 @@ def jsonl(lines: list[dict[str, Any]]) -> bytes:
 class LiveServer:
     """A running server plus thin httpx helpers for tests (the client package has its own, tested separately)."""
 
-    def __init__(self, process: ServerProcess, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        process: ServerProcess | None = None,
+        api_key: str | None = None,
+        *,
+        base_url: str = "",
+        storage_dir: Path = Path(),
+    ) -> None:
+        """A server started by ``process``, or one the test runs itself (in-process) at ``base_url``."""
         self.process = process
-        self.base_url = process.base_url
-        self.storage_dir = process.storage_dir
+        self.base_url = process.base_url if process else base_url
+        self.storage_dir = process.storage_dir if process else storage_dir
         self.api_key = api_key
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(base_url=self.base_url, headers=headers, timeout=30)
@@ -73,12 +83,38 @@ class LiveServer:
         """Upload, create, wait: the finished batch."""
         return self.wait(self.create_batch(self.upload(lines)["id"], **fields)["id"])
 
+    def raw(self, file_id: str | None) -> bytes:
+        if file_id is None:
+            return b""
+        response = self.http.get(f"/v1/files/{file_id}/content")
+        assert response.status_code == 200, response.text
+        return response.content
+
     def lines(self, file_id: str | None) -> list[dict[str, Any]]:
         if file_id is None:
             return []
         response = self.http.get(f"/v1/files/{file_id}/content")
         assert response.status_code == 200, response.text
         return [json.loads(line) for line in response.content.splitlines()]
+
+
+def assert_exactly_once(server: LiveServer, batch: dict[str, Any], lines: list[dict[str, Any]]) -> None:
+    """``batch`` completed with every input line answered exactly once across its output and error files, every line
+    whole JSON, and counts and usage equal to what the lines say (inputs use ``ignore_eos``: each request generates
+    exactly its ``max_tokens``)."""
+    assert batch["status"] == "completed", batch
+    answered: dict[str, list[dict[str, Any]]] = {}
+    for kind in ("output_file_id", "error_file_id"):
+        raw = server.raw(batch[kind])
+        assert raw == b"" or raw.endswith(b"\n")
+        answered[kind] = [json.loads(line) for line in raw.splitlines()]  # a torn line would not parse
+    output, errors = answered["output_file_id"], answered["error_file_id"]
+    assert Counter(line["custom_id"] for line in output + errors) == Counter(line["custom_id"] for line in lines)
+    assert batch["request_counts"] == {"total": len(lines), "completed": len(output), "failed": len(errors)}
+    max_tokens = {line["custom_id"]: line["body"]["max_tokens"] for line in lines}
+    assert all(line["response"]["status_code"] == 200 for line in output)
+    usage = sum(line["response"]["body"]["usage"]["completion_tokens"] for line in output)
+    assert batch["usage"]["output_tokens"] == usage == sum(max_tokens[line["custom_id"]] for line in output)
 
 
 @dataclass

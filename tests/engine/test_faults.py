@@ -168,9 +168,6 @@ def test_an_engine_that_keeps_failing_answers_everything(
         results = _run_worker(worker, _good_requests(prompts))
         assert worker.state == "dead" and not worker.healthy and "device lost" in repr(worker.error)
         assert all(r.error is not None and r.error.code == "server_error" for r in results.values())
-        aborted = threading.Event()
-        worker.abort_group("g", aborted.set)  # a cancel on a dead engine is confirmed at once
-        assert aborted.is_set()
         late = _run_worker(worker, [_poison("late")])
         assert late["late"].error is not None and "engine is down" in late["late"].error.message
     finally:

@@ -40,8 +40,9 @@ def serve(make_engine: Callable[..., LLMEngine], run_to_completion: Run) -> Call
         engine = make_engine(**engine_overrides)
         serving = OpenAIServing(engine.tokenizer, engine.model_name, engine.max_context_length)
         requests = serving.to_engine_requests(line, request_id="rid", defaults=defaults, group="batch_1")
-        results = list(run_to_completion(engine, requests).values())
-        encoded = msgspec.json.encode(serving.output_line(line, results[::-1], request_id="rid"))
+        results = run_to_completion(engine, requests)
+        in_order = [results[request.request_id] for request in requests]
+        encoded = msgspec.json.encode(serving.output_line(line, in_order, request_id="rid"))
         return parse_output_line(encoded), requests
 
     return run

@@ -31,12 +31,9 @@ def test_worker_runs_requests_reports_from_its_thread_and_aborts(
             [EngineRequest(f"r{i}", p, SamplingParams(max_tokens=8)) for i, p in enumerate(prompts[:4])], on_result
         )
         long = SamplingParams(max_tokens=100_000, ignore_eos=True)
-        worker.submit(
-            [EngineRequest("slow-a", prompts[4], long, group="g"), EngineRequest("slow-b", prompts[5], long)], on_result
-        )
+        worker.submit([EngineRequest("slow-a", prompts[4], long), EngineRequest("slow-b", prompts[5], long)], on_result)
         assert done.wait(30)
-        worker.abort_group("g")
-        worker.abort(["slow-b"])
+        worker.abort(["slow-a", "slow-b"])
         deadline = time.monotonic() + 10
         while worker.engine.has_unfinished_requests() and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -73,50 +70,3 @@ def test_worker_reports_a_dead_loop(make_engine: Callable[..., LLMEngine]) -> No
         time.sleep(0.01)
     assert not worker.healthy
     assert isinstance(worker.error, RuntimeError)
-
-
-def test_abort_group_calls_back_once_applied(make_engine: Callable[..., LLMEngine]) -> None:
-    worker = EngineWorker(make_engine())
-    events: list[tuple[str, str]] = []  # (kind, request id or group), in the worker's order
-    first_token_steps = threading.Event()
-    aborted = threading.Event()
-    others_done = threading.Event()
-    endless = SamplingParams(max_tokens=100_000, ignore_eos=True)
-
-    def on_result(result: EngineResult) -> None:
-        events.append(("result", result.request_id))
-        if result.request_id == "other-short":
-            first_token_steps.set()
-        if result.request_id == "other-long":
-            others_done.set()
-
-    def on_aborted() -> None:
-        events.append(("aborted", "doomed"))
-        aborted.set()
-
-    worker.start()
-    try:
-        doomed = [EngineRequest(f"doomed-{i}", [1 + i, 2, 3, 4], endless, group="doomed") for i in range(3)]
-        doomed.append(EngineRequest("doomed-done", [9, 8, 7], SamplingParams(max_tokens=1), group="doomed"))
-        others = [
-            EngineRequest("other-short", [5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True), group="other"),
-            EngineRequest("other-long", [5, 6, 8], SamplingParams(max_tokens=40, ignore_eos=True), group="other"),
-        ]
-        worker.submit(doomed + others, on_result)
-        assert first_token_steps.wait(30)  # the doomed group is decoding now
-        worker.abort_group("doomed", on_aborted)
-        assert aborted.wait(30), worker.error
-        assert others_done.wait(30), worker.error
-        # One more round trip through the worker, so any late result of the group would have been delivered.
-        flushed = threading.Event()
-        worker.abort_group("nothing", flushed.set)
-        assert flushed.wait(30)
-    finally:
-        worker.stop(timeout=10)
-    assert events.count(("aborted", "doomed")) == 1
-    after_abort = events[events.index(("aborted", "doomed")) + 1 :]
-    assert not [e for e in after_abort if e[1].startswith("doomed")]  # nothing of the group after the callback
-    delivered = {request_id for kind, request_id in events if kind == "result"}
-    assert {"doomed-0", "doomed-1", "doomed-2"}.isdisjoint(delivered)  # aborted mid-decode: never reported
-    assert {"doomed-done", "other-short", "other-long"} <= delivered  # finished before, and the other group
-    assert worker.engine.block_manager.num_free_blocks == worker.engine.block_manager.num_blocks

@@ -20,7 +20,7 @@ def _serve(app: ASGIApp) -> Iterator[str]:
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 120  # a lifespan may load a model
     while not server.started:
         if time.monotonic() > deadline or not thread.is_alive():
             raise RuntimeError("the test server did not start")
@@ -33,7 +33,7 @@ def _serve(app: ASGIApp) -> Iterator[str]:
         sock.close()
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def serve() -> Callable[[ASGIApp], AbstractContextManager[str]]:
     """``with serve(app) as base_url: ...``"""
     return _serve

@@ -214,6 +214,8 @@ def test_allowed_urls(url: str) -> None:
         ("http://169.254.169.254/latest/meta-data/", "not on this server's list"),
         ("http:///cb", "not on this server's list"),
         ("http://127.0.0.1:abc/cb", "not a valid URL"),
+        ("http://127.0.0.1:99999/cb", "port must be from 1 to 65535"),
+        ("http://127.0.0.1:0/cb", "port must be from 1 to 65535"),
         ("http://127.0.0.1/cb\r\nX-Injected: 1", "not a valid URL"),
     ],
 )

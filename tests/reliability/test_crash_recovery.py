@@ -7,16 +7,13 @@ states a kill during finalization leaves behind.
 
 from __future__ import annotations
 
-import json
 import sqlite3
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-from server_helpers import LiveServer, chat_line
+from server_helpers import LiveServer, assert_exactly_once, chat_line
 
 from batchgen.server.launcher import ServerProcess
 
@@ -42,23 +39,6 @@ def kill_9(server: LiveServer) -> None:
     assert server.process.process is not None
     server.process.process.kill()
     server.process.process.wait()
-
-
-def assert_exactly_once(server: LiveServer, batch: dict[str, Any], lines: list[dict[str, Any]]) -> None:
-    assert batch["status"] == "completed", batch
-    answered: dict[str, list[dict[str, Any]]] = {}
-    for kind in ("output_file_id", "error_file_id"):
-        raw = b"" if batch[kind] is None else server.http.get(f"/v1/files/{batch[kind]}/content").content
-        assert raw == b"" or raw.endswith(b"\n")
-        answered[kind] = [json.loads(line) for line in raw.splitlines()]  # a torn line would not parse
-    output, errors = answered["output_file_id"], answered["error_file_id"]
-    assert Counter(line["custom_id"] for line in output + errors) == Counter(line["custom_id"] for line in lines)
-    assert batch["request_counts"] == {"total": len(lines), "completed": len(output), "failed": len(errors)}
-    # ignore_eos: each request generates exactly its max_tokens
-    max_tokens = {line["custom_id"]: line["body"]["max_tokens"] for line in lines}
-    assert all(line["response"]["status_code"] == 200 for line in output)
-    usage = sum(line["response"]["body"]["usage"]["completion_tokens"] for line in output)
-    assert batch["usage"]["output_tokens"] == usage == sum(max_tokens[line["custom_id"]] for line in output)
 
 
 def test_kill_right_after_the_batch_is_accepted(start: Start) -> None:

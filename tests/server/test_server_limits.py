@@ -1,6 +1,7 @@
-"""A server with API keys, a small queue capacity, a small upload limit and callbacks allowed to 127.0.0.1: 401 on
-every /v1 route, 404 across tenants, 413, metadata limits, filenames, ids, 429, the completion callback; a server
-with a fast clock: batch expiry and file expiry.
+"""A server with API keys, a small queue capacity, a small upload limit, a short upload idle timeout and callbacks
+allowed to 127.0.0.1: 401 on every /v1 route, 404 across tenants (list cursors included), 413, 408, metadata limits,
+filenames, ids, 429 and capacity in sequences, the completion callback; a server with a fast clock: batch expiry and
+file expiry.
 
 The other input limits (requests per file, line length, JSON nesting depth) are checked over HTTP with the malformed
 corpus in tests/fuzz/test_corpus_api.py."""
@@ -8,6 +9,7 @@ corpus in tests/fuzz/test_corpus_api.py."""
 from __future__ import annotations
 
 import json
+import socket
 import sqlite3
 import time
 from collections.abc import Callable
@@ -30,6 +32,8 @@ def server(server_factory: Callable[..., LiveServer]) -> LiveServer:
         OTHER_KEY,
         "--callback-allowed-host",
         "127.0.0.1",
+        "--upload-idle-timeout-s",
+        "1",
         api_key=KEY,
     )
 
@@ -93,6 +97,15 @@ def test_tenants_do_not_see_each_other(server: LiveServer) -> None:
         assert_error(other.post("/v1/batches", json={"input_file_id": file_id}), 404, "file_not_found")
         assert file_id not in [f["id"] for f in other.get("/v1/files").json()["data"]]
         assert batch["id"] not in [b["id"] for b in other.get("/v1/batches").json()["data"]]
+        other.post("/v1/files", data={"purpose": "batch"}, files={"file": ("theirs.jsonl", jsonl([chat_line("t")]))})
+        # A cursor naming another tenant's object reads exactly like an unknown one: nothing tells that it exists.
+        for path, mine in (("/v1/files", file_id), ("/v1/batches", batch["id"])):
+            unknown = "file-0123456789abcdef01234567" if path == "/v1/files" else "batch_0123456789abcdef01234567"
+            for order in ("asc", "desc") if path == "/v1/files" else ("desc",):
+                params = {"order": order} if path == "/v1/files" else {}
+                probed = other.get(path, params={**params, "after": mine}).json()
+                assert probed == other.get(path, params={**params, "after": unknown}).json()
+                assert probed["data"] == [] and probed["has_more"] is False
     # The owner still has everything.
     assert server.http.get(f"/v1/files/{file_id}").status_code == 200
     assert server.lines(output_id)[0]["custom_id"] == "mine-too"
@@ -172,7 +185,8 @@ def test_completion_callback_gets_the_final_batch(server: LiveServer) -> None:
     finally:
         receiver.close()
     file_id = server.upload([chat_line("c")])["id"]
-    for refused_url in ("http://169.254.169.254/latest/meta-data", "file:///etc/passwd", "http://localhost:1/"):
+    refused_urls = ("http://169.254.169.254/latest/meta-data", "file:///etc/passwd", "http://localhost:1/")
+    for refused_url in (*refused_urls, "http://127.0.0.1:99999/hook"):
         response = server.http.post(
             "/v1/batches", json={"input_file_id": file_id, "metadata": {"ds_batch_finish_callback": refused_url}}
         )
@@ -185,6 +199,26 @@ def test_callbacks_are_off_by_default(live_server: LiveServer) -> None:
     response = live_server.http.post("/v1/batches", json={"input_file_id": file_id, "metadata": metadata})
     assert_error(response, 400, "invalid_value", "metadata.ds_batch_finish_callback")
     assert "disabled" in response.json()["error"]["message"]
+
+
+def test_an_idle_upload_is_dropped(server: LiveServer) -> None:
+    """An upload that stops sending is answered 408 after --upload-idle-timeout-s (1 s here) and leaves nothing."""
+    boundary = "idle-upload"
+    head = (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+        f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="slow.jsonl"\r\n\r\n'
+    ).encode() + jsonl([chat_line("first")])
+    request = (
+        f"POST /v1/files HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+        f"Content-Type: multipart/form-data; boundary={boundary}\r\nContent-Length: {len(head) + 10_000}\r\n\r\n"
+    ).encode()
+    with socket.create_connection(("127.0.0.1", server.process.port), timeout=30) as conn:
+        conn.sendall(request + head)  # then nothing more
+        answer = conn.makefile("rb").read()  # the server answers, then closes
+    status_line, _, rest = answer.partition(b"\r\n")
+    assert status_line.startswith(b"HTTP/1.1 408"), answer
+    assert json.loads(rest.partition(b"\r\n\r\n")[2])["error"]["code"] == "upload_timeout"
+    assert list((server.storage_dir / "blobs" / ".tmp").iterdir()) == []
 
 
 def test_backpressure(server: LiveServer) -> None:
@@ -202,9 +236,13 @@ def test_backpressure(server: LiveServer) -> None:
     assert pool["capacity"] == 10 and pool["active_batches"] == 1
     assert pool["queued_requests"] + pool["running_requests"] >= 8
 
-    eleven = server.upload([chat_line(f"e{i}") for i in range(11)])["id"]
-    too_big = server.http.post("/v1/batches", json={"input_file_id": eleven})
-    assert (too_big.status_code, too_big.json()["error"]["code"]) == (400, "batch_too_large")
+    # Capacity counts sequences (prompts x n), not lines: 11 lines, 3 lines of n=4, one line of 11 prompts.
+    prompts = {"custom_id": "p", "method": "POST", "url": "/v1/completions", "body": {"model": "demo"}}
+    prompts["body"]["prompt"] = [f"p{i}" for i in range(11)]
+    for lines in ([chat_line(f"e{i}") for i in range(11)], [chat_line(f"n{i}", n=4) for i in range(3)], [prompts]):
+        too_big = server.http.post("/v1/batches", json={"input_file_id": server.upload(lines)["id"]})
+        assert_error(too_big, 400, "batch_too_large", "input_file_id")
+        assert "sequences" in too_big.json()["error"]["message"]
 
     server.http.post(f"/v1/batches/{busy['id']}/cancel")
     assert server.wait(busy["id"], timeout_s=20)["status"] == "cancelled"

@@ -1,15 +1,21 @@
-"""Settings: defaults, BATCHGEN_* variables, flags over variables; completion windows."""
+"""Settings: declared once (flag, variable, default, help), flags over variables, --help without the model stack,
+the storage default, a corrupt database at start-up; completion windows."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from batchgen.server.api.batches import completion_window_hours
 from batchgen.server.api.errors import APIError
-from batchgen.server.cli import build_parser, engine_config_from_args, main
-from batchgen.server.serve import settings_from_args
+from batchgen.server.cli import build_parser, main, settings_from_args
+from batchgen.server.engine.config import EngineConfig
+from batchgen.server.options import add_flags, build, options, setting
 from batchgen.server.settings import Settings
 
 
@@ -35,7 +41,7 @@ def test_flags_override_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     args = build_parser().parse_args(
         ["serve", "--port", "5", "--api-key", "k1", "--api-key", "k2", "--max-num-seqs", "8", "--storage", "s"]
     )
-    settings = settings_from_args(args, engine_config_from_args(args))
+    settings = settings_from_args(args)
     assert (settings.port, settings.max_queued_requests, settings.api_keys) == (5, 7, ("k1", "k2"))
     assert (settings.engine.model, settings.engine.max_num_seqs, settings.storage_dir) == ("from-env", 8, Path("s"))
 
@@ -77,7 +83,7 @@ def test_insecure_and_callback_hosts_from_flags_and_environment() -> None:
     args = parser.parse_args(
         ["serve", "--insecure", "--callback-allowed-host", "a.example", "--callback-allowed-host", "127.0.0.1"]
     )
-    settings = settings_from_args(args, engine_config_from_args(args))
+    settings = settings_from_args(args)
     assert settings.insecure is True
     assert settings.callbacks.allowed_hosts == frozenset({"a.example", "127.0.0.1"})
     from_env = Settings.from_env(
@@ -90,3 +96,87 @@ def test_insecure_and_callback_hosts_from_flags_and_environment() -> None:
     assert (from_env.insecure, from_env.callback_allowed_hosts) == (True, ("hooks.local", "10.0.0.5"))
     assert from_env.shutdown_timeout_s == 5.0
     assert Settings().callbacks.allowed_hosts == frozenset() and Settings().insecure is False
+
+
+@pytest.mark.parametrize("cls", [Settings, EngineConfig])
+def test_every_setting_is_a_flag_and_a_variable(cls: type, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One declaration per field: its flag and its BATCHGEN_* variable both set it, and the flag wins."""
+    declared = options(cls)
+    assert {option.name for option in declared} == {f.name for f in dataclasses.fields(cls)} - {"engine"}
+    samples = {bool: (True, "1", "--{}"), int: (7, "7", "7"), float: (0.25, "0.25", "0.25")}
+    samples |= {str: ("x", "x", "x"), Path: (Path("/p"), "/p", "/p"), tuple: (("a", "b"), "a,b", "a")}
+    for option in declared:
+        value, env_text, flag_text = samples[option.kind]
+        if option.kind is bool:
+            value = not option.default
+            env_text = "1" if value else "0"
+        environ = {option.env: env_text}
+        assert getattr(build(cls, environ=environ), option.name) == value, option
+        assert getattr(build(cls, environ={}), option.name) == option.default
+        flag = option.flags[0]
+        argv = [flag if value else f"--no-{flag[2:]}"] if option.kind is bool else [flag, flag_text]
+        parsed = build_parser().parse_args(["serve", *argv])
+        from_flag = build(cls, parsed, environ={option.env: "1" if option.kind is bool and not value else env_text})
+        expected = ("a",) if option.kind is tuple else value
+        assert getattr(from_flag, option.name) == expected, option
+
+
+def test_a_field_declared_once_is_a_flag_and_a_variable() -> None:
+    @dataclasses.dataclass
+    class Knobs:
+        attention_backend: str = setting("sdpa", "which attention kernels to use")
+        skip_self_check: bool = setting(False, "skip the load-time self-check")
+
+    parser = argparse.ArgumentParser()
+    add_flags(parser, Knobs, "knobs")
+    assert "which attention kernels to use [default: sdpa; env BATCHGEN_ATTENTION_BACKEND]" in " ".join(
+        parser.format_help().split()
+    )
+    knobs = build(Knobs, parser.parse_args(["--skip-self-check"]), {"BATCHGEN_ATTENTION_BACKEND": "flash"})
+    assert (knobs.attention_backend, knobs.skip_self_check) == ("flash", True)
+    with pytest.raises(ValueError, match="BATCHGEN_SKIP_SELF_CHECK='maybe'"):
+        build(Knobs, environ={"BATCHGEN_SKIP_SELF_CHECK": "maybe"})
+
+
+def test_help_and_version_answer_without_loading_the_model_stack() -> None:
+    """--help imports argparse and the declarations only: no torch, transformers, litestar, uvicorn or httpx."""
+    script = (
+        "import contextlib, io, sys\n"
+        "from batchgen.server.cli import main\n"
+        "out = io.StringIO()\n"
+        "for argv in (['--help'], ['serve', '--help'], ['run-batch', '--help'], ['--version']):\n"
+        "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(out):\n"
+        "        main(argv)\n"
+        "heavy = ('torch', 'transformers', 'litestar', 'uvicorn', 'httpx')\n"
+        "print(sorted(name for name in heavy if name in sys.modules))\n"
+        "print(out.getvalue())\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    loaded, _, text = result.stdout.partition("\n")
+    assert loaded == "[]"
+    help_text = " ".join(text.split())  # argparse wraps to the terminal's width
+    assert "batchgen-server 0.1.0" in help_text
+    assert "--max-num-seqs INT" in help_text and "[default: 256; env BATCHGEN_MAX_NUM_SEQS]" in help_text
+    assert "``" not in help_text  # no reST markup
+
+
+def test_the_default_storage_is_a_data_directory_not_the_checkout(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_DATA_HOME", "/srv/data")
+    assert Settings().storage_dir == Path("/srv/data/batchgen")
+    monkeypatch.delenv("XDG_DATA_HOME")
+    assert Settings().storage_dir == Path.home() / ".local" / "share" / "batchgen"
+
+
+def test_a_corrupt_database_is_one_clear_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "batchgen.db").write_bytes(b"this is not a database" * 100)
+    assert main(["serve", "--storage", str(tmp_path), "--port", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert f"{tmp_path / 'batchgen.db'} cannot be read" in err and "backup" in err
+
+
+def test_a_bad_variable_is_a_usage_error(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("BATCHGEN_PORT", "ten")
+    with pytest.raises(SystemExit) as exited:
+        main(["serve"])
+    assert exited.value.code == 2 and "BATCHGEN_PORT='ten': not a valid int" in capsys.readouterr().err

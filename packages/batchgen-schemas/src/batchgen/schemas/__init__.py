@@ -31,6 +31,8 @@ from .requests import (
     RequestBody,
     ResponseFormat,
     TextContentPart,
+    count_sequences,
+    sequences_of,
 )
 from .responses import (
     BatchLineError,
@@ -110,5 +112,7 @@ __all__ = [
     "TextContentPart",
     "TokenLogprob",
     "TopLogprob",
+    "count_sequences",
     "parse_output_line",
+    "sequences_of",
 ]

@@ -94,6 +94,23 @@ class EmbeddingRequest(Body, kw_only=True):
 
 RequestBody = ChatCompletionRequest | CompletionRequest | EmbeddingRequest
 
+
+def count_sequences(prompt: object, n: object = 1) -> int:
+    """The sequences a request asks the engine for: its prompts times ``n``. A text or a list of token ids is one
+    prompt, a list of texts or of token-id lists one per item. Lenient, so that it also counts lines not yet
+    validated (the upload check): anything else counts as one prompt, and an ``n`` that is not a positive int as 1.
+    """
+    prompts = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
+    return prompts * (n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1)
+
+
+def sequences_of(body: RequestBody) -> int:
+    """The work of a request, in the engine's sequences: what capacity and the engine's window count."""
+    if isinstance(body, EmbeddingRequest):
+        return count_sequences(body.input)
+    return count_sequences(getattr(body, "prompt", None), body.n)
+
+
 BODY_TYPES: dict[str, type[RequestBody]] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/completions": CompletionRequest,

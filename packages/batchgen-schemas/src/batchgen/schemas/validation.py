@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from functools import partial
 from itertools import compress
 from operator import methodcaller, not_
-from typing import Annotated, BinaryIO, Generic, NamedTuple, TypeVar
+from typing import Annotated, Any, BinaryIO, Generic, NamedTuple, TypeVar
 
 import msgspec
 
@@ -34,6 +34,7 @@ from .requests import (
     CompletionRequest,
     Prompt,
     RequestBody,
+    count_sequences,
 )
 
 __all__ = [
@@ -522,22 +523,48 @@ def validate_input_file(
     )
 
 
-class _AnyObject(msgspec.Struct):
-    """Matches any JSON object; its fields are skipped (but still parsed)."""
+class _Work(msgspec.Struct, gc=False):
+    """Matches any JSON object, keeping only its raw ``body``; the other fields are skipped (but still parsed)."""
+
+    body: msgspec.Raw = msgspec.Raw(b"null")
 
 
-_ANY_OBJECT = msgspec.json.Decoder(_AnyObject)
+class _WorkBody(msgspec.Struct, gc=False):
+    """What a body's work depends on, of any type (the line is not validated yet)."""
+
+    prompt: Any = None
+    input: Any = None
+    n: Any = 1
+
+
+_WORK = msgspec.json.Decoder(_Work)
+_WORK_BODY = msgspec.json.Decoder(_WorkBody)
+
+
+def _line_sequences(body: msgspec.Raw) -> int:
+    try:
+        work = _WORK_BODY.decode(body)
+    except msgspec.DecodeError:  # not an object: the batch's validation will say so
+        return 1
+    return count_sequences(work.input if work.prompt is None else work.prompt, work.n)
 
 
 class UploadChecker:
     """The cheap upload-time check, fed chunk by chunk: UTF-8, one JSON object per non-blank line, size limits.
 
-    ``feed`` and ``finish`` return the first error found (and keep returning it), so an upload can stop early.
+    ``feed`` and ``finish`` return the first error found (and keep returning it), so an upload can stop early. On
+    the way it counts the file's requests (non-blank lines) and the sequences they ask for (``count_sequences``), so
+    a server can admit a batch by its work before validating it.
     """
 
     def __init__(self, limits: ValidationLimits = DEFAULT_LIMITS) -> None:
         self._scanner = _LineScanner(limits)
         self.error: LineError | None = None
+        self.sequences = 0
+
+    @property
+    def requests(self) -> int:
+        return self._scanner.requests
 
     def feed(self, chunk: bytes) -> LineError | None:
         if self.error is None:
@@ -555,10 +582,11 @@ class UploadChecker:
                 self.error = line
                 return
             try:
-                _ANY_OBJECT.decode(line)
+                body = _WORK.decode(line).body
             except (msgspec.DecodeError, RecursionError) as exc:
                 self.error = _decode_error(number, exc, "")
                 return
+            self.sequences += _line_sequences(body)
 
 
 def check_upload(source: Source, limits: ValidationLimits = DEFAULT_LIMITS) -> LineError | None:

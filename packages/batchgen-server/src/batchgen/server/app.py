@@ -1,5 +1,5 @@
-"""``create_app(settings)``: the Litestar application, whose lifespan owns the store, the engine, the runner, the
-completion callbacks and the expired-file sweep."""
+"""``create_app(settings)``: the Litestar application, whose lifespan owns the store, the engine, the batch loop,
+the completion callbacks and the expired-file sweep."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ from .api.health import HealthController, PoolController
 from .api.legacy import legacy_inference
 from .api.models import ModelsController
 from .api.openapi import BEARER_AUTH, openapi_config
-from .batches.runner import BatchRunner
+from .batches.loop import BatchLoop, default_window
+from .batches.stores import DatabaseStore
 from .callbacks import CallbackNotifier
 from .console import console_assets, console_page
 from .engine import EngineWorker, LLMEngine
@@ -47,21 +48,30 @@ def create_app(settings: Settings) -> Litestar:
         engine = await asyncio.to_thread(LLMEngine.from_config, settings.engine)
         worker = EngineWorker(engine)
         worker.start()
-        serving = OpenAIServing(engine.tokenizer, engine.model_name, engine.max_context_length, engine.tasks)
-        runner = BatchRunner(
-            settings=settings, db=db, blobs=blobs, serving=serving, engine=worker, on_finished=notifier.notify
+        serving = OpenAIServing(
+            engine.tokenizer, engine.model_name, engine.max_context_length, engine.tasks, settings.max_line_sequences
+        )
+        loop = BatchLoop(
+            DatabaseStore(db, blobs, on_finished=notifier.notify),
+            serving,
+            worker,
+            capacity=settings.max_queued_requests,
+            window=settings.engine_window or default_window(settings.engine.max_num_seqs),
+            flush_interval_s=settings.flush_interval_s,
+            limits=settings.validation_limits,
         )
         model = ModelObject(
             id=engine.model_name, created=int(time.time()), max_context_length=engine.max_context_length
         )
-        app.state.context = ServerContext(settings, db, blobs, model, worker, runner)
-        await runner.start()
+        app.state.context = ServerContext(settings, db, blobs, model, worker, loop)
+        loop.start()
         try:
             yield
         finally:
             # In-flight requests are done (uvicorn drained them); the rest of the shutdown deadline is for these.
-            await asyncio.to_thread(worker.stop, settings.shutdown_timeout_s / 2)
-            await runner.stop()
+            deadline_s = settings.shutdown_timeout_s / 2
+            await asyncio.to_thread(worker.stop, deadline_s / 2)
+            await asyncio.to_thread(loop.stop, deadline_s / 2)
             sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await sweeper

@@ -66,6 +66,8 @@ def check_callback_url(url: str, allowed_hosts: Collection[str]) -> httpx.URL:
         raise CallbackUrlError(f"The callback URL must be http or https, not {parsed.scheme or 'relative'!r}.")
     if parsed.userinfo:
         raise CallbackUrlError("The callback URL must not carry credentials (user:password@).")
+    if parsed.port is not None and not 1 <= parsed.port <= 65535:
+        raise CallbackUrlError(f"The callback URL's port must be from 1 to 65535, not {parsed.port}.")
     host = _normalize_host(parsed.host)
     if not host or host not in {_normalize_host(allowed) for allowed in allowed_hosts}:
         raise CallbackUrlError(f"The callback host {parsed.host!r} is not on this server's list of allowed hosts.")

@@ -1,4 +1,6 @@
-"""Object ids: ``file-<hex>`` and ``batch_<hex>`` as OpenAI spells them (output lines use ``batch_req_<hex>``)."""
+"""Every id the server mints, made here and nowhere else: ``file-<hex>`` and ``batch_<hex>`` as OpenAI spells them,
+``batch_req_<hex>`` for output lines, ``req_<hex>`` for a request line, and ``req_<hex>#<i>`` for the engine request
+of its i-th prompt."""
 
 from __future__ import annotations
 
@@ -19,3 +21,8 @@ def new_line_id() -> str:
 
 def new_request_id() -> str:
     return f"req_{secrets.token_hex(16)}"
+
+
+def engine_request_id(request_id: str, index: int) -> str:
+    """Only minted, never parsed: results find their line through a map keyed by this id."""
+    return f"{request_id}#{index}"

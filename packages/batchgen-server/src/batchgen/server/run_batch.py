@@ -1,29 +1,29 @@
-"""Offline batch: an OpenAI batch input file straight through the engine (no HTTP) to output/error files."""
+"""Offline batch: the server's batch loop with a plain-file store and no database or HTTP."""
 
 from __future__ import annotations
 
 import time
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import Any
 
-import msgspec
 from tqdm import tqdm
 
-from batchgen.schemas import BatchInputLine, BatchOutputLine
-from batchgen.schemas.validation import LineError, ValidationReport, iter_input_lines, validate_input_file
+from batchgen.schemas import BatchError, BatchObject, BatchRequestCounts
 
-from .engine import EncoderEngine, EngineResult, LLMEngine
-from .serving import BatchDefaults, OpenAIServing, RequestRejected
+from .batches.loop import BatchLoop, default_window
+from .batches.stores import FileStore
+from .engine import EncoderEngine, EngineWorker, LLMEngine
+from .ids import new_batch_id
+from .serving import BatchDefaults, OpenAIServing
 
 
 class InvalidInputFile(Exception):
     """The input file failed validation (as the server would fail the batch); nothing was run."""
 
-    def __init__(self, report: ValidationReport) -> None:
-        super().__init__(f"{report.error_count} invalid line(s)")
-        self.report = report
+    def __init__(self, errors: list[BatchError]) -> None:
+        super().__init__(f"{len(errors)} invalid line(s)")
+        self.errors = errors
 
 
 @dataclass
@@ -36,14 +36,6 @@ class RunBatchSummary:
     seconds: float = 0.0
 
 
-@dataclass
-class _Pending:
-    line: BatchInputLine
-    request_id: str
-    expected: int
-    results: list[EngineResult] = field(default_factory=list)
-
-
 def run_batch(
     engine: LLMEngine | EncoderEngine,
     input_path: Path,
@@ -51,89 +43,61 @@ def run_batch(
     errors_path: Path | None = None,
     defaults: BatchDefaults | None = None,
     progress: bool = True,
-    report: ValidationReport | None = None,
 ) -> RunBatchSummary:
     """Validate the whole file first (``InvalidInputFile`` if it fails, like the server), then run every line.
 
     Successes go to ``output_path``, requests that fail (unsupported parameters, prompts over the context) to
-    ``errors_path`` (or the output when unset). Lines are read lazily and only a few steps' worth are in flight, so
-    memory stays flat on huge files. ``report`` is the file's validation when the caller already has it.
+    ``errors_path`` (or the output when unset). The file is streamed and only the loop's window of requests is in
+    the engine at a time, so memory stays flat on huge files.
     """
-    report = report or validate_input_file(input_path)
-    if not report.ok:
-        raise InvalidInputFile(report)
-    defaults = defaults or BatchDefaults()
-    serving = OpenAIServing(engine.tokenizer, engine.model_name, engine.max_context_length, engine.tasks)
-    group = f"run-batch-{uuid.uuid4().hex[:8]}"
-    in_flight_limit = 4 * engine.config.max_num_seqs
-    summary = RunBatchSummary(total=report.request_count)
-    encoder = msgspec.json.Encoder()
-    pending: dict[str, _Pending] = {}
-    owner: dict[str, str] = {}  # engine request id -> line request id
     start = time.monotonic()
-    with (
-        output_path.open("wb") as output,
-        errors_path.open("wb") if errors_path else _nullcontext(output) as errors,
-        tqdm(total=summary.total, unit="req", disable=not progress, dynamic_ncols=True) as bar,
-    ):
+    with tqdm(unit="req", disable=not progress, dynamic_ncols=True) as bar:
 
-        def write(out: IO[bytes], line: BatchOutputLine, ok: bool) -> None:
-            out.write(encoder.encode(line) + b"\n")
-            summary.completed += ok
-            summary.failed += not ok
-            bar.update(1)
-            elapsed = time.monotonic() - start
-            bar.set_postfix_str(f"{summary.completion_tokens / max(elapsed, 1e-9):,.0f} tok/s", refresh=False)
+        def show(fields: dict[str, Any]) -> None:
+            bar.total = fields.get("total", bar.total)
+            bar.n = fields.get("completed", 0) + fields.get("failed", 0)
+            tokens_per_s = fields.get("output_tokens", 0) / max(time.monotonic() - start, 1e-9)
+            bar.set_postfix_str(f"{tokens_per_s:,.0f} tok/s", refresh=True)
 
-        lines = iter_input_lines(input_path)
-        exhausted = False
-        while True:
-            while not exhausted and len(owner) < in_flight_limit:
-                line = next(lines, None)
-                if line is None:
-                    exhausted = True
-                    break
-                if isinstance(line, LineError):  # the file changed since it was validated
-                    raise InvalidInputFile(
-                        ValidationReport(request_count=0, error_count=1, errors=[line], model=None, endpoint=None)
-                    )
-                request_id = f"req_{uuid.uuid4().hex}"
-                try:
-                    requests = serving.to_engine_requests(line, request_id=request_id, defaults=defaults, group=group)
-                except RequestRejected as exc:
-                    rejected = serving.error_line(
-                        line.custom_id, request_id=request_id, code=exc.code, message=exc.message, param=exc.param
-                    )
-                    write(errors, rejected, ok=False)
-                    continue
-                pending[request_id] = _Pending(line, request_id, len(requests))
-                for request in requests:
-                    owner[request.request_id] = request_id
-                    engine.add_request(request)
-            if not engine.has_unfinished_requests():
-                break
-            for result in engine.step():
-                item = pending[owner.pop(result.request_id)]
-                item.results.append(result)
-                summary.prompt_tokens += result.prompt_tokens
-                summary.completion_tokens += result.completion_tokens
-                if len(item.results) == item.expected:
-                    del pending[item.request_id]
-                    out_line = serving.output_line(item.line, item.results, request_id=item.request_id)
-                    ok = out_line.response is not None and out_line.response.status_code == 200
-                    write(output if ok else errors, out_line, ok)
-    summary.seconds = time.monotonic() - start
-    return summary
+        store = FileStore(input_path, output_path, errors_path, on_update=show)
+        serving = OpenAIServing(engine.tokenizer, engine.model_name, engine.max_context_length, engine.tasks)
+        worker = EngineWorker(engine)
+        loop = BatchLoop(store, serving, worker, capacity=2**62, window=default_window(engine.config.max_num_seqs))
+        worker.start()
+        loop.start()
+        try:
+            loop.admit(offline_batch(defaults or BatchDefaults()), owner="", sequences=0).result()
+            while not store.finished.wait(0.5):
+                if worker.state == "dead":
+                    raise RuntimeError(f"the engine stopped: {worker.error}") from worker.error
+        finally:
+            loop.stop()
+            worker.stop()
+    fields = store.fields
+    if fields["status"] == "failed":
+        errors = fields["errors"].data
+        if errors[0].code == "internal_error":
+            raise RuntimeError(errors[0].message)
+        raise InvalidInputFile(errors)
+    return RunBatchSummary(
+        total=fields["total"],
+        completed=fields["completed"],
+        failed=fields["failed"],
+        prompt_tokens=fields["input_tokens"],
+        completion_tokens=fields["output_tokens"],
+        seconds=time.monotonic() - start,
+    )
 
 
-class _nullcontext:
-    """Use an already open file as a context manager without closing it."""
-
-    def __init__(self, file: IO[bytes]) -> None:
-        self.file = file
-
-    def __enter__(self) -> IO[bytes]:
-        return self.file
-
-    def __exit__(self, *exc: object) -> None:
-        return None
+def offline_batch(defaults: BatchDefaults) -> BatchObject:
+    """The one batch of a run-batch: its endpoint comes from the file, it never expires."""
+    return BatchObject(
+        id=new_batch_id(),
+        endpoint="",
+        input_file_id="",
+        completion_window="24h",
+        status="validating",
+        created_at=int(time.time()),
+        request_counts=BatchRequestCounts(),
+        **{name: getattr(defaults, name) for name in BatchDefaults.__struct_fields__},
+    )

@@ -1,67 +1,79 @@
-"""Every setting of the server in one place: defaults here, overridden by ``BATCHGEN_*`` environment variables,
-overridden by command-line flags (``serve.py``)."""
+"""Every setting of the server, each declared once (``options.setting``): its flag, its ``BATCHGEN_*`` variable, its
+default and its help text. The engine's knobs are declared the same way in ``engine/config.py``."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from batchgen.schemas.validation import ValidationLimits
 
-from .callbacks import CallbackSettings
 from .engine.config import EngineConfig
+from .options import build, setting
+
+if TYPE_CHECKING:
+    from .callbacks import CallbackSettings
 
 MIB = 1024 * 1024
 
 
+def default_storage_dir() -> Path:
+    """``$XDG_DATA_HOME/batchgen``, or ``~/.local/share/batchgen``: never inside the directory the server starts in."""
+    return Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "batchgen"
+
+
 @dataclass(slots=True)
 class Settings:
-    host: str = "127.0.0.1"
-    port: int = 10900
-    storage_dir: Path = Path("batchgen-data")
-    """SQLite metadata (``batchgen.db``) and file contents (``blobs/``)."""
-    api_keys: tuple[str, ...] = ()
-    """Bearer keys accepted on ``/v1``; none configured means no authentication (loopback only, unless insecure)."""
-    insecure: bool = False
-    """Allow listening on a non-loopback address with no API key (a trusted network)."""
-    callback_allowed_hosts: tuple[str, ...] = ()
-    """Hosts completion callbacks may reach (exact names or IPs); none means callbacks are off."""
-    shutdown_timeout_s: float = 30.0
-    """After SIGTERM: in-flight requests, then the engine and the writer, must be done by then, or the process exits
-    anyway (everything accepted is on disk; the next start resumes it)."""
-    file_sweep_interval_s: float = 60.0
-    """How often files past their ``expires_after`` are deleted (also once at startup)."""
-    max_queued_requests: int = 100_000
-    """Capacity: most requests waiting or running across all batches before ``POST /v1/batches`` answers 429."""
-    retry_after_s: int = 30
-    """``Retry-After`` sent with a 429."""
-    max_upload_bytes: int = 200 * MIB
-    max_requests_per_file: int = 50_000
-    max_line_bytes: int = 8 * MIB
-    window_hour_s: float = 3600.0
-    """Seconds in one hour of a ``completion_window``: tests shrink it to see batches expire without waiting."""
-    flush_interval_s: float = 0.5
-    """How often finished results are fsynced and the live counts published (at most once a second)."""
+    host: str = setting("127.0.0.1", "address to listen on")
+    port: int = setting(10900, "port to listen on")
+    storage_dir: Path = setting(  # noqa: RUF009 (a dataclass field with a default_factory, not a shared default)
+        default_factory=default_storage_dir,
+        help="SQLite metadata (batchgen.db) and file contents (blobs/)",
+        flags=("--storage", "--storage-dir"),
+    )
+    api_keys: tuple[str, ...] = setting(
+        (), "accepted Bearer key, repeat for several; none: no authentication, loopback only", flags=("--api-key",)
+    )
+    insecure: bool = setting(False, "allow a non-loopback --host without an API key (a trusted network)")
+    callback_allowed_hosts: tuple[str, ...] = setting(
+        (),
+        "host completion callbacks may reach, exact name or IP, repeat for several; none: callbacks off",
+        flags=("--callback-allowed-host",),
+    )
+    shutdown_timeout_s: float = setting(
+        30.0, "after SIGTERM, requests in flight, the engine and the batch loop stop within this many seconds"
+    )
+    file_sweep_interval_s: float = setting(60.0, "how often files past their expires_at are deleted (also at startup)")
+    max_queued_requests: int = setting(
+        100_000, "capacity in sequences (prompts x n) of all unfinished batches; POST /v1/batches answers 429 above it"
+    )
+    max_line_sequences: int = setting(
+        256, "most sequences (prompts x n) one request may ask for; a line over it gets an error line"
+    )
+    engine_window: int | None = setting(
+        None, "most sequences the batch loop keeps inside the engine (default: 1.25 x --max-num-seqs)"
+    )
+    retry_after_s: int = setting(30, "Retry-After of a 429")
+    max_upload_bytes: int = setting(200 * MIB, "largest uploaded file (413 above)")
+    max_requests_per_file: int = setting(50_000, "most requests in one input file")
+    max_line_bytes: int = setting(8 * MIB, "longest input line")
+    upload_idle_timeout_s: float = setting(60.0, "an upload that sends nothing for this long is dropped (408)")
+    flush_interval_s: float = setting(0.5, "how often results are fsynced and the live counts published (at most 1 s)")
+    window_hour_s: float = setting(3600.0, "seconds in one hour of a completion_window (tests shrink time with it)")
+    log_level: str = setting("info", "critical, error, warning, info or debug")
     engine: EngineConfig = field(default_factory=EngineConfig)
-    """The model and the engine's knobs (``BATCHGEN_MODEL`` names the model when no config is given)."""
+    """The model and the engine's knobs (their own flags and variables)."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
-        """Defaults, then ``BATCHGEN_<FIELD>`` variables, then ``overrides`` (those not ``None``)."""
-        environ = os.environ if environ is None else environ
-        values: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):
-            raw = environ.get(f"BATCHGEN_{f.name.upper()}")
-            if raw is not None and f.name != "engine":
-                values[f.name] = _parse(f.name, raw)
-        if "BATCHGEN_MODEL" in environ:
-            values["engine"] = EngineConfig(model=environ["BATCHGEN_MODEL"])
-        values.update({key: value for key, value in overrides.items() if value is not None})
-        return cls(**values)
+        """Defaults, then ``BATCHGEN_*`` variables (the engine's too), then ``overrides``."""
+        settings = build(cls, environ=environ, engine=build(EngineConfig, environ=environ))
+        for name, value in overrides.items():
+            setattr(settings, name, value)
+        return settings
 
     @property
     def database_path(self) -> Path:
@@ -73,6 +85,8 @@ class Settings:
 
     @property
     def callbacks(self) -> CallbackSettings:
+        from .callbacks import CallbackSettings  # httpx: not imported by --help
+
         return CallbackSettings(allowed_hosts=frozenset(self.callback_allowed_hosts))
 
     @property
@@ -83,18 +97,3 @@ class Settings:
             max_line_bytes=self.max_line_bytes,
             max_file_bytes=self.max_upload_bytes,
         )
-
-
-def _parse(name: str, raw: str) -> Any:
-    default = {f.name: f for f in dataclasses.fields(Settings)}[name].default
-    if name in ("api_keys", "callback_allowed_hosts"):
-        return tuple(item.strip() for item in raw.split(",") if item.strip())
-    if name == "storage_dir":
-        return Path(raw)
-    if isinstance(default, bool):
-        return raw.lower() in {"1", "true", "yes", "on"}
-    if isinstance(default, int):
-        return int(raw)
-    if isinstance(default, float):
-        return float(raw)
-    return raw

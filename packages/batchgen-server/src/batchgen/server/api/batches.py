@@ -1,7 +1,9 @@
-"""``/v1/batches``: create (with backpressure), list, retrieve, cancel."""
+"""``/v1/batches``: create (with backpressure), list, retrieve, cancel. The batch loop admits and cancels; the
+database is read off the event loop."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 from typing import Annotated
 
@@ -10,12 +12,13 @@ from litestar.params import Parameter
 
 from batchgen.schemas import ENDPOINTS, BatchList, BatchObject, BatchRequestCounts, CreateBatchRequest
 
+from ..batches.loop import CapacityExceeded
 from ..callbacks import check_callback_metadata
 from ..ids import new_batch_id
 from ..security.limits import is_valid_id, validate_metadata
 from .deps import ServerContext, now
 from .errors import ERROR_RESPONSES, APIError, invalid, not_found
-from .files import get_owned_file
+from .files import owned_file
 from .idempotency import IDEMPOTENCY_KEY, idempotent
 
 MIN_WINDOW_H, MAX_WINDOW_H = 24, 336
@@ -34,8 +37,10 @@ def completion_window_hours(window: str) -> int:
     return hours
 
 
-def get_owned_batch(context: ServerContext, batch_id: str, owner: str) -> BatchObject:
-    batch = context.db.get_batch(batch_id, owner=owner) if is_valid_id(batch_id, "batch") else None
+async def owned_batch(context: ServerContext, batch_id: str, owner: str) -> BatchObject:
+    batch = None
+    if is_valid_id(batch_id, "batch"):
+        batch = await asyncio.to_thread(context.db.get_batch, batch_id, owner=owner)
     if batch is None:
         raise not_found("batch", batch_id)
     return batch
@@ -54,7 +59,7 @@ class BatchesController(Controller):
         idempotency_key: Annotated[str | None, Parameter(header=IDEMPOTENCY_KEY, required=False)] = None,
     ) -> BatchObject:
         async def create() -> BatchObject:
-            return _create_batch(data, context, owner)
+            return await _create_batch(data, context, owner)
 
         return await idempotent(
             context,
@@ -73,7 +78,7 @@ class BatchesController(Controller):
         limit: Annotated[int, Parameter(ge=1, le=100)] = 20,
         after: str | None = None,
     ) -> BatchList:
-        batches, has_more = context.db.list_batches(owner=owner, limit=limit, after=after)
+        batches, has_more = await asyncio.to_thread(context.db.list_batches, owner=owner, limit=limit, after=after)
         return BatchList(
             data=batches,
             first_id=batches[0].id if batches else None,
@@ -83,25 +88,23 @@ class BatchesController(Controller):
 
     @get("/{batch_id:str}", summary="Retrieve a batch (poll this for progress)", responses=ERROR_RESPONSES)
     async def retrieve(self, context: ServerContext, owner: str, batch_id: str) -> BatchObject:
-        return get_owned_batch(context, batch_id, owner)
+        return await owned_batch(context, batch_id, owner)
 
     @post("/{batch_id:str}/cancel", status_code=200, summary="Cancel a batch", responses=ERROR_RESPONSES)
     async def cancel(self, context: ServerContext, owner: str, batch_id: str) -> BatchObject:
-        batch = get_owned_batch(context, batch_id, owner)
-        if batch.status in ("cancelling", "cancelled"):
-            return batch
-        if context.db.update_batch(
-            batch_id, only_if_status=("validating", "in_progress"), status="cancelling", cancelling_at=now()
-        ):
-            context.runner.cancel(batch_id)
-            return get_owned_batch(context, batch_id, owner)
-        batch = get_owned_batch(context, batch_id, owner)
-        raise APIError(
-            409, f"Cannot cancel batch {batch_id!r}: its status is {batch.status!r}.", code="batch_not_cancellable"
-        )
+        batch = None
+        if is_valid_id(batch_id, "batch"):
+            batch = await asyncio.wrap_future(context.loop.cancel(batch_id, owner))
+        if batch is None:
+            raise not_found("batch", batch_id)
+        if batch.status not in ("cancelling", "cancelled"):
+            raise APIError(
+                409, f"Cannot cancel batch {batch_id!r}: its status is {batch.status!r}.", code="batch_not_cancellable"
+            )
+        return batch
 
 
-def _create_batch(data: CreateBatchRequest, context: ServerContext, owner: str) -> BatchObject:
+async def _create_batch(data: CreateBatchRequest, context: ServerContext, owner: str) -> BatchObject:
     if data.endpoint not in ENDPOINTS:
         raise invalid(f"Invalid endpoint {data.endpoint!r}: use one of {', '.join(ENDPOINTS)}.", param="endpoint")
     window_s = max(1, round(completion_window_hours(data.completion_window) * context.settings.window_hour_s))
@@ -116,27 +119,12 @@ def _create_batch(data: CreateBatchRequest, context: ServerContext, owner: str) 
             raise invalid(f"{param} {value} exceeds the model's maximum of {max_context} tokens.", param=param)
     if data.top_k is not None and data.top_k > MAX_TOP_K:
         raise invalid(f"top_k must be at most {MAX_TOP_K}.", param="top_k")
-    file = get_owned_file(context, data.input_file_id, owner)
+    file = await owned_file(context, data.input_file_id, owner)
     if file.purpose != "batch":
         raise invalid(
             f"File {file.id!r} has purpose {file.purpose!r}; a batch needs a 'batch' file.", param="input_file_id"
         )
-    requests = context.db.file_line_count(file.id)
-    capacity = context.settings.max_queued_requests
-    if requests > capacity:
-        raise invalid(
-            f"The file has {requests} requests, more than the server's capacity of {capacity}; split it.",
-            param="input_file_id",
-            code="batch_too_large",
-        )
-    queued = context.db.queued_requests()
-    if queued + requests > capacity:
-        raise APIError(
-            429,
-            f"The server is busy: {queued} requests are queued and the capacity is {capacity}. Retry later.",
-            code="queue_full",
-            headers={"Retry-After": str(context.settings.retry_after_s)},
-        )
+    requests, sequences = await asyncio.to_thread(context.db.file_work, file.id)
     created_at = now()
     batch = BatchObject(
         id=new_batch_id(),
@@ -155,6 +143,19 @@ def _create_batch(data: CreateBatchRequest, context: ServerContext, owner: str) 
         top_p=data.top_p,
         top_k=data.top_k,
     )
-    context.db.insert_batch(batch, owner=owner)
-    context.runner.launch(batch)
-    return batch
+    try:
+        return await asyncio.wrap_future(context.loop.admit(batch, owner, sequences))
+    except CapacityExceeded as exc:
+        if exc.too_large:
+            raise invalid(
+                f"The file asks for {exc.requested} sequences (prompts x n), more than the server's capacity of "
+                f"{exc.capacity}; split it.",
+                param="input_file_id",
+                code="batch_too_large",
+            ) from None
+        raise APIError(
+            429,
+            f"The server is busy: {exc.queued} sequences are queued and the capacity is {exc.capacity}. Retry later.",
+            code="queue_full",
+            headers={"Retry-After": str(context.settings.retry_after_s)},
+        ) from None

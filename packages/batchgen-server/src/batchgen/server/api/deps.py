@@ -16,7 +16,7 @@ from litestar.handlers import BaseRouteHandler
 
 from batchgen.schemas import ModelObject
 
-from ..batches.runner import BatchRunner
+from ..batches.loop import BatchLoop
 from ..engine import EngineWorker
 from ..security.auth import provide_tenant
 from ..settings import Settings
@@ -32,7 +32,7 @@ class ServerContext:
     blobs: BlobStore
     model: ModelObject
     worker: EngineWorker
-    runner: BatchRunner
+    loop: BatchLoop
 
 
 def now() -> int:

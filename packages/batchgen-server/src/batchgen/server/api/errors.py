@@ -18,6 +18,7 @@ from batchgen.schemas import ErrorDetail, ErrorResponse
 
 from ..security.auth import UNAUTHORIZED_HEADERS, ApiKeyAuthMiddleware
 from ..security.limits import LimitError
+from ..storage.faults import storage_fault
 
 log = logging.getLogger("batchgen.server")
 
@@ -42,8 +43,10 @@ ERROR_RESPONSES = {
         (409, "Conflict with the object's state"),
         (413, "Upload over the size limit"),
         (422, "Invalid input file"),
+        (408, "The upload went quiet and was dropped"),
         (429, "The queue is full; retry after Retry-After seconds"),
         (503, "The server is shutting down; retry shortly"),
+        (507, "The server's storage is full or failing; nothing was stored, retry later"),
     )
 }
 """The error envelope as the OpenAPI document publishes it, for every ``/v1`` operation (in place of Litestar's)."""
@@ -143,6 +146,11 @@ def _http_error(request: Request[Any, Any, Any], exc: HTTPException) -> Response
 
 
 def _unexpected_error(request: Request[Any, Any, Any], exc: Exception) -> Response[ErrorResponse]:
+    reason = storage_fault(exc)
+    if reason is not None:  # a full or failing disk: the request changed nothing, and can be retried later
+        log.warning("%s %s refused: storage fault (%s)", request.method, request.url.path, reason)
+        message = f"The server's storage cannot take this now ({reason}); nothing was stored. Retry later."
+        return error_response(507, message, code="insufficient_storage")
     log.exception("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
     return error_response(500, "The server had an error while processing the request.", code="server_error")
 

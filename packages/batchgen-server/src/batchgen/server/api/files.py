@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
+from urllib.parse import quote
 
 from litestar import Controller, Request, Response, delete, get, post
 from litestar.openapi import ResponseSpec
@@ -16,6 +18,7 @@ from batchgen.schemas import FileDeleted, FileList, FileObject
 
 from ..ids import new_file_id
 from ..security.limits import is_valid_id
+from ..storage.blobs import UploadWriter
 from .deps import ServerContext, ensure_admitting, now
 from .errors import ERROR_RESPONSES, APIError, invalid, not_found
 from .idempotency import IDEMPOTENCY_KEY, idempotent
@@ -60,8 +63,10 @@ class UploadOperation(Operation):
         self.request_body = RequestBody(content={"multipart/form-data": OpenAPIMediaType(schema=form)}, required=True)
 
 
-def get_owned_file(context: ServerContext, file_id: str, owner: str) -> FileObject:
-    file = context.db.get_file(file_id, owner=owner) if is_valid_id(file_id, "file") else None
+async def owned_file(context: ServerContext, file_id: str, owner: str) -> FileObject:
+    file = None
+    if is_valid_id(file_id, "file"):
+        file = await asyncio.to_thread(context.db.get_file, file_id, owner=owner)
     if file is None or _expired(file):  # an expired file not yet swept is already gone
         raise not_found("file", file_id)
     return file
@@ -102,7 +107,9 @@ class FilesController(Controller):
         order: Literal["asc", "desc"] = "desc",
         after: str | None = None,
     ) -> FileList:
-        files, has_more = context.db.list_files(owner=owner, purpose=purpose, limit=limit, order=order, after=after)
+        files, has_more = await asyncio.to_thread(
+            context.db.list_files, owner=owner, purpose=purpose, limit=limit, order=order, after=after
+        )
         return FileList(
             data=files,
             first_id=files[0].id if files else None,
@@ -112,20 +119,21 @@ class FilesController(Controller):
 
     @get("/{file_id:str}", summary="Retrieve a file's metadata", responses=ERROR_RESPONSES)
     async def retrieve(self, context: ServerContext, owner: str, file_id: str) -> FileObject:
-        return _with_live_size(context, get_owned_file(context, file_id, owner))
+        file = await owned_file(context, file_id, owner)
+        if file.status == "uploaded":  # a results file of a running batch grows: its current size
+            file.bytes = await asyncio.to_thread(context.blobs.complete_lines_length, file.id)
+        return file
 
     @delete("/{file_id:str}", status_code=200, summary="Delete a file", responses=ERROR_RESPONSES)
     async def delete_file(self, context: ServerContext, owner: str, file_id: str) -> FileDeleted:
-        get_owned_file(context, file_id, owner)
-        if context.db.file_in_use(file_id):
+        await owned_file(context, file_id, owner)
+        if not await asyncio.to_thread(_delete_unless_in_use, context, file_id):
             raise APIError(
                 409,
                 f"File {file_id!r} is in use by a batch that has not finished.",
                 code="file_in_use",
                 param="file_id",
             )
-        context.db.delete_file(file_id)
-        context.blobs.delete(file_id)
         return FileDeleted(id=file_id, deleted=True)
 
     @get(
@@ -138,25 +146,54 @@ class FilesController(Controller):
         },
     )
     async def content(self, context: ServerContext, owner: str, file_id: str) -> Response[Any]:
-        file = get_owned_file(context, file_id, owner)
-        # A results file still being appended to is served up to its last complete line.
-        length = context.blobs.complete_lines_length(file_id) if file.status == "uploaded" else file.bytes
+        file = await owned_file(context, file_id, owner)
+        try:
+            # Opened before answering: a missing blob is a clear error, not a 200 cut short.
+            length, chunks = await asyncio.to_thread(_open_content, context, file)
+        except FileNotFoundError:
+            raise APIError(
+                500,
+                f"The content of file {file_id!r} is missing from the server's storage.",
+                code="file_content_missing",
+            ) from None
         return Stream(
-            context.blobs.read(file_id, length=length),
+            chunks,
             media_type=JSONL,
-            headers={
-                "Content-Disposition": f'attachment; filename="{file.filename}"',
-                "Content-Length": str(length),
-            },
+            headers={"Content-Disposition": content_disposition(file.filename), "Content-Length": str(length)},
         )
 
 
+def content_disposition(filename: str) -> str:
+    """``attachment`` with the name as RFC 6266 says: a quoted ASCII fallback, plus the exact name percent-encoded
+    in UTF-8 (RFC 5987) when it is not plain ASCII (header values are Latin-1: ``文件.jsonl`` cannot go in raw).
+    Stored names hold no quote, backslash or control character (``sanitize_filename``)."""
+    fallback = filename.encode("ascii", "replace").decode("ascii").replace("?", "_")
+    if fallback == filename:
+        return f'attachment; filename="{filename}"'
+    return f"attachment; filename=\"{fallback}\"; filename*=UTF-8''{quote(filename, safe='')}"
+
+
+def _open_content(context: ServerContext, file: FileObject) -> tuple[int, Iterator[bytes]]:
+    """A results file still being appended to is served up to its last complete line."""
+    length = context.blobs.complete_lines_length(file.id) if file.status == "uploaded" else file.bytes
+    return length, context.blobs.read(file.id, length=length)
+
+
+def _delete_unless_in_use(context: ServerContext, file_id: str) -> bool:
+    if context.db.file_in_use(file_id):
+        return False
+    context.db.delete_file(file_id)
+    context.blobs.delete(file_id)
+    return True
+
+
 async def _store_upload(request: Request[Any, Any, Any], context: ServerContext, owner: str) -> FileObject:
-    form = await read_upload(request, context.blobs, context.settings.validation_limits)
+    settings = context.settings
+    form = await read_upload(request, context.blobs, settings.validation_limits, settings.upload_idle_timeout_s)
     writer = form.file
     try:
         purpose = form.fields.get("purpose")
-        if writer is None:
+        if writer is None or form.checker is None:
             raise invalid("Missing required parameter: 'file'.", param="file", code="missing_required_parameter")
         if purpose is None:
             raise invalid("Missing required parameter: 'purpose'.", param="purpose", code="missing_required_parameter")
@@ -169,35 +206,37 @@ async def _store_upload(request: Request[Any, Any, Any], context: ServerContext,
             where = f"line {error.line}: " if error.line is not None else ""
             raise APIError(422, f"Invalid input file, {where}{error.message}", code=error.code, param="file")
         ensure_admitting(request)  # a shutdown may have begun while the upload streamed in
+        file = FileObject(
+            id=new_file_id(),
+            bytes=writer.size,
+            created_at=created_at,
+            filename=form.filename,
+            purpose="batch",
+            status="processed",
+            expires_at=expires_at,
+            checksum=writer.checksum,
+        )
+        work = {"line_count": form.checker.requests, "sequences": form.checker.sequences}
+        await asyncio.to_thread(_commit, context, writer, file, owner, work)
     except BaseException:
         if writer is not None:
-            writer.discard()
+            await asyncio.shield(asyncio.to_thread(writer.discard))
         raise
-    file_id = new_file_id()
-    await asyncio.to_thread(writer.commit, file_id)  # fsync of up to 200 MB: not on the event loop
-    file = FileObject(
-        id=file_id,
-        bytes=writer.size,
-        created_at=created_at,
-        filename=form.filename,
-        purpose="batch",
-        status="processed",
-        expires_at=expires_at,
-        checksum=writer.checksum,
-    )
-    context.db.insert_file(file, owner=owner, line_count=form.line_count)
     return file
+
+
+def _commit(context: ServerContext, writer: UploadWriter, file: FileObject, owner: str, work: dict[str, int]) -> None:
+    """The content durable under its id, then its row; on a failure (a full disk) neither is left behind."""
+    writer.commit(file.id)
+    try:
+        context.db.insert_file(file, owner=owner, **work)
+    except BaseException:
+        context.blobs.delete(file.id)
+        raise
 
 
 def _expired(file: FileObject) -> bool:
     return file.expires_at is not None and file.expires_at <= now()
-
-
-def _with_live_size(context: ServerContext, file: FileObject) -> FileObject:
-    """A results file of a running batch grows: report its current size."""
-    if file.status == "uploaded":
-        file.bytes = context.blobs.complete_lines_length(file.id)
-    return file
 
 
 def _expires_at(fields: dict[str, str], created_at: int) -> int | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import deque
 
@@ -11,21 +12,11 @@ from litestar.status_codes import HTTP_200_OK, HTTP_503_SERVICE_UNAVAILABLE
 
 from batchgen.schemas import HealthStatus, PoolStatus
 
-from ..storage.database import ACTIVE_STATUSES
+from ..batches.lifecycle import STATUSES
 from .deps import ServerContext
 from .errors import ERROR_RESPONSES
 
 THROUGHPUT_WINDOW_S = 60.0
-_BATCH_STATUSES = (
-    "validating",
-    "in_progress",
-    "finalizing",
-    "completed",
-    "failed",
-    "expired",
-    "cancelling",
-    "cancelled",
-)
 
 
 class HealthController(Controller):
@@ -33,21 +24,30 @@ class HealthController(Controller):
 
     @get(
         "/health",
-        summary="200 when the engine is running, 503 with a reason otherwise",
-        responses={503: ResponseSpec(HealthStatus, description="The engine is not running", generate_examples=False)},
+        summary="200 when the engine runs and results can be written, 503 with a reason otherwise",
+        responses={
+            503: ResponseSpec(
+                HealthStatus,
+                description="The engine is not running, or results cannot be written",
+                generate_examples=False,
+            )
+        },
     )
     async def health(self, context: ServerContext) -> Response[HealthStatus]:
-        worker = context.worker
-        if worker.healthy:
+        worker, fault = context.worker, context.loop.status.storage_fault
+        if worker.healthy and fault is None:
             return Response(HealthStatus(status="healthy", model=context.model.id), status_code=HTTP_200_OK)
-        state = "restarting after a failure" if worker.state == "restarting" else "stopped"
-        reason = f"engine {state}: {worker.error!r}" if worker.error else "engine not running"
+        if not worker.healthy:
+            state = "restarting after a failure" if worker.state == "restarting" else "stopped"
+            reason = f"engine {state}: {worker.error!r}" if worker.error else "engine not running"
+        else:
+            reason = f"storage fault: {fault}; batches are paused until results can be written again"
         body = HealthStatus(status="unhealthy", reason=reason, model=context.model.id)
         return Response(body, status_code=HTTP_503_SERVICE_UNAVAILABLE)
 
     @get("/metrics", media_type="text/plain; version=0.0.4", summary="Prometheus metrics")
     async def metrics(self, context: ServerContext) -> str:
-        return render_metrics(context)
+        return await asyncio.to_thread(render_metrics, context)
 
 
 class PoolController(Controller):
@@ -56,17 +56,17 @@ class PoolController(Controller):
 
     @get("/status", summary="Queued and running requests, capacity and active batches", responses=ERROR_RESPONSES)
     async def status(self, context: ServerContext) -> PoolStatus:
-        stats = context.worker.stats()
-        batches = context.db.batch_status_counts()
+        stats, loop = context.worker.stats(), context.loop.status
         return PoolStatus(
             queued_requests=_queued(context, stats.running),
             running_requests=stats.running,
             capacity=context.settings.max_queued_requests,
-            active_batches=sum(batches.get(status, 0) for status in ACTIVE_STATUSES),
+            active_batches=loop.active_batches,
             kv_blocks_total=stats.kv_blocks_total,
             kv_blocks_free=stats.kv_blocks_free,
             prompt_tokens=stats.prompt_tokens,
             generated_tokens=stats.generated_tokens,
+            storage_fault=loop.storage_fault,
         )
 
 
@@ -144,12 +144,12 @@ def render_metrics(context: ServerContext) -> str:
         "batchgen_batches",
         "gauge",
         "Batches, by status.",
-        [(f'{{status="{status}"}}', batches.get(status, 0)) for status in _BATCH_STATUSES],
+        [(f'{{status="{status}"}}', batches.get(status, 0)) for status in STATUSES],
     )
     metric("batchgen_engine_healthy", "gauge", "1 while the engine runs.", [("", 1 if context.worker.healthy else 0)])
     return "\n".join(lines) + "\n"
 
 
 def _queued(context: ServerContext, running: int) -> int:
-    """Accepted requests not finished, less those the engine is running."""
-    return max(0, context.db.queued_requests() - running)
+    """Accepted sequences not finished, less those the engine is running."""
+    return max(0, context.loop.status.queued_sequences - running)

@@ -32,17 +32,20 @@ async def idempotent(
     create: Callable[[], Awaitable[T]],
     lookup: Callable[[str], T | None],
 ) -> T:
-    """``create()`` once per key; later calls with the key return ``lookup(id)`` of what it created (as it is now)."""
+    """``create()`` once per key; later calls with the key return ``lookup(id)`` of what it created (as it is now).
+    ``lookup`` reads the database: it runs off the event loop."""
     if key is None:
         return await create()
     if not 1 <= len(key) <= MAX_KEY_LENGTH:
         raise invalid(f"The Idempotency-Key must have 1 to {MAX_KEY_LENGTH} characters.", param=IDEMPOTENCY_KEY)
     lock = _locks.setdefault((owner, route, key), asyncio.Lock())
     async with lock:
-        existing_id = context.db.idempotent_object(owner=owner, route=route, key=key)
-        existing = None if existing_id is None else lookup(existing_id)
+        existing_id = await asyncio.to_thread(context.db.idempotent_object, owner=owner, route=route, key=key)
+        existing = None if existing_id is None else await asyncio.to_thread(lookup, existing_id)
         if existing is not None:
             return existing
         created = await create()
-        context.db.bind_idempotency_key(owner=owner, route=route, key=key, object_id=created.id, now=now())
+        await asyncio.to_thread(
+            context.db.bind_idempotency_key, owner=owner, route=route, key=key, object_id=created.id, now=now()
+        )
         return created

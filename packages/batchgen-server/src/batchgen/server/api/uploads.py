@@ -1,8 +1,11 @@
-"""Read a ``multipart/form-data`` upload straight from the request stream: the file part goes chunk by chunk to a
-blob (hashed and checked on the way, constant memory), the small text fields into a dict."""
+"""Read a ``multipart/form-data`` upload straight from the request stream: the file part goes to a blob in ~1 MB
+pieces (written, hashed and checked in a worker thread, never on the event loop, in constant memory), the small text
+fields into a dict. An upload that goes quiet for ``idle_timeout_s`` is dropped."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +20,8 @@ from .errors import APIError, invalid
 
 MAX_FIELD_BYTES = 4096
 MAX_PARTS = 16
+PIECE_BYTES = 1024 * 1024
+"""File bytes gathered before they go to the worker thread: few thread hops, little memory."""
 
 
 @dataclass(slots=True)
@@ -24,18 +29,17 @@ class UploadForm:
     fields: dict[str, str] = field(default_factory=dict)
     file: UploadWriter | None = None
     filename: str = ""
-    check_error: LineError | None = None
-    """The first problem the upload-time check found in the file (UTF-8, JSONL, limits)."""
-    newlines: int = 0
-    ends_with_newline: bool = True
+    checker: UploadChecker | None = None
+    """The upload-time check of the file part: its first error, its requests and the sequences they ask for."""
 
     @property
-    def line_count(self) -> int:
-        """Lines in the file (blank ones included: an upper bound on its requests, which backpressure uses)."""
-        return self.newlines + (0 if self.ends_with_newline else 1)
+    def check_error(self) -> LineError | None:
+        return None if self.checker is None else self.checker.error
 
 
-async def read_upload(request: Request[Any, Any, Any], blobs: BlobStore, limits: ValidationLimits) -> UploadForm:
+async def read_upload(
+    request: Request[Any, Any, Any], blobs: BlobStore, limits: ValidationLimits, idle_timeout_s: float
+) -> UploadForm:
     """Parse the form; on any failure the partial blob is removed and an ``APIError`` raised."""
     content_type, options = request.content_type
     if content_type != "multipart/form-data" or not options.get("boundary"):
@@ -44,42 +48,57 @@ async def read_upload(request: Request[Any, Any, Any], blobs: BlobStore, limits:
         )
     form = UploadForm()
     try:
-        await _parse(request, options["boundary"], blobs, limits, form)
+        await _parse(_chunks(request, idle_timeout_s), options["boundary"], blobs, limits, form)
     except BaseException:
         if form.file is not None:
-            form.file.discard()
+            await asyncio.shield(asyncio.to_thread(form.file.discard))  # even when the client went away
         raise
     return form
 
 
+async def _chunks(request: Request[Any, Any, Any], idle_timeout_s: float) -> AsyncIterator[bytes]:
+    stream = request.stream()
+    while True:
+        try:
+            async with asyncio.timeout(idle_timeout_s):
+                chunk = await anext(stream)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise APIError(
+                408, f"The upload sent nothing for {idle_timeout_s:g} s and was dropped.", code="upload_timeout"
+            ) from None
+        yield chunk
+
+
 async def _parse(
-    request: Request[Any, Any, Any], boundary: str, blobs: BlobStore, limits: ValidationLimits, form: UploadForm
+    chunks: AsyncIterator[bytes], boundary: str, blobs: BlobStore, limits: ValidationLimits, form: UploadForm
 ) -> None:
-    checker: UploadChecker | None = None
     segment: MultipartSegment | None = None
     text = bytearray()
+    piece = bytearray()
+    size = 0
     try:
         with PushMultipartParser(boundary, max_segment_count=MAX_PARTS) as parser:
-            async for chunk in request.stream():
+            async for chunk in chunks:
                 for part in parser.parse(chunk):
                     if isinstance(part, MultipartSegment):
                         segment, text = part, bytearray()
                         if segment.name == "file":
                             if form.file is not None:
                                 raise invalid("Send exactly one 'file' part.", param="file")
-                            form.file, form.filename = blobs.new_upload(), sanitize_filename(segment.filename)
-                            checker = UploadChecker(limits)
+                            form.file = await asyncio.to_thread(blobs.new_upload)
+                            form.filename, form.checker = sanitize_filename(segment.filename), UploadChecker(limits)
                     elif part:
                         assert segment is not None
-                        if segment.name == "file" and form.file is not None and checker is not None:
-                            data = bytes(part)
-                            form.file.write(data)
-                            form.newlines += data.count(b"\n")
-                            form.ends_with_newline = data.endswith(b"\n")
-                            if form.file.size > limits.max_file_bytes:
+                        if segment.name == "file" and form.file is not None:
+                            size += len(part)
+                            if size > limits.max_file_bytes:
                                 raise _too_large(limits)
-                            if form.check_error is None:
-                                form.check_error = checker.feed(data)
+                            piece += part
+                            if len(piece) >= PIECE_BYTES:
+                                await _store(form, piece)
+                                piece = bytearray()
                         else:
                             text += part
                             if len(text) > MAX_FIELD_BYTES:
@@ -94,8 +113,22 @@ async def _parse(
         raise invalid(f"Too many form parts (at most {MAX_PARTS}).", param=None, code="invalid_multipart") from exc
     except ParserError as exc:
         raise invalid(f"Malformed multipart body: {exc}", param=None, code="invalid_multipart") from exc
-    if checker is not None and form.check_error is None:
-        form.check_error = checker.finish()
+    await _store(form, piece, last=True)
+
+
+async def _store(form: UploadForm, piece: bytearray, *, last: bool = False) -> None:
+    """Write a piece of the file part and check it, in a worker thread."""
+    writer, checker = form.file, form.checker
+    if writer is None or checker is None:
+        return
+
+    def store() -> None:
+        writer.write(piece)
+        checker.feed(bytes(piece))
+        if last:
+            checker.finish()
+
+    await asyncio.to_thread(store)
 
 
 def _too_large(limits: ValidationLimits) -> APIError:

@@ -1,4 +1,4 @@
-"""What a batch's results files already hold: the custom_ids answered and the counts and usage they add up to.
+"""What a batch's results files hold: the custom_ids answered and the counts and usage they add up to.
 
 The files are the truth; the counters in the database are a cache of them, so after a crash they are recomputed
 here and a resumed batch skips every request that already has a line.
@@ -6,13 +6,20 @@ here and a resumed batch skips every request that already has a line.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
 
 from batchgen.schemas import BatchOutputLine, CompletionUsage, EmbeddingUsage, parse_output_line
+
+
+def succeeded(line: BatchOutputLine) -> bool:
+    """Whether the line belongs in the output file (a 200 answer) rather than the error file."""
+    return line.response is not None and line.response.status_code == 200 and line.error is None
 
 
 @dataclass(slots=True)
@@ -27,12 +34,12 @@ class Tally:
 
     def add(self, line: BatchOutputLine) -> None:
         self.done.add(line.custom_id)
-        response = line.response
-        if response is None or response.status_code != 200 or line.error is not None:
+        if not succeeded(line):
             self.failed += 1
             return
         self.completed += 1
-        usage = getattr(response.body, "usage", None)
+        assert line.response is not None
+        usage = getattr(line.response.body, "usage", None)
         if isinstance(usage, CompletionUsage):
             self.input_tokens += usage.prompt_tokens
             self.cached_tokens += usage.prompt_tokens_details.cached_tokens
@@ -51,20 +58,22 @@ class Tally:
         }
 
 
-def recover_tally(paths: list[Path]) -> Tally:
-    """Tally existing results files, first cutting off a line torn by a crash mid-write."""
-    tally = Tally()
-    for path in paths:
-        if not path.exists():
-            continue
-        data = path.read_bytes()
-        end = data.rfind(b"\n") + 1
-        if end != len(data):
-            os.truncate(path, end)
-        for raw in data[:end].splitlines():
-            if raw.strip():
-                try:
-                    tally.add(parse_output_line(raw))
-                except (msgspec.DecodeError, ValueError):
-                    continue  # not ours to judge; a line we cannot read does not count as done
-    return tally
+def recover(path: Path, tally: Tally) -> Iterator[None]:
+    """Count the whole lines of a results file into ``tally``, then cut off a line torn by a crash mid-write.
+
+    A generator that yields after each line, so a caller can read a big file a slice at a time.
+    """
+    if not path.exists():
+        return
+    whole = 0
+    with open(path, "rb") as f:
+        for raw in f:
+            if not raw.endswith(b"\n"):
+                break
+            whole += len(raw)
+            # A line we cannot read is not ours to judge, and does not count as done.
+            with contextlib.suppress(msgspec.DecodeError, ValueError):
+                tally.add(parse_output_line(raw))
+            yield
+    if whole != path.stat().st_size:
+        os.truncate(path, whole)

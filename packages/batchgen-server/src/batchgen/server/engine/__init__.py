@@ -1,10 +1,34 @@
-"""batchgen's continuous-batching engine over Hugging Face transformers (see docs/engine.md)."""
+"""batchgen's continuous-batching engine over Hugging Face transformers (see docs/engine.md).
 
-from .config import EngineConfig
-from .encoder_engine import EncoderEngine
-from .engine import EngineStats, LLMEngine
-from .request import CompletionOutput, EngineError, EngineRequest, EngineResult, SamplingParams, TokenLogprob
-from .worker import EngineWorker
+The names below load on first use, so that importing ``engine.config`` (the flags of ``--help``) does not import
+torch and transformers.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .config import EngineConfig
+    from .encoder_engine import EncoderEngine
+    from .engine import EngineStats, LLMEngine
+    from .request import CompletionOutput, EngineError, EngineRequest, EngineResult, SamplingParams, TokenLogprob
+    from .worker import EngineWorker
+
+_MODULES = {
+    "CompletionOutput": ".request",
+    "EncoderEngine": ".encoder_engine",
+    "EngineConfig": ".config",
+    "EngineError": ".request",
+    "EngineRequest": ".request",
+    "EngineResult": ".request",
+    "EngineStats": ".engine",
+    "EngineWorker": ".worker",
+    "LLMEngine": ".engine",
+    "SamplingParams": ".request",
+    "TokenLogprob": ".request",
+}
 
 __all__ = [
     "CompletionOutput",
@@ -19,3 +43,9 @@ __all__ = [
     "SamplingParams",
     "TokenLogprob",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _MODULES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_MODULES[name], __name__), name)

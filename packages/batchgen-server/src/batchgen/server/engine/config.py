@@ -1,58 +1,69 @@
-"""Every knob of the engine in one place."""
+"""Every knob of the engine in one place, each declared once (``options.setting``): a flag, a ``BATCHGEN_*``
+variable, a default and a help text."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+from ..options import setting
+
+if TYPE_CHECKING:  # torch loads in seconds: only when a model is
+    import torch
 
 
 @dataclass(slots=True)
 class EngineConfig:
-    model: str = "demo"
-    """``"demo"`` (a tiny random model built in code), a local directory or a Hugging Face hub id."""
-    device: str | None = None
-    """``None`` picks ``cuda`` when available, else ``cpu``."""
-    dtype: str = "auto"
-    """``auto`` is bfloat16 on GPU and float32 on CPU; or ``float32``, ``float64``, ``bfloat16``, ``float16``."""
-    device_map: str | None = None
-    """``"auto"`` spreads a model too large for one GPU over the available devices (accelerate)."""
-    block_size: int = 16
-    """Tokens per KV-cache block."""
-    num_kv_blocks: int | None = None
-    """KV blocks to allocate; ``None`` sizes them from free GPU memory (CUDA) or from ``cpu_kv_cache_gib`` (CPU)."""
-    gpu_memory_utilization: float = 0.9
-    """Fraction of total GPU memory the model plus the KV cache may use (CUDA only)."""
-    cpu_kv_cache_gib: float = 1.0
-    """KV cache size on CPU when ``num_kv_blocks`` is unset."""
-    max_num_seqs: int = 256
-    """Most sequences running in one step."""
-    max_num_batched_tokens: int = 2048
-    """Token budget of one step: decode tokens plus prefill chunks."""
-    enable_prefix_caching: bool = True
-    max_model_len: int | None = None
-    """Context cap; ``None`` uses the model's own ``max_position_embeddings``."""
-    seed: int = 0
-    """Seed of requests that set none (each request gets its own generator)."""
-    attention_backend: str = "auto"
-    """``gather`` (contexts copied into a buffer, then SDPA: fastest on CPU), ``flex`` (FlexAttention reading the
-    paged cache in place, compiled on CUDA), or ``auto``: flex on CUDA, gather elsewhere."""
-    self_check: bool = True
-    """At load, run a few tokens through the engine and through the model's own forward, and refuse the model if
-    they disagree (about a second on a large model on a GPU)."""
-    torch_threads: int | None = None
-    """CPU threads of torch's ops (process-wide); ``None`` keeps torch's default (the machine's cores)."""
+    model: str = setting(
+        "demo", "'demo' (a tiny random model built in code), a local directory or a Hugging Face hub id"
+    )
+    device: str | None = setting(None, "cuda, cuda:1 or cpu (default: cuda when available)")
+    dtype: str = setting("auto", "auto (bfloat16 on GPU, float32 on CPU), float32, float64, bfloat16 or float16")
+    device_map: str | None = setting(None, "'auto' spreads a model too large for one GPU over the devices (accelerate)")
+    block_size: int = setting(16, "tokens per KV-cache block")
+    num_kv_blocks: int | None = setting(
+        None, "KV-cache blocks (default: sized from free GPU memory, or from --cpu-kv-cache-gib on CPU)"
+    )
+    gpu_memory_utilization: float = setting(0.9, "fraction of GPU memory the model and the KV cache may use")
+    cpu_kv_cache_gib: float = setting(1.0, "KV cache size on CPU when --num-kv-blocks is unset")
+    max_num_seqs: int = setting(256, "most sequences running in one step")
+    max_num_batched_tokens: int = setting(2048, "token budget of one step: decode tokens plus prefill chunks")
+    enable_prefix_caching: bool = setting(
+        True, "reuse the KV cache of shared prompt prefixes", flags=("--prefix-caching",)
+    )
+    max_model_len: int | None = setting(None, "context cap (default: the model's max_position_embeddings)")
+    seed: int = setting(0, "seed of the sampled requests that set none")
+    attention_backend: str = setting(
+        "auto",
+        "gather (contexts copied into a buffer, then SDPA: the CPU default), flex (FlexAttention reading the paged "
+        "cache in place: the CUDA default) or auto",
+    )
+    self_check: bool = setting(
+        True,
+        "at load, run a few tokens through the engine and through the model's own forward, and refuse the model if "
+        "they disagree",
+        flags=("--self-check",),
+    )
+    torch_threads: int | None = setting(
+        None, "CPU threads of torch's ops, process-wide (default: torch's own, the machine's cores)"
+    )
 
     def apply_torch_threads(self) -> None:
+        import torch
+
         if self.torch_threads is not None:
             torch.set_num_threads(self.torch_threads)
 
     def resolved_device(self) -> torch.device:
+        import torch
+
         if self.device is not None:
             return torch.device(self.device)
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     def resolved_dtype(self) -> torch.dtype:
+        import torch
+
         if self.dtype == "auto":
             return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
         dtype = getattr(torch, self.dtype, None)

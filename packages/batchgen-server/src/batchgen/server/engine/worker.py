@@ -16,7 +16,6 @@ from .request import EngineError, EngineRequest, EngineResult
 logger = logging.getLogger(__name__)
 
 ResultCallback = Callable[[EngineResult], None]
-AbortedCallback = Callable[[], None]
 State = Literal["running", "restarting", "dead"]
 
 MAX_RESTARTS = 5
@@ -50,7 +49,6 @@ class EngineWorker:
         self._cond = threading.Condition()
         self._pending: list[tuple[EngineRequest, ResultCallback]] = []
         self._aborts: list[str] = []
-        self._group_aborts: list[tuple[str, AbortedCallback | None]] = []
         self._held: dict[str, tuple[EngineRequest, ResultCallback]] = {}
         """Every request inside the engine, in arrival order: what a restart submits again."""
         self._strikes: Counter[str] = Counter()
@@ -90,28 +88,13 @@ class EngineWorker:
             self._aborts.extend(request_ids)
             self._cond.notify()
 
-    def abort_group(self, group: str, on_aborted: AbortedCallback | None = None) -> None:
-        """Cancel every request of ``group`` submitted before this call, at the next step.
-
-        ``on_aborted()`` is invoked (from the worker thread, or at once if the engine is down) once the abort has
-        been applied: from then on no result of those requests is ever delivered (it is not invoked if the worker is
-        stopped first).
-        """
-        with self._cond:
-            if self.state != "dead":
-                self._group_aborts.append((group, on_aborted))
-                self._cond.notify()
-                return
-        if on_aborted is not None:
-            _call(on_aborted, f"abort callback of group {group!r}")
-
     def stats(self) -> EngineStats:
         return self._stats
 
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not (self._stopping or self._pending or self._aborts or self._group_aborts) and not (
+                while not (self._stopping or self._pending or self._aborts) and not (
                     self.engine.has_unfinished_requests() or self._probation
                 ):
                     self._cond.wait()
@@ -119,9 +102,8 @@ class EngineWorker:
                     return
                 pending, self._pending = self._pending, []
                 aborts, self._aborts = self._aborts, []
-                group_aborts, self._group_aborts = self._group_aborts, []
             try:
-                self._apply(pending, aborts, group_aborts)
+                self._apply(pending, aborts)
                 results = self.engine.step()
             except Exception as exc:
                 if not self._restart(exc):
@@ -132,24 +114,13 @@ class EngineWorker:
                 self._deliver(result)
             self._stats = self.engine.stats()
 
-    def _apply(
-        self,
-        pending: list[tuple[EngineRequest, ResultCallback]],
-        aborts: list[str],
-        group_aborts: list[tuple[str, AbortedCallback | None]],
-    ) -> None:
+    def _apply(self, pending: list[tuple[EngineRequest, ResultCallback]], aborts: list[str]) -> None:
         for request, callback in pending:
             self._held[request.request_id] = (request, callback)
             self.engine.add_request(request)
         for request_id in aborts:
             self.engine.abort_request(request_id)
             self._release(request_id)
-        for group, on_aborted in group_aborts:
-            waiting = [rid for rid in self._probation if self._held[rid][0].group == group]
-            for request_id in [*self.engine.abort_group(group), *waiting]:
-                self._release(request_id)
-            if on_aborted is not None:
-                _call(on_aborted, f"abort callback of group {group!r}")
         self._admit_probation()
 
     def _deliver(self, result: EngineResult) -> None:
@@ -209,13 +180,9 @@ class EngineWorker:
         """The engine is gone for good: answer every request it held and everything still queued."""
         with self._cond:
             pending, self._pending = self._pending, []
-            group_aborts, self._group_aborts = self._group_aborts, []
         for request, callback in [*self._held.values(), *pending]:
             self._held.pop(request.request_id, None)
             _call(functools.partial(callback, self._error_result(request, "the engine is down")), "result callback")
-        for group, on_aborted in group_aborts:
-            if on_aborted is not None:
-                _call(on_aborted, f"abort callback of group {group!r}")
 
     def _error_result(self, request: EngineRequest, reason: str) -> EngineResult:
         message = f"The engine could not run this request: {reason} (last failure: {self.error!r})."

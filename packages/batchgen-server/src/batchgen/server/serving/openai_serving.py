@@ -6,7 +6,6 @@ import base64
 import math
 import struct
 import time
-import uuid
 from functools import lru_cache
 from typing import Any
 
@@ -34,10 +33,14 @@ from batchgen.schemas import (
     TextCompletion,
     TokenLogprob,
     TopLogprob,
+    sequences_of,
 )
 
 from ..engine.request import EngineRequest, EngineResult, SamplingParams, Task
 from ..engine.request import TokenLogprob as EngineTokenLogprob
+from ..ids import engine_request_id, new_line_id
+
+DEFAULT_MAX_SEQUENCES = 256
 
 
 class BatchDefaults(GenerationDefaults, kw_only=True):
@@ -59,14 +62,6 @@ class RequestRejected(Exception):
         self.param = param
 
 
-def _engine_request_id(request_id: str, index: int) -> str:
-    return f"{request_id}#{index}"
-
-
-def _index_of(result: EngineResult) -> int:
-    return int(result.request_id.rsplit("#", 1)[1])
-
-
 class OpenAIServing:
     def __init__(
         self,
@@ -74,12 +69,15 @@ class OpenAIServing:
         model_name: str,
         max_context_length: int,
         tasks: frozenset[Task] = frozenset({"generate", "embed"}),
+        max_sequences: int = DEFAULT_MAX_SEQUENCES,
     ) -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_context_length = max_context_length
         self.tasks = tasks
         """What the engine runs (``engine.tasks``): an encoder model only embeds."""
+        self.max_sequences = max_sequences
+        """Most sequences (prompts x n) one request may ask for; a request over it is rejected before tokenizing."""
         self._token_text = lru_cache(maxsize=65536)(self._decode_token)
 
     # ---- input line -> engine requests -------------------------------------------------------------------------
@@ -87,15 +85,22 @@ class OpenAIServing:
     def to_engine_requests(
         self, line: BatchInputLine, *, request_id: str, defaults: BatchDefaults, group: str
     ) -> list[EngineRequest]:
-        """One engine request per prompt (chat: one; completions/embeddings: one per prompt/input).
+        """One engine request per prompt (chat: one; completions/embeddings: one per prompt/input), in prompt order.
 
-        Engine request ids are ``f"{request_id}#{i}"``; ``output_line`` puts results back in that order.
+        ``output_line`` takes their results in the same order.
         """
         body = line.body
+        sequences = sequences_of(body)
+        if sequences > self.max_sequences:
+            raise RequestRejected(
+                "too_many_sequences",
+                f"The request asks for {sequences} sequences (prompts x n); this server runs at most "
+                f"{self.max_sequences} for one request. Split it into several requests.",
+            )
         if isinstance(body, EmbeddingRequest):
             prompts = self._prompts(body.input, "input")
             return [
-                EngineRequest(_engine_request_id(request_id, i), ids, task="embed", group=group)
+                EngineRequest(engine_request_id(request_id, i), ids, task="embed", group=group)
                 for i, ids in enumerate(prompts)
             ]
         if "generate" not in self.tasks:
@@ -111,7 +116,7 @@ class OpenAIServing:
                 raise RequestRejected("unsupported_parameter", "echo is not supported", "echo")
             prompts = self._prompts(body.prompt, "prompt")
         return [
-            EngineRequest(_engine_request_id(request_id, i), ids, params=params, group=group)
+            EngineRequest(engine_request_id(request_id, i), ids, params=params, group=group)
             for i, ids in enumerate(prompts)
         ]
 
@@ -196,12 +201,14 @@ class OpenAIServing:
     # ---- engine results -> output line ------------------------------------------------------------------------
 
     def output_line(self, line: BatchInputLine, results: list[EngineResult], *, request_id: str) -> BatchOutputLine:
-        """The 200 line, or a 400 error line if any result failed."""
-        results = sorted(results, key=_index_of)
+        """The 200 line, or an error line if any result failed (status 500 for the engine's own failure, else 400);
+        ``results`` in the order of the engine requests."""
         for result in results:
             if result.error is not None:
+                error = result.error
+                status = 500 if error.code == "server_error" else 400
                 return self.error_line(
-                    line.custom_id, request_id=request_id, code=result.error.code, message=result.error.message
+                    line.custom_id, request_id=request_id, code=error.code, message=error.message, status_code=status
                 )
         body: ChatCompletion | TextCompletion | EmbeddingList
         if isinstance(line.body, EmbeddingRequest):
@@ -211,7 +218,7 @@ class OpenAIServing:
         else:
             body = self._text_completion(results, request_id)
         return BatchOutputLine(
-            id=_line_id(),
+            id=new_line_id(),
             custom_id=line.custom_id,
             response=BatchResponse(status_code=200, request_id=request_id, body=body),
             error=None,
@@ -227,9 +234,10 @@ class OpenAIServing:
         param: str | None = None,
         status_code: int = 400,
     ) -> BatchOutputLine:
-        detail = ErrorDetail(message=message, type="invalid_request_error", param=param, code=code)
+        error_type = "server_error" if status_code >= 500 else "invalid_request_error"
+        detail = ErrorDetail(message=message, type=error_type, param=param, code=code)
         return BatchOutputLine(
-            id=_line_id(),
+            id=new_line_id(),
             custom_id=custom_id,
             response=BatchResponse(status_code=status_code, request_id=request_id, body=ErrorResponse(error=detail)),
             error=None,
@@ -334,7 +342,3 @@ def _usage(results: list[EngineResult]) -> CompletionUsage:
         total_tokens=prompt + completion,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
     )
-
-
-def _line_id() -> str:
-    return f"batch_req_{uuid.uuid4().hex}"

@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from ..security.limits import is_valid_id
 
@@ -41,11 +43,9 @@ class BlobStore:
         return ResultsFile(self.path(file_id))
 
     def read(self, file_id: str, *, length: int) -> Iterator[bytes]:
-        """The first ``length`` bytes, in chunks."""
-        with open(self.path(file_id), "rb") as f:
-            while length > 0 and (chunk := f.read(min(CHUNK, length))):
-                length -= len(chunk)
-                yield chunk
+        """The first ``length`` bytes, in chunks; the file is opened at once (``FileNotFoundError`` here, not later
+        while the chunks are read)."""
+        return _chunks(open(self.path(file_id), "rb"), length)
 
     def checksum(self, file_id: str) -> str:
         digest = hashlib.sha256()
@@ -104,31 +104,63 @@ class UploadWriter:
         _fsync_dir(self._store.root)
 
     def discard(self) -> None:
-        self._file.close()
         self._tmp_path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # closing flushes what is buffered, which fails again on a full disk
+            self._file.close()
 
 
 class ResultsFile:
-    """An append-only JSONL file of batch results; each line goes down in one ``write`` so readers never see half."""
+    """An append-only JSONL file of batch results where a line is appended whole or not at all.
 
-    def __init__(self, path: Path) -> None:
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        self.dirty = False
+    ``size`` counts the bytes of whole lines appended, ``synced_size`` those known durable. A failed append or fsync
+    (a full disk, an I/O error) cuts the file back before raising: to where it was for an append, to the last
+    durable size for an fsync (the caller appends those lines again). A line is never glued to a torn one, and if the
+    cut itself fails, nothing more is appended until a later cut succeeds.
+    """
+
+    def __init__(self, path: Path, *, fresh: bool = False) -> None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_TRUNC if fresh else 0)
+        self._fd = os.open(path, flags, 0o644)
+        self.size = self.synced_size = os.fstat(self._fd).st_size
+        self._torn = False
 
     def append(self, line: bytes) -> None:
+        self._cut(self.size)  # only if an earlier cut failed
         view = memoryview(line)
-        while view:
-            view = view[os.write(self._fd, view) :]
-        self.dirty = True
+        try:
+            while view:
+                view = view[os.write(self._fd, view) :]
+        except OSError:
+            self._torn = True
+            self._cut(self.size)
+            raise
+        self.size += len(line)
 
     def sync(self) -> None:
-        if self.dirty:
+        if self.synced_size == self.size:
+            return
+        try:
             os.fsync(self._fd)
-            self.dirty = False
+        except OSError:  # what was written since the last fsync may be lost: write it again
+            self.size, self._torn = self.synced_size, True
+            self._cut(self.size)
+            raise
+        self.synced_size = self.size
+
+    def _cut(self, size: int) -> None:
+        if self._torn:
+            os.ftruncate(self._fd, size)
+            self._torn = False
 
     def close(self) -> None:
-        self.sync()
         os.close(self._fd)
+
+
+def _chunks(f: BinaryIO, length: int) -> Iterator[bytes]:
+    with f:
+        while length > 0 and (chunk := f.read(min(CHUNK, length))):
+            length -= len(chunk)
+            yield chunk
 
 
 def _fsync_dir(path: Path) -> None:

@@ -19,7 +19,7 @@ import msgspec
 
 from batchgen.schemas import BatchErrors, BatchObject, BatchRequestCounts, BatchUsage, FileObject, InputTokensDetails
 
-ACTIVE_STATUSES = ("validating", "in_progress", "finalizing", "cancelling")
+from ..batches.lifecycle import ACTIVE
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
@@ -34,7 +34,8 @@ CREATE TABLE IF NOT EXISTS files (
     status_details TEXT,
     expires_at INTEGER,
     checksum TEXT,
-    line_count INTEGER NOT NULL DEFAULT 0
+    line_count INTEGER NOT NULL DEFAULT 0,
+    sequences INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS files_owner ON files (owner, purpose, seq);
 CREATE TABLE IF NOT EXISTS batches (
@@ -118,6 +119,14 @@ _BATCH_SCALARS = (
     "top_p",
     "top_k",
 )
+_MIGRATIONS = (
+    # Files uploaded before work was counted in sequences: their line count is the closest figure.
+    (
+        "files",
+        "sequences",
+        "ALTER TABLE files ADD COLUMN sequences INTEGER NOT NULL DEFAULT 0; UPDATE files SET sequences = line_count",
+    ),
+)
 _encode = msgspec.json.encode
 
 
@@ -128,6 +137,9 @@ class Database:
         self.path = path
         self._local = threading.local()
         self._conn.executescript(_SCHEMA)
+        for table, column, script in _MIGRATIONS:
+            if column not in {row["name"] for row in self._conn.execute(f"PRAGMA table_info({table})")}:
+                self._conn.executescript(f"BEGIN; {script}; COMMIT")
 
     @property
     def _conn(self) -> sqlite3.Connection:
@@ -154,23 +166,19 @@ class Database:
 
     # -- files -------------------------------------------------------------------------------------------------
 
-    def insert_file(self, file: FileObject, *, owner: str, line_count: int = 0) -> None:
-        values = [getattr(file, column) for column in _FILE_COLUMNS]
+    def insert_file(self, file: FileObject, *, owner: str, line_count: int = 0, sequences: int = 0) -> None:
         with self._transaction() as conn:
-            conn.execute(
-                f"INSERT INTO files ({', '.join(_FILE_COLUMNS)}, owner, line_count) "
-                f"VALUES ({', '.join('?' * (len(_FILE_COLUMNS) + 2))})",
-                [*values, owner, line_count],
-            )
+            _insert_file(conn, file, owner, line_count, sequences)
 
     def get_file(self, file_id: str, *, owner: str | None) -> FileObject | None:
         """``owner=None`` looks across tenants (internal use only)."""
         row = self._one("files", file_id, owner)
         return None if row is None else _file(row)
 
-    def file_line_count(self, file_id: str) -> int:
-        row = self._conn.execute("SELECT line_count FROM files WHERE id = ?", (file_id,)).fetchone()
-        return 0 if row is None else int(row[0])
+    def file_work(self, file_id: str) -> tuple[int, int]:
+        """An input file's requests and the sequences they ask for, as counted at upload."""
+        row = self._conn.execute("SELECT line_count, sequences FROM files WHERE id = ?", (file_id,)).fetchone()
+        return (0, 0) if row is None else (int(row[0]), int(row[1]))
 
     def list_files(
         self, *, owner: str, purpose: str | None, limit: int, order: Literal["asc", "desc"], after: str | None
@@ -179,7 +187,7 @@ class Database:
         if purpose is not None:
             where.append("purpose = ?")
             params.append(purpose)
-        rows = self._page("files", where, params, limit=limit, order=order, after=after)
+        rows = self._page("files", owner, where, params, limit=limit, order=order, after=after)
         return [_file(row) for row in rows[:limit]], len(rows) > limit
 
     def update_file(self, file_id: str, **fields: Any) -> None:
@@ -193,18 +201,18 @@ class Database:
         """Files past their ``expires_at`` that no unfinished batch reads or writes (those go once it finishes)."""
         rows = self._conn.execute(
             f"SELECT id FROM files WHERE expires_at IS NOT NULL AND expires_at <= ? AND NOT EXISTS ("
-            f"SELECT 1 FROM batches WHERE status IN ({_marks(ACTIVE_STATUSES)}) "
+            f"SELECT 1 FROM batches WHERE status IN ({_marks(ACTIVE)}) "
             "AND files.id IN (input_file_id, output_file_id, error_file_id))",
-            (now, *ACTIVE_STATUSES),
+            (now, *ACTIVE),
         ).fetchall()
         return [row[0] for row in rows]
 
     def file_in_use(self, file_id: str) -> bool:
         """Whether an unfinished batch reads or writes this file."""
         row = self._conn.execute(
-            f"SELECT 1 FROM batches WHERE status IN ({_marks(ACTIVE_STATUSES)}) "
+            f"SELECT 1 FROM batches WHERE status IN ({_marks(ACTIVE)}) "
             "AND ? IN (input_file_id, output_file_id, error_file_id) LIMIT 1",
-            (*ACTIVE_STATUSES, file_id),
+            (*ACTIVE, file_id),
         ).fetchone()
         return row is not None
 
@@ -221,44 +229,41 @@ class Database:
         row = self._one("batches", batch_id, owner)
         return None if row is None else _batch(row)
 
-    def owner_of_batch(self, batch_id: str) -> str:
-        row = self._conn.execute("SELECT owner FROM batches WHERE id = ?", (batch_id,)).fetchone()
-        return "" if row is None else str(row[0])
-
     def list_batches(self, *, owner: str, limit: int, after: str | None) -> tuple[list[BatchObject], bool]:
-        rows = self._page("batches", ["owner = ?"], [owner], limit=limit, order="desc", after=after)
+        rows = self._page("batches", owner, ["owner = ?"], [owner], limit=limit, order="desc", after=after)
         return [_batch(row) for row in rows[:limit]], len(rows) > limit
 
-    def batches_with_status(self, statuses: Iterable[str]) -> list[BatchObject]:
-        """Oldest first, across tenants: what the runner must pick up (again) at startup."""
-        statuses = tuple(statuses)
+    def unfinished_batches(self) -> list[tuple[BatchObject, str]]:
+        """Every batch not in a final status, oldest first, across tenants, with its owner: the batch loop's work."""
         rows = self._conn.execute(
-            f"SELECT * FROM batches WHERE status IN ({_marks(statuses)}) ORDER BY seq", statuses
+            f"SELECT * FROM batches WHERE status IN ({_marks(ACTIVE)}) ORDER BY seq", ACTIVE
         ).fetchall()
-        return [_batch(row) for row in rows]
+        return [(_batch(row), str(row["owner"])) for row in rows]
 
-    def update_batch(self, batch_id: str, *, only_if_status: Iterable[str] | None = None, **fields: Any) -> bool:
-        """Set ``fields``; with ``only_if_status`` only while the batch is in one of them (an atomic transition).
-        Returns whether the row changed."""
+    def update_batch(self, batch_id: str, **fields: Any) -> None:
         if "errors" in fields:
             fields["errors"] = _json_or_none(fields["errors"])
-        return self._update("batches", batch_id, fields, only_if_status=only_if_status)
+        self._update("batches", batch_id, fields)
 
-    def finish_batch(self, batch_id: str, *, drop_files: list[str], **fields: Any) -> None:
-        """Set a batch's final ``fields`` and delete the rows of ``drop_files`` in one transaction."""
-        assignments = ", ".join(f"{column} = ?" for column in fields)
+    def start_batch(self, batch_id: str, *, owner: str, files: list[FileObject], **fields: Any) -> None:
+        """Insert a batch's (empty) results files and set ``fields`` in one transaction."""
         with self._transaction() as conn:
-            conn.execute(f"UPDATE batches SET {assignments} WHERE id = ?", [*fields.values(), batch_id])
-            conn.executemany("DELETE FROM files WHERE id = ?", [(file_id,) for file_id in drop_files])
+            for file in files:
+                _insert_file(conn, file, owner, 0, 0)
+            _update(conn, "batches", batch_id, fields)
 
-    def queued_requests(self) -> int:
-        """Requests accepted but not yet finished, over every unfinished batch of every tenant."""
-        row = self._conn.execute(
-            "SELECT COALESCE(SUM(total - completed - failed), 0) FROM batches "
-            f"WHERE status IN ({_marks(ACTIVE_STATUSES)})",
-            ACTIVE_STATUSES,
-        ).fetchone()
-        return int(row[0])
+    def finish_batch(
+        self, batch_id: str, *, publish: dict[str, tuple[int, str]], drop: list[str], **fields: Any
+    ) -> None:
+        """In one transaction: set a batch's final ``fields``, mark the files of ``publish`` processed with their
+        (size, checksum), and delete the rows of ``drop``."""
+        if "errors" in fields:
+            fields["errors"] = _json_or_none(fields["errors"])
+        with self._transaction() as conn:
+            _update(conn, "batches", batch_id, fields)
+            for file_id, (size, checksum) in publish.items():
+                _update(conn, "files", file_id, {"status": "processed", "bytes": size, "checksum": checksum})
+            conn.executemany("DELETE FROM files WHERE id = ?", [(file_id,) for file_id in drop])
 
     def batch_status_counts(self) -> dict[str, int]:
         rows = self._conn.execute("SELECT status, COUNT(*) FROM batches GROUP BY status").fetchall()
@@ -298,35 +303,39 @@ class Database:
         ).fetchone()
 
     def _page(
-        self, table: str, where: list[str], params: list[Any], *, limit: int, order: str, after: str | None
+        self, table: str, owner: str, where: list[str], params: list[Any], *, limit: int, order: str, after: str | None
     ) -> list[sqlite3.Row]:
-        """One page in ``seq`` order after the cursor ``after`` (an unknown cursor gives an empty page)."""
+        """One page in ``seq`` order after the cursor ``after``; an unknown cursor, or another tenant's id, gives an
+        empty page (the same answer, so a cursor cannot probe which ids exist)."""
         if after is not None:
-            where = [
-                *where,
-                f"seq {'<' if order == 'desc' else '>'} COALESCE((SELECT seq FROM {table} WHERE id = ?), ?)",
-            ]
-            params = [*params, after, -1 if order == "desc" else 2**62]
+            cursor = f"(SELECT seq FROM {table} WHERE id = ? AND owner = ?)"
+            where = [*where, f"seq {'<' if order == 'desc' else '>'} COALESCE({cursor}, ?)"]
+            params = [*params, after, owner, -1 if order == "desc" else 2**62]
         sql = f"SELECT * FROM {table} WHERE {' AND '.join(where)} ORDER BY seq {order.upper()} LIMIT ?"
         return self._conn.execute(sql, [*params, limit + 1]).fetchall()
 
-    def _update(
-        self, table: str, object_id: str, fields: dict[str, Any], *, only_if_status: Iterable[str] | None = None
-    ) -> bool:
-        assignments = ", ".join(f"{column} = ?" for column in fields)
-        sql, params = f"UPDATE {table} SET {assignments} WHERE id = ?", [*fields.values(), object_id]
-        if only_if_status is not None:
-            statuses = tuple(only_if_status)
-            sql += f" AND status IN ({_marks(statuses)})"
-            params += statuses
+    def _update(self, table: str, object_id: str, fields: dict[str, Any]) -> None:
         with self._transaction() as conn:
-            return conn.execute(sql, params).rowcount > 0
+            _update(conn, table, object_id, fields)
 
     def close(self) -> None:
         conn = getattr(self._local, "conn", None)
         if conn is not None:
             conn.close()
             self._local.conn = None
+
+
+def _insert_file(conn: sqlite3.Connection, file: FileObject, owner: str, line_count: int, sequences: int) -> None:
+    values = [getattr(file, column) for column in _FILE_COLUMNS]
+    columns = [*_FILE_COLUMNS, "owner", "line_count", "sequences"]
+    conn.execute(
+        f"INSERT INTO files ({', '.join(columns)}) VALUES ({_marks(columns)})", [*values, owner, line_count, sequences]
+    )
+
+
+def _update(conn: sqlite3.Connection, table: str, object_id: str, fields: dict[str, Any]) -> None:
+    assignments = ", ".join(f"{column} = ?" for column in fields)
+    conn.execute(f"UPDATE {table} SET {assignments} WHERE id = ?", [*fields.values(), object_id])
 
 
 def _marks(values: Iterable[object]) -> str:
