@@ -19,6 +19,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from batchgen.server import cli
 from batchgen.server.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams
 from batchgen.server.engine.demo_model import build_tokenizer
 from batchgen.server.engine.errors import ModelNotSupported
@@ -219,3 +220,41 @@ def test_refused_at_load(model_type: str, tokenizer: Any, tmp_path: Path) -> Non
     with pytest.raises(ModelNotSupported, match=reason) as refused:
         _engine(path, tokenizer)
     assert type(AutoModelForCausalLM.from_pretrained(path)).__name__ in str(refused.value)
+
+
+@pytest.mark.parametrize("command", ["serve", "run-batch"])
+def test_the_commands_refuse_in_one_line(
+    command: str, tokenizer: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``serve`` and ``run-batch`` print the refusal as one line and exit 1, with no traceback."""
+    path = _build("falcon", REFUSED["falcon"][0], tokenizer, tmp_path / "falcon")
+    common = ["--model", str(path), "--device", "cpu", "--num-kv-blocks", "64"]
+    if command == "serve":
+        args = ["serve", *common, "--storage", str(tmp_path / "data"), "--port", "0"]
+    else:
+        inputs = Path(__file__).parents[2] / "examples" / "chat.jsonl"
+        args = ["run-batch", "-i", str(inputs), "-o", str(tmp_path / "out.jsonl"), *common]
+    capsys.readouterr()
+    assert cli.main(args) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err  # transformers' own loading progress may come before the line
+    assert err.strip().splitlines()[-1] == (
+        "batchgen-server: batchgen cannot serve FalconForCausalLM models: its attention does not run through "
+        "transformers' AttentionInterface, so the engine cannot give it a paged KV cache"
+    )
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ("/nowhere/model", "no model at '/nowhere/model': that directory does not exist"),
+        ("./not-here", "no model at './not-here': that directory does not exist"),
+    ],
+)
+def test_a_model_that_cannot_load_is_one_line(
+    model: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    inputs = Path(__file__).parents[2] / "examples" / "chat.jsonl"
+    assert cli.main(["run-batch", "-i", str(inputs), "-o", str(tmp_path / "o.jsonl"), "--model", model]) == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"batchgen-server: {message}")

@@ -27,7 +27,7 @@ from .batches.loop import BatchLoop, default_window
 from .batches.stores import DatabaseStore
 from .callbacks import CallbackNotifier
 from .console import console_assets, console_page
-from .engine import EngineWorker, LLMEngine
+from .engine import EncoderEngine, EngineWorker, LLMEngine
 from .security.auth import ApiKeyAuthMiddleware
 from .serving import OpenAIServing
 from .settings import MIB, Settings
@@ -36,7 +36,10 @@ from .storage.database import Database
 from .storage.expiry import sweep_forever
 
 
-def create_app(settings: Settings) -> Litestar:
+def create_app(settings: Settings, engine: LLMEngine | EncoderEngine | None = None) -> Litestar:
+    """The app; it loads ``settings.engine``'s model at start-up unless given the ``engine`` (``serve`` loads it
+    first, so that a model that cannot be loaded is one line and an exit status, not a failed start-up)."""
+
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         settings.storage_dir.mkdir(parents=True, exist_ok=True)
@@ -45,7 +48,9 @@ def create_app(settings: Settings) -> Litestar:
         sweeper = asyncio.create_task(sweep_forever(db, blobs, settings.file_sweep_interval_s))
         notifier = CallbackNotifier(settings.callbacks)
         await notifier.start()
-        engine = await asyncio.to_thread(LLMEngine.from_config, settings.engine)
+        nonlocal engine
+        if engine is None:
+            engine = await asyncio.to_thread(LLMEngine.from_config, settings.engine)
         worker = EngineWorker(engine)
         worker.start()
         serving = OpenAIServing(

@@ -26,6 +26,7 @@ def _run_batch(args: argparse.Namespace, config: EngineConfig) -> int:
     from batchgen.schemas.validation import validate_input_file
 
     from .engine import LLMEngine
+    from .engine.errors import ModelLoadError
     from .run_batch import InvalidInputFile, run_batch
     from .serving import BatchDefaults
 
@@ -33,7 +34,11 @@ def _run_batch(args: argparse.Namespace, config: EngineConfig) -> int:
     if not report.ok:
         _print_invalid(args.input, report.errors, report.error_count)
         return 2
-    engine = LLMEngine.from_config(config)
+    try:
+        engine = LLMEngine.from_config(config)
+    except ModelLoadError as exc:
+        print(f"batchgen-server: {exc}", file=sys.stderr)
+        return 1
     try:
         summary = run_batch(
             engine, args.input, args.output, args.errors_output, BatchDefaults.of(args), not args.no_progress

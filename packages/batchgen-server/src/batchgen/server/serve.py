@@ -17,8 +17,11 @@ log = logging.getLogger("batchgen.server")
 
 
 def serve(settings: Settings) -> int:
-    """Run until SIGTERM/SIGINT; 2 for an unauthenticated non-loopback bind, 1 for storage it cannot open."""
+    """Run until SIGTERM/SIGINT; 2 for an unauthenticated non-loopback bind, 1 for storage it cannot open or a model
+    it cannot load or serve."""
     from .app import create_app
+    from .engine import LLMEngine
+    from .engine.errors import ModelLoadError
 
     try:
         check_bind_address(settings.host, settings.api_keys, settings.insecure)
@@ -30,7 +33,12 @@ def serve(settings: Settings) -> int:
         print(f"batchgen-server: {problem}", file=sys.stderr)
         return 1
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = create_app(settings)
+    try:
+        engine = LLMEngine.from_config(settings.engine)
+    except ModelLoadError as exc:
+        print(f"batchgen-server: {exc}", file=sys.stderr)
+        return 1
+    app = create_app(settings, engine)
     config = uvicorn.Config(
         app,
         host=settings.host,

@@ -12,13 +12,29 @@ if TYPE_CHECKING:  # torch loads in seconds: only when a model is
     import torch
 
 
+DTYPE_ALIASES = {
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
+    "fp16": "float16",
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "float64": "float64",
+}
+"""What ``--dtype`` accepts besides ``auto``, and the torch dtype each names."""
+
+
 @dataclass(slots=True)
 class EngineConfig:
     model: str = setting(
         "demo", "'demo' (a tiny random model built in code), a local directory or a Hugging Face hub id"
     )
     device: str | None = setting(None, "cuda, cuda:1 or cpu (default: cuda when available)")
-    dtype: str = setting("auto", "auto (bfloat16 on GPU, float32 on CPU), float32, float64, bfloat16 or float16")
+    dtype: str = setting(
+        "auto", "auto (bfloat16 on GPU, float32 on CPU), bfloat16 (bf16), float16 (half, fp16), float32 (fp32), float64"
+    )
     device_map: str | None = setting(None, "'auto' spreads a model too large for one GPU over the devices (accelerate)")
     block_size: int = setting(16, "tokens per KV-cache block")
     num_kv_blocks: int | None = setting(
@@ -64,9 +80,12 @@ class EngineConfig:
     def resolved_dtype(self) -> torch.dtype:
         import torch
 
+        from .errors import ModelLoadError
+
         if self.dtype == "auto":
             return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
-        dtype = getattr(torch, self.dtype, None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"unknown dtype {self.dtype!r}")
+        name = DTYPE_ALIASES.get(self.dtype, self.dtype)
+        if name not in DTYPE_ALIASES.values():
+            raise ModelLoadError(f"unknown dtype {self.dtype!r}: use auto, {', '.join(sorted(DTYPE_ALIASES))}")
+        dtype: torch.dtype = getattr(torch, name)
         return dtype

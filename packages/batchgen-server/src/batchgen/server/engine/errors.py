@@ -1,9 +1,13 @@
-"""Why the engine refuses a model: one line that names the architecture and the reason."""
+"""Why a model cannot be served: errors whose message is one line that says what was tried and what to do."""
 
 from __future__ import annotations
 
 
-class ModelNotSupported(Exception):
+class ModelLoadError(Exception):
+    """The model could not be loaded (a path that does not exist, a hub id that cannot be reached, a bad dtype)."""
+
+
+class ModelNotSupported(ModelLoadError):
     """The engine cannot drive this model correctly, so it refuses it at load rather than serve wrong text."""
 
     def __init__(self, architecture: str, reason: str) -> None:
