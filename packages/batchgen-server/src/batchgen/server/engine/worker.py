@@ -36,8 +36,8 @@ class EngineWorker:
     and goes on probation: requests on probation run one at a time (beside the others), so a second failure is
     pinned on one of them; a request with two strikes is quarantined (failed with a ``server_error`` result) rather
     than run again, so one request can never keep the engine in a restart loop. ``state`` is ``restarting``
-    meanwhile, and ``dead`` (with ``error``) if failures keep coming: then every request and abort is answered at
-    once.
+    meanwhile, and ``dead`` (with ``error``) if failures keep coming (a broken device): the worker then stops and
+    answers nothing more, so no accepted request is failed for it; a new process runs them.
     """
 
     def __init__(self, engine: LLMEngine) -> None:
@@ -75,12 +75,8 @@ class EngineWorker:
 
     def submit(self, requests: list[EngineRequest], on_result: ResultCallback) -> None:
         with self._cond:
-            if self.state != "dead":
-                self._pending.extend((request, on_result) for request in requests)
-                self._cond.notify()
-                return
-        for request in requests:
-            _call(functools.partial(on_result, self._error_result(request, "the engine is down")), "result callback")
+            self._pending.extend((request, on_result) for request in requests)
+            self._cond.notify()
 
     def abort(self, request_ids: list[str]) -> None:
         """Cancel requests (queued or running) at the next step; no result is reported for them."""
@@ -107,8 +103,7 @@ class EngineWorker:
                 results = self.engine.step()
             except Exception as exc:
                 if not self._restart(exc):
-                    self._fail_everything()
-                    return
+                    return  # dead: what it holds stays unanswered, to run again when the process restarts
                 continue
             for result in results:
                 self._deliver(result)
@@ -175,14 +170,6 @@ class EngineWorker:
         self.restarts += 1
         self.state = "running"
         return True
-
-    def _fail_everything(self) -> None:
-        """The engine is gone for good: answer every request it held and everything still queued."""
-        with self._cond:
-            pending, self._pending = self._pending, []
-        for request, callback in [*self._held.values(), *pending]:
-            self._held.pop(request.request_id, None)
-            _call(functools.partial(callback, self._error_result(request, "the engine is down")), "result callback")
 
     def _error_result(self, request: EngineRequest, reason: str) -> EngineResult:
         message = f"The engine could not run this request: {reason} (last failure: {self.error!r})."
