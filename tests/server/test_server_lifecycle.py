@@ -311,12 +311,7 @@ def test_operations_endpoints(live_server: LiveServer) -> None:
     assert pool["object"] == "pool.status" and pool["capacity"] == 100_000
     assert pool["kv_blocks_total"] >= pool["kv_blocks_free"] > 0
     assert {"queued_requests", "running_requests", "active_batches"} <= set(pool)
-    metrics = live_server.http.get("/metrics")
-    assert metrics.headers["content-type"].startswith("text/plain")
-    completed = re.search(r'^batchgen_requests_total\{outcome="completed"\} (\d+)$', metrics.text, re.M)
-    assert completed is not None and int(completed.group(1)) > 0
-    for name in ("batchgen_tokens_total", "batchgen_queued_requests", "batchgen_batches", "batchgen_kv_blocks"):
-        assert f"# TYPE {name} " in metrics.text
+    assert live_server.http.get("/metrics").status_code == 200  # its families: test_metrics_and_logs.py
     schema = live_server.http.get("/schema/openapi.json").json()
     assert {"/v1/files", "/v1/batches", "/v1/batches/{batch_id}/cancel", "/health"} <= set(schema["paths"])
     assert live_server.http.get("/schema/swagger").status_code == 200

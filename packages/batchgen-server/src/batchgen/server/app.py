@@ -13,7 +13,7 @@ from contextlib import asynccontextmanager
 from litestar import Litestar, Router
 from litestar.datastructures import State
 
-from batchgen.schemas import ModelObject
+from batchgen.schemas import BatchObject, ModelObject
 
 from .api.batches import BatchesController
 from .api.deps import DEPENDENCIES, ServerContext, admit_while_running
@@ -28,6 +28,8 @@ from .batches.stores import DatabaseStore
 from .callbacks import CallbackNotifier
 from .console import console_assets, console_page
 from .engine import EncoderEngine, EngineWorker, LLMEngine
+from .observability.logs import log_activity
+from .observability.metrics import Metrics, ServerState
 from .security.auth import ApiKeyAuthMiddleware
 from .serving import OpenAIServing
 from .settings import MIB, Settings
@@ -52,12 +54,18 @@ def create_app(settings: Settings, engine: LLMEngine | EncoderEngine | None = No
         if engine is None:
             engine = await asyncio.to_thread(LLMEngine.from_config, settings.engine)
         worker = EngineWorker(engine)
-        worker.start()
         serving = OpenAIServing(
             engine.tokenizer, engine.model_name, engine.max_context_length, engine.tasks, settings.max_line_sequences
         )
+        metrics: Metrics | None = None
+
+        def on_finished(batch: BatchObject) -> None:
+            notifier.notify(batch)
+            if metrics is not None:
+                metrics.observe_batch(batch)
+
         loop = BatchLoop(
-            DatabaseStore(db, blobs, on_finished=notifier.notify),
+            DatabaseStore(db, blobs, on_finished=on_finished),
             serving,
             worker,
             capacity=settings.max_queued_requests,
@@ -68,11 +76,32 @@ def create_app(settings: Settings, engine: LLMEngine | EncoderEngine | None = No
         model = ModelObject(
             id=engine.model_name, created=int(time.time()), max_context_length=engine.max_context_length
         )
-        app.state.context = ServerContext(settings, db, blobs, model, worker, loop)
+        metrics = Metrics(
+            engine.model_name,
+            ServerState(
+                engine=worker.stats,
+                engine_state=lambda: worker.state,
+                engine_restarts=lambda: worker.restarts,
+                queued_sequences=lambda: loop.status.queued_sequences,
+                storage_fault=lambda: loop.status.storage_fault,
+                batch_counts=db.batch_status_counts,
+                line_counts=db.request_totals,
+            ),
+        )
+        worker.observer = metrics.observe_request
+        app.state.context = ServerContext(settings, db, blobs, model, worker, loop, metrics)
+        worker.start()
         loop.start()
+        activity = (
+            asyncio.create_task(log_activity(worker.stats, lambda: loop.status.active_batches, settings.log_interval_s))
+            if settings.log_interval_s > 0
+            else None
+        )
         try:
             yield
         finally:
+            if activity is not None:
+                activity.cancel()
             # In-flight requests are done (uvicorn drained them); the rest of the shutdown deadline is for these.
             deadline_s = settings.shutdown_timeout_s / 2
             await asyncio.to_thread(worker.stop, deadline_s / 2)
@@ -102,4 +131,5 @@ def create_app(settings: Settings, engine: LLMEngine | EncoderEngine | None = No
         # Multipart overhead on top of the largest file; the file part itself is limited exactly while it streams.
         request_max_body_size=settings.max_upload_bytes + MIB,
         openapi_config=openapi_config(),
+        logging_config=None,  # serve configures logging (text or JSON); Litestar's own config would replace it
     )

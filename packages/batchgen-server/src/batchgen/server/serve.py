@@ -10,6 +10,7 @@ from types import FrameType
 
 import uvicorn
 
+from .observability.logs import configure as configure_logs
 from .security.auth import InsecureBindError, check_bind_address
 from .settings import Settings
 
@@ -32,7 +33,7 @@ def serve(settings: Settings) -> int:
     if problem is not None:
         print(f"batchgen-server: {problem}", file=sys.stderr)
         return 1
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logs(settings.log_level, settings.log_format)
     try:
         engine = LLMEngine.from_config(settings.engine)
     except ModelLoadError as exc:
@@ -47,6 +48,7 @@ def serve(settings: Settings) -> int:
         # Half the deadline for requests in flight, the rest for the engine and the batch loop (app.py).
         timeout_graceful_shutdown=max(1, round(settings.shutdown_timeout_s / 2)),
         access_log=False,
+        log_config=None,  # uvicorn's own lines go through the root logger, in the chosen format
     )
     _DrainingServer(config, app.state.draining).run()
     return 0

@@ -64,6 +64,10 @@ class Settings:
     flush_interval_s: float = setting(0.5, "how often results are fsynced and the live counts published (at most 1 s)")
     window_hour_s: float = setting(3600.0, "seconds in one hour of a completion_window (tests shrink time with it)")
     log_level: str = setting("info", "critical, error, warning, info or debug")
+    log_format: str = setting("text", "text (one readable line per event) or json (one JSON object per line)")
+    log_interval_s: float = setting(
+        10.0, "seconds between the activity lines logged while the engine is busy (0: none)"
+    )
     engine: EngineConfig = field(default_factory=EngineConfig)
     """The model and the engine's knobs (their own flags and variables)."""
 

@@ -18,6 +18,7 @@ from batchgen.schemas import ModelObject
 
 from ..batches.loop import BatchLoop
 from ..engine import EngineWorker
+from ..observability.metrics import Metrics
 from ..security.auth import provide_tenant
 from ..settings import Settings
 from ..storage.blobs import BlobStore
@@ -33,6 +34,7 @@ class ServerContext:
     model: ModelObject
     worker: EngineWorker
     loop: BatchLoop
+    metrics: Metrics
 
 
 def now() -> int:

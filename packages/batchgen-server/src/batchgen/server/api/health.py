@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
-from collections import deque
 
 from litestar import Controller, Response, get
 from litestar.openapi import ResponseSpec
@@ -12,11 +10,9 @@ from litestar.status_codes import HTTP_200_OK, HTTP_503_SERVICE_UNAVAILABLE
 
 from batchgen.schemas import HealthStatus, PoolStatus
 
-from ..batches.lifecycle import STATUSES
+from ..observability.metrics import CONTENT_TYPE
 from .deps import ServerContext
 from .errors import ERROR_RESPONSES
-
-THROUGHPUT_WINDOW_S = 60.0
 
 
 class HealthController(Controller):
@@ -45,9 +41,9 @@ class HealthController(Controller):
         body = HealthStatus(status="unhealthy", reason=reason, model=context.model.id)
         return Response(body, status_code=HTTP_503_SERVICE_UNAVAILABLE)
 
-    @get("/metrics", media_type="text/plain; version=0.0.4", summary="Prometheus metrics")
-    async def metrics(self, context: ServerContext) -> str:
-        return await asyncio.to_thread(render_metrics, context)
+    @get("/metrics", media_type=CONTENT_TYPE, summary="Prometheus metrics (docs/server.md lists the families)")
+    async def metrics(self, context: ServerContext) -> bytes:
+        return await asyncio.to_thread(context.metrics.render)
 
 
 class PoolController(Controller):
@@ -68,86 +64,6 @@ class PoolController(Controller):
             generated_tokens=stats.generated_tokens,
             storage_fault=loop.storage_fault,
         )
-
-
-class _Throughput:
-    """Generated tokens per second over the last minute, from the engine's running total sampled at each scrape."""
-
-    def __init__(self) -> None:
-        self._samples: deque[tuple[float, int]] = deque()
-
-    def rate(self, generated_total: int) -> float:
-        now = time.monotonic()
-        self._samples.append((now, generated_total))
-        while len(self._samples) > 2 and now - self._samples[1][0] >= THROUGHPUT_WINDOW_S:
-            self._samples.popleft()
-        t0, g0 = self._samples[0]
-        return (generated_total - g0) / (now - t0) if now > t0 else 0.0
-
-
-_throughput = _Throughput()
-
-
-def render_metrics(context: ServerContext) -> str:
-    stats = context.worker.stats()
-    totals = context.db.request_totals()
-    batches = context.db.batch_status_counts()
-    lines: list[str] = []
-
-    def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
-        lines.extend((f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"))
-        lines.extend(f"{name}{labels} {value:g}" for labels, value in samples)
-
-    metric(
-        "batchgen_requests_total",
-        "counter",
-        "Batch requests finished, by outcome.",
-        [('{outcome="completed"}', totals["completed"]), ('{outcome="failed"}', totals["failed"])],
-    )
-    metric(
-        "batchgen_tokens_total",
-        "counter",
-        "Tokens processed by the engine since start, by kind.",
-        [
-            ('{kind="prompt"}', stats.prompt_tokens),
-            ('{kind="cached"}', stats.cached_tokens),
-            ('{kind="generated"}', stats.generated_tokens),
-        ],
-    )
-    metric(
-        "batchgen_generation_throughput_tokens_per_second",
-        "gauge",
-        f"Generated tokens per second over the last {THROUGHPUT_WINDOW_S:g} s.",
-        [("", _throughput.rate(stats.generated_tokens))],
-    )
-    metric(
-        "batchgen_queued_requests",
-        "gauge",
-        "Requests accepted and not yet running.",
-        [("", _queued(context, stats.running))],
-    )
-    metric("batchgen_running_requests", "gauge", "Sequences running in the engine.", [("", stats.running)])
-    metric(
-        "batchgen_capacity_requests",
-        "gauge",
-        "Queue capacity before 429.",
-        [("", context.settings.max_queued_requests)],
-    )
-    metric(
-        "batchgen_kv_blocks",
-        "gauge",
-        "KV-cache blocks, by state.",
-        [('{state="free"}', stats.kv_blocks_free), ('{state="total"}', stats.kv_blocks_total)],
-    )
-    metric("batchgen_preemptions_total", "counter", "Sequences preempted for KV space.", [("", stats.preemptions)])
-    metric(
-        "batchgen_batches",
-        "gauge",
-        "Batches, by status.",
-        [(f'{{status="{status}"}}', batches.get(status, 0)) for status in STATUSES],
-    )
-    metric("batchgen_engine_healthy", "gauge", "1 while the engine runs.", [("", 1 if context.worker.healthy else 0)])
-    return "\n".join(lines) + "\n"
 
 
 def _queued(context: ServerContext, running: int) -> int:

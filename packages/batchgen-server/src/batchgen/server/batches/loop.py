@@ -325,6 +325,7 @@ class BatchLoop:
         except Exception as exc:
             reply.set_exception(exc)
         else:
+            log.info("batch %s created: %d sequence(s)", batch.id, sequences)
             reply.set_result(batch)
 
     def _track(self, record: BatchObject, owner: str, work: int) -> None:
@@ -476,6 +477,7 @@ class BatchLoop:
         fields = {"status": "in_progress", "in_progress_at": _now(), "total": batch.total}
         batch.record = self.store.start(batch.record, batch.owner, **fields)
         batch.status, batch.started = "in_progress", True
+        log.info("batch %s started: %d request(s)", batch.id, batch.total)
 
     def _drained(self, batch: _Batch) -> bool:
         """Nothing of the batch is left to read or inside the engine."""
@@ -545,7 +547,14 @@ class BatchLoop:
         for file in batch.files():
             file.close()
         self._forget(batch)
-        log.info("batch %s %s (%d completed, %d failed)", batch.id, status, batch.tally.completed, batch.tally.failed)
+        log.info(
+            "batch %s %s (%d completed, %d failed) in %.0f s",
+            batch.id,
+            status,
+            batch.tally.completed,
+            batch.tally.failed,
+            time.time() - batch.record.created_at,
+        )
 
     def _forget(self, batch: _Batch) -> None:
         del self._batches[batch.id]

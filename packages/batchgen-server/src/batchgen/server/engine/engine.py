@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from .request import (
     EngineError,
     EngineRequest,
     EngineResult,
+    RequestTimes,
     Task,
     TokenLogprob,
     admission_error,
@@ -46,7 +48,8 @@ class EngineStats:
     kv_blocks_total: int
     kv_blocks_free: int
     prompt_tokens: int
-    """Totals since start: prompt tokens of finished requests, of which served from the prefix cache, generated."""
+    """Totals since start, counted as the engine goes: prompt tokens of requests whose prompt is computed, of which
+    served from the prefix cache; tokens generated."""
     cached_tokens: int
     generated_tokens: int
     preemptions: int
@@ -165,6 +168,10 @@ class LLMEngine:
         self._step_request_ids = None
         scheduled = self.scheduler.schedule()
         self._step_request_ids = _request_ids(item.seq for item in scheduled)
+        now = time.time()
+        for item in scheduled:
+            if item.seq.state.scheduled is None:
+                item.seq.state.scheduled = now
         if scheduled:
             self._run(scheduled, finished)
         return finished
@@ -251,6 +258,10 @@ class LLMEngine:
             return
         if not choices:
             return  # a prefill chunk that does not reach the end of the prompt yet
+        if state.first_token is None:
+            state.first_token = time.time()
+            self._totals["prompt"] += len(state.request.prompt_token_ids)
+            self._totals["cached"] += state.cached_tokens
         targets = self._fork(seq) if len(choices) > 1 else [seq]
         for target, (token_id, logprob) in zip(targets, choices, strict=True):
             self._append_token(target, token_id, logprob)
@@ -302,6 +313,7 @@ class LLMEngine:
 
     def _append_token(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> None:
         seq.token_ids.append(token_id)
+        self._totals["generated"] += 1
         if seq.logprobs is not None and logprob is not None:
             seq.logprobs.append(logprob)
         state = seq.state
@@ -325,33 +337,27 @@ class LLMEngine:
             outputs.append(
                 CompletionOutput(seq.index, seq.generated_ids, text, seq.finish_reason or "length", seq.logprobs)
             )
-        result = EngineResult(
+        return EngineResult(
             state.request.request_id,
             len(state.request.prompt_token_ids),
             cached_tokens=state.cached_tokens,
             outputs=outputs,
             group=state.request.group,
+            times=_times(state),
         )
-        self._count(result)
-        return result
 
     def _embedding_result(self, state: RequestState) -> EngineResult:
         del self._requests[state.request.request_id]
         assert state.embedding_sum is not None
         embedding = normalized_mean(state.embedding_sum, len(state.request.prompt_token_ids)).tolist()
-        result = EngineResult(
+        self._totals["prompt"] += len(state.request.prompt_token_ids)
+        return EngineResult(
             state.request.request_id,
             len(state.request.prompt_token_ids),
             embedding=embedding,
             group=state.request.group,
+            times=_times(state),
         )
-        self._count(result)
-        return result
-
-    def _count(self, result: EngineResult) -> None:
-        self._totals["prompt"] += result.prompt_tokens
-        self._totals["cached"] += result.cached_tokens
-        self._totals["generated"] += result.completion_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -366,6 +372,10 @@ class _Computed:
     token_ids: list[int]
     """One per sampled choice, in the order of the step's sequences."""
     logprobs: list[TokenLogprob | None]
+
+
+def _times(state: RequestState) -> RequestTimes:
+    return RequestTimes(state.arrival, state.scheduled or state.arrival, state.first_token, time.time())
 
 
 def _request_ids(seqs: Iterable[Sequence]) -> list[str]:

@@ -66,6 +66,19 @@ class EngineError:
     message: str
 
 
+@dataclass(frozen=True, slots=True)
+class RequestTimes:
+    """When a request reached each point in the engine (wall clock, ``time.time()``: comparable across processes)."""
+
+    arrival: float
+    """Added to the engine."""
+    scheduled: float
+    """First part of a step (its queue time ends)."""
+    first_token: float | None
+    """Its first token was sampled (``None`` for an embedding)."""
+    finished: float
+
+
 @dataclass(slots=True)
 class EngineResult:
     request_id: str
@@ -75,6 +88,8 @@ class EngineResult:
     embedding: list[float] | None = None
     error: EngineError | None = None
     group: str = ""
+    times: RequestTimes | None = None
+    """Set on the results of requests that ran (not on those refused at admission)."""
 
     @property
     def completion_tokens(self) -> int:

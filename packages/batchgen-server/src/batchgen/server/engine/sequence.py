@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
@@ -32,6 +33,9 @@ class RequestState:
     seqs: list[Sequence] = field(default_factory=list)
     cached_tokens: int = 0
     embedding_sum: torch.Tensor | None = None
+    arrival: float = field(default_factory=time.time)
+    scheduled: float | None = None
+    first_token: float | None = None
 
     @property
     def finished(self) -> bool:

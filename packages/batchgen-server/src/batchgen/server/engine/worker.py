@@ -40,8 +40,10 @@ class EngineWorker:
     answers nothing more, so no accepted request is failed for it; a new process runs them.
     """
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, observer: ResultCallback | None = None) -> None:
         self.engine = engine
+        self.observer = observer
+        """Hears of every result delivered (the metrics), from the worker thread."""
         self.error: BaseException | None = None
         """The last engine failure (kept after a successful restart, for the record)."""
         self.state: State = "running"
@@ -122,6 +124,8 @@ class EngineWorker:
         held = self._release(result.request_id)
         if held is not None:
             _call(functools.partial(held[1], result), f"result callback of {result.request_id}")
+            if self.observer is not None:
+                _call(functools.partial(self.observer, result), "result observer")
         self._admit_probation()
 
     def _release(self, request_id: str) -> tuple[EngineRequest, ResultCallback] | None:
