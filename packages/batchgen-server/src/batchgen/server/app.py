@@ -23,6 +23,7 @@ from .api.health import HealthController, PoolController
 from .api.legacy import legacy_inference
 from .api.models import ModelsController
 from .api.openapi import BEARER_AUTH, openapi_config
+from .batches.crashes import CrashJournal
 from .batches.loop import BatchLoop, default_window
 from .batches.stores import DatabaseStore
 from .callbacks import CallbackNotifier
@@ -72,6 +73,7 @@ def create_app(settings: Settings, engine: LLMEngine | EncoderEngine | None = No
             window=settings.engine_window or default_window(settings.engine.max_num_seqs),
             flush_interval_s=settings.flush_interval_s,
             limits=settings.validation_limits,
+            journal=CrashJournal(settings.storage_dir / "inflight.journal"),
         )
         model = ModelObject(
             id=engine.model_name, created=int(time.time()), max_context_length=engine.max_context_length

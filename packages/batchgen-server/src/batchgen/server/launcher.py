@@ -10,6 +10,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
 
@@ -26,19 +27,28 @@ def free_port() -> int:
 class ServerProcess:
     """``with ServerProcess(storage_dir) as server: server.base_url`` -- started, healthy, stopped with SIGTERM."""
 
-    def __init__(self, storage_dir: Path, *args: str, model: str = "demo", startup_timeout_s: float = 180.0) -> None:
+    def __init__(
+        self,
+        storage_dir: Path,
+        *args: str,
+        model: str = "demo",
+        startup_timeout_s: float = 180.0,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
         self.storage_dir = Path(storage_dir)
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = self.storage_dir / "server.log"
         self._args = ["--model", model, "--host", "127.0.0.1", "--port", str(self.port), *args]
         self._startup_timeout_s = startup_timeout_s
+        self._env = dict(env or {})
+        """Added to the child's environment (a test's fault injection, say)."""
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> ServerProcess:
         self.storage_dir.mkdir(parents=True, exist_ok=True)
         # The child sees the same packages as this process, installed or on PYTHONPATH.
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), **self._env}
         command = [sys.executable, "-m", "batchgen.server.cli", "serve", "--storage", str(self.storage_dir)]
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen([*command, *self._args], stdout=log, stderr=subprocess.STDOUT, env=env)

@@ -53,6 +53,7 @@ from ..serving import BatchDefaults, OpenAIServing, RequestRejected
 from ..storage.blobs import ResultsFile
 from ..storage.faults import storage_fault
 from . import lifecycle
+from .crashes import STRIKES_TO_QUARANTINE, CrashJournal, Key
 from .results import Tally, recover, succeeded
 from .stores import Results, Store
 from .turns import Turns
@@ -152,6 +153,8 @@ class _Batch:
     """custom_ids answered before a restart or taken from ``lines`` since: a new pass over the input skips them."""
     held: BatchInputLine | None = None
     """A line taken that waits for room in the engine."""
+    on_probation_hold: bool = False
+    """``held`` is a struck line waiting for the line on probation to leave the engine."""
     in_engine: dict[str, _Request] = field(default_factory=dict)
     running: int = 0
     """Sequences inside the engine: its share, which the turns even out."""
@@ -189,6 +192,7 @@ class BatchLoop:
         window: int,
         flush_interval_s: float = 0.5,
         limits: ValidationLimits = DEFAULT_LIMITS,
+        journal: CrashJournal | None = None,
     ) -> None:
         self.store = store
         self.serving = serving
@@ -198,6 +202,10 @@ class BatchLoop:
         """Most sequences of all batches inside the engine (running or queued there)."""
         self.flush_interval_s = min(flush_interval_s, 1.0)
         self.limits = limits
+        self.journal = journal
+        """Notes what is inside the engine, so that a line that kills the process is pinned and quarantined."""
+        self._probation: Key | None = None
+        """The one struck line inside the engine, if any (see ``crashes``)."""
         self.status = LoopStatus()
         """A snapshot for the API, replaced (never mutated) after every round."""
         self._inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
@@ -312,6 +320,8 @@ class BatchLoop:
                 log.warning("batch %s: unwritten results dropped at shutdown (%s); they run again", batch.id, exc)
             for file in batch.files():
                 file.close()
+        if self.journal is not None:
+            self.journal.close()
 
     # ---- admission and cancellation -----------------------------------------------------------------------------
 
@@ -361,6 +371,8 @@ class BatchLoop:
         batch.running = 0
         if ids:
             self.engine.abort(ids)
+        for entry in batch.in_engine.values():
+            self._left_engine(batch, entry.line.custom_id, answered=False)
         unanswered = [entry.line for entry in batch.in_engine.values()] + ([batch.held] if batch.held else [])
         batch.in_engine.clear()
         batch.held = None
@@ -598,6 +610,7 @@ class BatchLoop:
             and batch.fault is None
             and batch.results is not None
             and (batch.held is not None or batch.lines is not None)
+            and not batch.on_probation_hold
         )
 
     def _refill(self) -> None:
@@ -636,6 +649,20 @@ class BatchLoop:
             batch.held = line
             return None
         request_id = new_request_id()
+        key = (batch.id, line.custom_id)
+        strikes = self.journal.strikes[key] if self.journal is not None else 0
+        if strikes >= STRIKES_TO_QUARANTINE:
+            log.error("batch %s: %s quarantined: the process died twice while it ran", batch.id, line.custom_id)
+            message = "Quarantined: the server process died each of the two times this request ran; not run again."
+            error = self.serving.error_line(
+                line.custom_id, request_id=request_id, code="server_error", message=message, status_code=500
+            )
+            self._answer(batch, error, work)
+            self._left_engine(batch, line.custom_id, answered=True)
+            return []
+        if strikes and self._probation is not None:
+            batch.held, batch.on_probation_hold = line, True
+            return []
         try:
             requests = self.serving.to_engine_requests(
                 line, request_id=request_id, defaults=batch.defaults, group=batch.id
@@ -648,6 +675,10 @@ class BatchLoop:
             return []
         entry = _Request(batch, line, request_id, requests, [None] * len(requests), work)
         batch.in_engine[request_id] = entry
+        if self.journal is not None:
+            self.journal.entered(*key)
+            if strikes:
+                self._probation = key
         for index, request in enumerate(requests):
             self._requests[request.request_id] = (entry, index)
             self._in_engine += request.params.n
@@ -666,8 +697,21 @@ class BatchLoop:
             return
         batch = entry.batch
         del batch.in_engine[entry.request_id]
+        self._left_engine(batch, entry.line.custom_id, answered=True)
         results = [r for r in entry.results if r is not None]
         self._answer(batch, self.serving.output_line(entry.line, results, request_id=entry.request_id), entry.work)
+
+    def _left_engine(self, batch: _Batch, custom_id: str, *, answered: bool) -> None:
+        if self.journal is None:
+            return
+        if answered:
+            self.journal.answered(batch.id, custom_id)
+        else:
+            self.journal.dropped(batch.id, custom_id)
+        if self._probation == (batch.id, custom_id):
+            self._probation = None
+            for other in self._batches.values():
+                other.on_probation_hold = False
 
     def _answer(self, batch: _Batch, line: BatchOutputLine, work: int) -> None:
         assert batch.results is not None
