@@ -203,7 +203,7 @@ class LLMEngine:
             sample_rows.append(row - 1)
             for choice in self._choices_sampled(seq):
                 logits_rows.append(len(sample_rows) - 1)
-                rows.append(SampleRow(seq.state.request.params, choice.seed, len(seq), choice.generated_ids))
+                rows.append(_sample_row(seq, choice))
         output = self.runner.forward(scheduled, sample_rows)
         if not rows:
             return _Computed(output.hidden, [], [])
@@ -273,7 +273,9 @@ class LLMEngine:
 
     def _new_sequence(self, state: RequestState, token_ids: list[int], index: int) -> Sequence:
         params = state.request.params
-        detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop) if params.stop else None
+        detokenizer = None
+        if params.stop:
+            detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
         logprobs: list[TokenLogprob] | None = [] if params.logprobs else None
         return Sequence(
             state,
@@ -305,7 +307,10 @@ class LLMEngine:
         if seq.logprobs is not None and logprob is not None:
             seq.logprobs.append(logprob)
         state = seq.state
-        if token_id in state.stop_token_ids or (seq.detokenizer is not None and seq.detokenizer.add(token_id)):
+        may_stop = seq.num_generated >= state.request.params.min_tokens
+        if (may_stop and token_id in state.stop_token_ids) or (
+            seq.detokenizer is not None and seq.detokenizer.add(token_id, find_stops=may_stop)
+        ):
             seq.finish_reason = "stop"
         elif seq.num_generated >= state.max_tokens or len(seq) >= state.max_len:
             seq.finish_reason = "length"
@@ -315,10 +320,13 @@ class LLMEngine:
     def _completion_result(self, state: RequestState) -> EngineResult:
         del self._requests[state.request.request_id]
         outputs = []
+        skip_special_tokens = state.request.params.skip_special_tokens
         for seq in state.seqs:
-            if seq.detokenizer is None:
-                text = self.tokenizer.decode(seq.generated_ids, skip_special_tokens=True)
-            elif seq.finish_reason == "stop" and seq.generated_ids[-1] not in state.stop_token_ids:
+            by_stop_token = seq.finish_reason == "stop" and seq.generated_ids[-1] in state.stop_token_ids
+            if seq.detokenizer is None:  # the stop token is not part of the text (it never reaches a detokenizer)
+                ids = seq.generated_ids[:-1] if by_stop_token else seq.generated_ids
+                text = self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+            elif seq.finish_reason == "stop" and not by_stop_token:
                 text = seq.detokenizer.text  # cut before the stop string
             else:
                 text = seq.detokenizer.finish()
@@ -370,6 +378,14 @@ class _Computed:
 
 def _request_ids(seqs: Iterable[Sequence]) -> list[str]:
     return list(dict.fromkeys(seq.state.request.request_id for seq in seqs))
+
+
+def _sample_row(seq: Sequence, choice: _Choice) -> SampleRow:
+    state = seq.state
+    params = state.request.params
+    prompt_ids = seq.token_ids[: seq.num_prompt_tokens] if params.repetition_penalty != 1.0 else ()
+    banned = state.stop_token_ids if len(choice.generated_ids) < params.min_tokens else frozenset()
+    return SampleRow(params, choice.seed, len(seq), choice.generated_ids, prompt_ids, banned)
 
 
 def _choice_seed(state: RequestState, index: int) -> int:

@@ -26,6 +26,17 @@ class SamplingParams:
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    """vLLM's: the logit of a token already in the prompt or the output is divided by it (multiplied when negative);
+    ``1`` is off."""
+    min_p: float = 0.0
+    """Tokens less likely than ``min_p`` times the most likely one are dropped; ``0`` is off."""
+    min_tokens: int = 0
+    """No stop token (EOS, ``stop_token_ids``) and no stop string ends a choice before it has this many tokens."""
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    """Token id -> a bias added to its logit before sampling (-100 bans it, +100 forces it)."""
+    skip_special_tokens: bool = True
+    """Leave special tokens out of the text (the token ids keep them)."""
     logprobs: bool = False
     top_logprobs: int = 0
     max_context_length: int | None = None
