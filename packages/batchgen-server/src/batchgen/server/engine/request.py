@@ -51,6 +51,9 @@ class EngineRequest:
     task: Task = "generate"
     group: str = ""
     """Scheduling group (the batch id): groups are served first come, first served; all of a group can be aborted."""
+    interactive: bool = False
+    """An online request, someone waiting on it: admitted ahead of batch work, preempting a batch sequence when the
+    running set is full."""
 
 
 @dataclass(frozen=True, slots=True)
