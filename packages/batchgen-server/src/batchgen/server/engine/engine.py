@@ -160,7 +160,8 @@ class LLMEngine:
     # ---- one step ----------------------------------------------------------------------------------------------
 
     def step(self) -> list[EngineResult]:
-        """Run one forward over everything scheduled; return the requests that finished."""
+        """Run one forward over everything scheduled; return the requests that finished, and the partial results of
+        streamed requests that moved."""
         finished, self._ready = self._ready, []
         self._step_request_ids = None
         scheduled = self.scheduler.schedule()
@@ -256,6 +257,8 @@ class LLMEngine:
             self._append_token(target, token_id, logprob)
         if state.finished and state.request.request_id in self._requests:
             finished.append(self._completion_result(state))
+        elif state.request.stream:
+            finished.append(self._partial_result(state, targets))
 
     def _fail(self, state: RequestState, exc: Exception, finished: list[EngineResult]) -> None:
         """Fail one request whose step raised; the engine carries on with the others."""
@@ -274,7 +277,7 @@ class LLMEngine:
     def _new_sequence(self, state: RequestState, token_ids: list[int], index: int) -> Sequence:
         params = state.request.params
         detokenizer = None
-        if params.stop:
+        if params.stop or state.request.stream:
             detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
         logprobs: list[TokenLogprob] | None = [] if params.logprobs else None
         return Sequence(
@@ -319,20 +322,10 @@ class LLMEngine:
 
     def _completion_result(self, state: RequestState) -> EngineResult:
         del self._requests[state.request.request_id]
-        outputs = []
-        skip_special_tokens = state.request.params.skip_special_tokens
-        for seq in state.seqs:
-            by_stop_token = seq.finish_reason == "stop" and seq.generated_ids[-1] in state.stop_token_ids
-            if seq.detokenizer is None:  # the stop token is not part of the text (it never reaches a detokenizer)
-                ids = seq.generated_ids[:-1] if by_stop_token else seq.generated_ids
-                text = self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-            elif seq.finish_reason == "stop" and not by_stop_token:
-                text = seq.detokenizer.text  # cut before the stop string
-            else:
-                text = seq.detokenizer.finish()
-            outputs.append(
-                CompletionOutput(seq.index, seq.generated_ids, text, seq.finish_reason or "length", seq.logprobs)
-            )
+        outputs = [
+            CompletionOutput(seq.index, seq.generated_ids, self._text(seq), seq.finish_reason or "length", seq.logprobs)
+            for seq in state.seqs
+        ]
         result = EngineResult(
             state.request.request_id,
             len(state.request.prompt_token_ids),
@@ -342,6 +335,46 @@ class LLMEngine:
         )
         self._count(result)
         return result
+
+    def _text(self, seq: Sequence) -> str:
+        """A finished choice's text."""
+        state = seq.state
+        by_stop_token = seq.finish_reason == "stop" and seq.generated_ids[-1] in state.stop_token_ids
+        if seq.detokenizer is None:  # the stop token is not part of the text (it never reaches a detokenizer)
+            ids = seq.generated_ids[:-1] if by_stop_token else seq.generated_ids
+            return str(self.tokenizer.decode(ids, skip_special_tokens=state.request.params.skip_special_tokens))
+        if seq.finish_reason == "stop" and not by_stop_token:
+            return seq.detokenizer.text  # cut before the stop string
+        return seq.detokenizer.finish()
+
+    def _partial_result(self, state: RequestState, seqs: list[Sequence]) -> EngineResult:
+        """What a streamed request's choices ``seqs`` added this step. Text that could still turn out to be the start
+        of a stop string is held back (the stop search looks that far back), so what is reported is always a prefix
+        of the final text."""
+        outputs = []
+        for seq in seqs:
+            assert seq.detokenizer is not None  # every sequence of a streamed request has one
+            if seq.finish_reason is None:
+                text = seq.detokenizer.text
+                end = max(seq.streamed_chars, len(text) - max(0, seq.detokenizer.max_stop_len - 1))
+            else:
+                text = self._text(seq)
+                end = len(text)
+            logprobs = None if seq.logprobs is None else seq.logprobs[seq.streamed_tokens :]
+            tokens = seq.generated_ids[seq.streamed_tokens :]
+            outputs.append(
+                CompletionOutput(seq.index, tokens, text[seq.streamed_chars : end], seq.finish_reason, logprobs)
+            )
+            seq.streamed_tokens, seq.streamed_chars = seq.num_generated, end
+        request = state.request
+        return EngineResult(
+            request.request_id,
+            len(request.prompt_token_ids),
+            cached_tokens=state.cached_tokens,
+            outputs=outputs,
+            group=request.group,
+            finished=False,
+        )
 
     def _embedding_result(self, state: RequestState) -> EngineResult:
         del self._requests[state.request.request_id]

@@ -54,6 +54,8 @@ class EngineRequest:
     interactive: bool = False
     """An online request, someone waiting on it: admitted ahead of batch work, preempting a batch sequence when the
     running set is full."""
+    stream: bool = False
+    """Report each step's new tokens as they come (results with ``finished`` false) before the final result."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +71,8 @@ class CompletionOutput:
     index: int
     token_ids: list[int]
     text: str
-    finish_reason: FinishReason
+    finish_reason: FinishReason | None
+    """``None`` in a partial result while the choice is still running."""
     logprobs: list[TokenLogprob] | None = None
 
 
@@ -89,6 +92,9 @@ class EngineResult:
     embedding: list[float] | None = None
     error: EngineError | None = None
     group: str = ""
+    finished: bool = True
+    """``False`` for a streamed request's partial result: each of its outputs holds only what is new since the last
+    one (tokens, text, logprobs), for the choices that moved. The final result holds everything, as unstreamed."""
 
     @property
     def completion_tokens(self) -> int:
