@@ -6,7 +6,6 @@ import logging
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -80,7 +79,7 @@ class LLMEngine:
 
         model, tokenizer = load_model(config)
         engine_class = EncoderEngine if is_encoder_only(model.config) else cls
-        return engine_class(model, tokenizer, config, "demo" if config.model == "demo" else Path(config.model).name)
+        return engine_class(model, tokenizer, config, config.served_model_names[0])
 
     def reset(self) -> None:
         """Forget every request and start from an empty cache (the weights and the cache tensors stay): how the
