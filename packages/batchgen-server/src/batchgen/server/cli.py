@@ -34,6 +34,14 @@ def _run_batch(args: argparse.Namespace, config: EngineConfig) -> int:
     if not report.ok:
         _print_invalid(args.input, report.errors, report.error_count)
         return 2
+    if report.model not in config.served_model_names:
+        print(
+            f"{args.input}: its requests ask for the model {report.model!r}, which this run does not serve "
+            f"({', '.join(map(repr, config.served_model_names))}); nothing was run. Pass --served-model-name "
+            f"{report.model!r} to serve --model {config.model!r} under that name.",
+            file=sys.stderr,
+        )
+        return 2
     try:
         engine = LLMEngine.from_config(config)
     except ModelLoadError as exc:
