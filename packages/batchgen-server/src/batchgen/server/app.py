@@ -17,11 +17,13 @@ from batchgen.schemas import ModelObject
 
 from .api.batches import BatchesController
 from .api.deps import DEPENDENCIES, ServerContext, admit_while_running
+from .api.engine_calls import OnlineRequests
 from .api.errors import EXCEPTION_HANDLERS, add_request_id
 from .api.files import FilesController
 from .api.health import HealthController, PoolController
 from .api.legacy import legacy_inference
 from .api.models import ModelsController
+from .api.online import OnlineController
 from .api.openapi import BEARER_AUTH, openapi_config
 from .batches.loop import BatchLoop, default_window
 from .batches.stores import DatabaseStore
@@ -53,8 +55,8 @@ def create_app(settings: Settings, engine: LLMEngine | EncoderEngine | None = No
             engine = await asyncio.to_thread(LLMEngine.from_config, settings.engine)
         worker = EngineWorker(engine)
         worker.start()
-        serving = OpenAIServing(
-            engine.tokenizer, engine.model_name, engine.max_context_length, engine.tasks, settings.max_line_sequences
+        serving = await asyncio.to_thread(
+            OpenAIServing.for_engine, engine, settings.engine, settings.max_line_sequences
         )
         loop = BatchLoop(
             DatabaseStore(db, blobs, on_finished=notifier.notify),
@@ -65,10 +67,13 @@ def create_app(settings: Settings, engine: LLMEngine | EncoderEngine | None = No
             flush_interval_s=settings.flush_interval_s,
             limits=settings.validation_limits,
         )
-        model = ModelObject(
-            id=engine.model_name, created=int(time.time()), max_context_length=engine.max_context_length
-        )
-        app.state.context = ServerContext(settings, db, blobs, model, worker, loop)
+        created = int(time.time())
+        models = [
+            ModelObject(id=name, created=created, max_context_length=engine.max_context_length)
+            for name in serving.model_names
+        ]
+        online = OnlineRequests(worker, settings.max_online_sequences or 2 * settings.engine.max_num_seqs)
+        app.state.context = ServerContext(settings, db, blobs, models, worker, loop, serving, online)
         loop.start()
         try:
             yield
@@ -85,7 +90,14 @@ def create_app(settings: Settings, engine: LLMEngine | EncoderEngine | None = No
 
     api = Router(
         path="/",
-        route_handlers=[ModelsController, FilesController, BatchesController, PoolController, legacy_inference],
+        route_handlers=[
+            ModelsController,
+            FilesController,
+            BatchesController,
+            OnlineController,
+            PoolController,
+            legacy_inference,
+        ],
         guards=[admit_while_running],
         security=BEARER_AUTH,
     )
