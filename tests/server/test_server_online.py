@@ -89,6 +89,11 @@ def test_completions_whole_and_streamed_and_embeddings(client: openai.OpenAI) ->
     text, finish = _texts(chunks)
     assert text == {c.index: c.text for c in whole.choices}
     assert finish == {c.index: c.finish_reason for c in whole.choices}
+    options = {"include_usage": True, "continuous_usage_stats": True}  # vLLM's: the usage so far in every chunk
+    counted = list(client.completions.create(**params, stream=True, stream_options=options))  # type: ignore[arg-type]
+    so_far = [c.usage.completion_tokens for c in counted if c.usage is not None]
+    assert len(so_far) == len(counted) and so_far == sorted(so_far)
+    assert whole.usage is not None and so_far[-1] == whole.usage.completion_tokens
     embeddings = client.embeddings.create(model="demo", input=["first", "second"])
     assert [e.index for e in embeddings.data] == [0, 1] and embeddings.model == "demo"
     assert all(abs(sum(x * x for x in e.embedding) - 1) < 1e-4 for e in embeddings.data)
