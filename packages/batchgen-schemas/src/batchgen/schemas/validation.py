@@ -251,6 +251,10 @@ def _read_chunks(source: Source) -> Iterator[bytes]:
 _ERROR_AT = re.compile(r"^(?P<detail>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
 _MISSING = re.compile(r"^Object missing required field `(?P<field>[^`]+)`$")
 _UNKNOWN = re.compile(r"^Object contains unknown field `(?P<field>[^`]+)`$")
+_FIELD_ERRORS = (
+    (_MISSING, "missing_required_parameter", "Missing required parameter: '{}'."),
+    (_UNKNOWN, "unknown_parameter", "Unrecognized request argument supplied: '{}'."),
+)
 
 
 def _decode_error(line: int, exc: Exception, prefix: str) -> LineError:
@@ -263,22 +267,10 @@ def _decode_error(line: int, exc: Exception, prefix: str) -> LineError:
     assert match is not None  # the pattern matches any string
     detail, path = match["detail"], (match["path"] or "").replace("[...]", "")  # msgspec's mark for a dict value
     param = f"{prefix}{path}".lstrip(".") or None
-    if (missing := _MISSING.match(detail)) is not None:
-        field = ".".join(p for p in (param, missing["field"]) if p)
-        return LineError(
-            line=line,
-            code="missing_required_parameter",
-            message=f"Missing required parameter: '{field}'.",
-            param=field,
-        )
-    if (unknown := _UNKNOWN.match(detail)) is not None:
-        field = ".".join(p for p in (param, unknown["field"]) if p)
-        return LineError(
-            line=line,
-            code="unknown_parameter",
-            message=f"Unrecognized request argument supplied: '{field}'.",
-            param=field,
-        )
+    for pattern, code, message in _FIELD_ERRORS:  # a field missing or unknown: name it in full
+        if (named := pattern.match(detail)) is not None:
+            field = ".".join(p for p in (param, named["field"]) if p)
+            return LineError(line=line, code=code, message=message.format(field), param=field)
     if param is None:  # the line itself is valid JSON but not an object
         return LineError(line=line, code="invalid_json_line", message=f"The line must be a JSON object: {detail}.")
     return LineError(line=line, code="invalid_request", message=f"Invalid '{param}': {detail}.", param=param)
