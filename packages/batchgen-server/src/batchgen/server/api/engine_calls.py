@@ -17,10 +17,6 @@ ENGINE_CHECK_S = 1.0
 """How often a request waiting on the engine checks that it still runs."""
 
 
-class EngineStopped(Exception):
-    """The engine stopped for good while a request waited on it."""
-
-
 @dataclass(slots=True)
 class OnlineRequests:
     """The online requests inside the engine: admitted while their sequences fit ``capacity``."""
@@ -31,7 +27,9 @@ class OnlineRequests:
     """Sequences (prompts x n) of the online requests inside the engine now."""
 
     def check(self, sequences: int) -> None:
-        """429 when ``sequences`` more would not fit now; 400 when they never would."""
+        """429 when ``sequences`` more would not fit now; 400 when they never would; 503 when the engine is dead."""
+        if self.worker.state == "dead":
+            raise engine_stopped(self.worker)
         if sequences > self.capacity:
             raise APIError(
                 400,
@@ -51,8 +49,6 @@ class OnlineRequests:
     @contextlib.asynccontextmanager
     async def run(self, requests: list[EngineRequest]) -> AsyncIterator[EngineCall]:
         """Submit ``requests``; on leaving, abort whatever has not finished and give their place back."""
-        if self.worker.state == "dead":
-            raise EngineStopped(self.worker.error)
         sequences = sum(request.params.n for request in requests)
         self.sequences += sequences
         call = EngineCall(self.worker, requests)
@@ -105,4 +101,14 @@ class EngineCall:
                 return await asyncio.wait_for(self._results.get(), ENGINE_CHECK_S)
             except TimeoutError:
                 if self.worker.state == "dead":
-                    raise EngineStopped(self.worker.error) from None
+                    raise engine_stopped(self.worker) from None
+
+
+def engine_stopped(worker: EngineWorker) -> APIError:
+    """The answer to an online request once the engine has stopped for good (``/health`` says why too)."""
+    return APIError(
+        503,
+        f"The engine stopped ({worker.error!r}); the server must be restarted. Retry shortly.",
+        code="engine_stopped",
+        headers={"Retry-After": "5"},
+    )

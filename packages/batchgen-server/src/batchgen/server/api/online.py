@@ -10,6 +10,7 @@ requests hold at most ``--max-online-sequences`` sequences inside the engine; mo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +36,6 @@ from ..serving import BatchDefaults, RequestRejected, failed
 from ..serving.openai_serving import ResponseBody
 from ..serving.streaming import DONE, StreamedResponse, error_event
 from .deps import ServerContext
-from .engine_calls import EngineStopped
 from .errors import ERROR_RESPONSES, APIError
 
 NO_DEFAULTS = BatchDefaults()
@@ -106,11 +106,8 @@ async def _serve(context: ServerContext, request: Request[Any, Any, Any], body: 
         events = _events(context, StreamedResponse(context.serving, body, request_id), requests)
         # The content type as a header: Litestar would give a Stream the route's JSON media type.
         return Stream(events, headers={"content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache"})
-    try:
-        async with context.online.run(requests) as call:
-            results = await _unless_disconnected(request, call.final_results())
-    except EngineStopped as exc:
-        raise _engine_stopped(exc) from None
+    async with context.online.run(requests) as call:
+        results = await _unless_disconnected(request, call.final_results())
     if (failure := failed(results)) is not None:
         status, error = failure
         raise APIError(status, error.message, code=error.code)
@@ -134,9 +131,8 @@ async def _events(
                     return
                 for event in stream.add(index, result):
                     yield event
-    except EngineStopped as exc:
-        error = _engine_stopped(exc)
-        yield error_event(error.code or "engine_stopped", error.message, error.status_code)
+    except APIError as error:  # the engine stopped: the status is sent already
+        yield error_event(error.code or "server_error", error.message, error.status_code)
         yield DONE
         return
     for event in stream.end():
@@ -144,16 +140,18 @@ async def _events(
 
 
 async def _unless_disconnected(request: Request[Any, Any, Any], work: Any) -> list[EngineResult]:
-    """``work``'s result; if the client goes away first, ``work`` is cancelled (which aborts its requests)."""
+    """``work``'s result; if the client goes away first, ``work`` is cancelled (and the caller leaving its
+    ``online.run`` aborts the requests)."""
     task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
-        if not task.done():
-            task.cancel()
-    if not task.done() or task.cancelled():
+        task.cancel()  # nothing, once it is done
+    if not task.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
         raise APIError(499, "The client closed the request.", code="client_closed_request")
     result: list[EngineResult] = task.result()
     return result
@@ -163,12 +161,3 @@ async def _disconnected(request: Request[Any, Any, Any]) -> None:
     """Returns when the client has gone (the body has been read: the next ASGI message is the disconnect)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-def _engine_stopped(exc: EngineStopped) -> APIError:
-    return APIError(
-        503,
-        f"The engine stopped ({exc.args[0]!r}); the server must be restarted. Retry shortly.",
-        code="engine_stopped",
-        headers={"Retry-After": "5"},
-    )
