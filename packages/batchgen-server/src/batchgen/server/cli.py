@@ -89,7 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--errors-output", type=Path, default=None, help="error JSONL (default: into --output)")
     run.add_argument("--max-decoding-length", type=int, default=None, help="default max tokens per request")
     run.add_argument("--max-context-length", type=int, default=None, help="cap on prompt + generated tokens")
-    run.add_argument("--temperature", type=float, default=None, help="default temperature (unset: greedy)")
+    run.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="default temperature (unset: the model's generation config, else greedy)",
+    )
     run.add_argument("--top-p", type=float, default=None, help="default top_p")
     run.add_argument("--top-k", type=int, default=None, help="default top_k")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
