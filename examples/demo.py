@@ -1,5 +1,6 @@
-"""The main job end to end: start a server with the demo model, run the example batches through the real REST API
-(chat, completions, embeddings), print a summary and the first results, stop the server. Exits non-zero on failure.
+"""The main job end to end: start a server with the demo model, try one online chat call (streamed), run the example
+batches through the real REST API (chat, completions, embeddings), print a summary and the first results, stop the
+server. Exits non-zero on failure.
 
     python examples/demo.py [--model demo] [--max-decoding-length 32]
 """
@@ -60,6 +61,18 @@ def run(http: httpx.Client, max_decoding_length: int, timeout_s: float) -> list[
     return [finished[batch["id"]] for batch in created]
 
 
+def try_online(http: httpx.Client, model: str) -> None:
+    """One streamed chat call, answered at once by the engine that runs the batches."""
+    body = {"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16, "stream": True}
+    start, text = time.monotonic(), ""
+    with http.stream("POST", "/v1/chat/completions", json=body) as stream:
+        stream.raise_for_status()
+        for line in stream.iter_lines():
+            if line.startswith("data: {"):
+                text += json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+    print(f"online chat call, streamed: {text[:40]!r} in {time.monotonic() - start:.2f} s")
+
+
 def print_summary(batches: list[dict[str, Any]]) -> None:
     header = f"{'input':<18} {'status':<10} {'total':>5} {'ok':>4} {'fail':>4} {'in tok':>7} {'out tok':>7} {'secs':>5}"
     print(f"\n{header}\n{'-' * len(header)}")
@@ -99,11 +112,14 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="batchgen-demo-") as storage:
         print(f"starting the server with model {args.model!r} ...")
-        server = ServerProcess(Path(storage), model=args.model).start()
+        # The example files name the model "demo": another model answers to that name too.
+        aliases = () if args.model == "demo" else ("--served-model-name", args.model, "--served-model-name", "demo")
+        server = ServerProcess(Path(storage), *aliases, model=args.model).start()
         try:
             with httpx.Client(base_url=server.base_url, timeout=60) as http:
                 model = http.get("/v1/models").json()["data"][0]
                 print(f"server up at {server.base_url}: {model['id']} (context {model['max_context_length']} tokens)")
+                try_online(http, model["id"])
                 batches = run(http, args.max_decoding_length, args.timeout)
                 print_summary(batches)
                 print_first_results(http, batches)

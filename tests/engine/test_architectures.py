@@ -228,7 +228,7 @@ def test_the_commands_refuse_in_one_line(
 ) -> None:
     """``serve`` and ``run-batch`` print the refusal as one line and exit 1, with no traceback."""
     path = _build("falcon", REFUSED["falcon"][0], tokenizer, tmp_path / "falcon")
-    common = ["--model", str(path), "--device", "cpu", "--num-kv-blocks", "64"]
+    common = ["--model", str(path), "--served-model-name", "demo", "--device", "cpu", "--num-kv-blocks", "64"]
     if command == "serve":
         args = ["serve", *common, "--storage", str(tmp_path / "data"), "--port", "0"]
     else:
@@ -255,6 +255,17 @@ def test_a_model_that_cannot_load_is_one_line(
     model: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     inputs = Path(__file__).parents[2] / "examples" / "chat.jsonl"
-    assert cli.main(["run-batch", "-i", str(inputs), "-o", str(tmp_path / "o.jsonl"), "--model", model]) == 1
+    args = [
+        "run-batch",
+        "-i",
+        str(inputs),
+        "-o",
+        str(tmp_path / "o.jsonl"),
+        "--model",
+        model,
+        "--served-model-name",
+        "demo",
+    ]
+    assert cli.main(args) == 1
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(f"batchgen-server: {message}")

@@ -42,7 +42,7 @@ def test_a_replaced_engine_gets_what_was_inside(make_engine: Callable[..., LLMEn
     ]
     source.write_text("".join(json.dumps(line) + "\n" for line in lines))
     engine = make_engine()
-    serving = OpenAIServing(engine.tokenizer, engine.model_name, engine.max_context_length)
+    serving = OpenAIServing(engine.tokenizer, ("demo",), engine.max_context_length)
     first = CountingWorker(engine)
     store = FileStore(source, output, None)
     loop = BatchLoop(store, serving, first, capacity=1000, window=4, flush_interval_s=0.05)

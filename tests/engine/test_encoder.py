@@ -127,7 +127,7 @@ def test_errors_and_aborts(encoder_paths: dict[str, Path]) -> None:
 
 def test_serving_rejects_generation_on_an_embedding_model(encoder_paths: dict[str, Path]) -> None:
     tokenizer = AutoTokenizer.from_pretrained(encoder_paths["bert"])
-    serving = OpenAIServing(tokenizer, "tiny-bert", MAX_TOKENS, EncoderEngine.tasks)
+    serving = OpenAIServing(tokenizer, ("tiny-bert",), MAX_TOKENS, EncoderEngine.tasks)
     for url, body in [
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
         ("/v1/completions", {"prompt": "the cat"}),
@@ -135,7 +135,7 @@ def test_serving_rejects_generation_on_an_embedding_model(encoder_paths: dict[st
         typed = msgspec.convert({"model": "tiny-bert", **body}, BODY_TYPES[url])
         line = BatchInputLine(custom_id="x", method="POST", url=url, body=typed)
         with pytest.raises(RequestRejected) as caught:
-            serving.to_engine_requests(line, request_id="req", defaults=BatchDefaults(), group="g")
+            serving.to_engine_requests(line.body, request_id="req", defaults=BatchDefaults(), group="g")
         assert caught.value.code == "unsupported_endpoint"
         assert "'tiny-bert' is an embedding model" in caught.value.message and url in caught.value.message
 
@@ -150,7 +150,8 @@ def _write_lines(path: Path, url: str, bodies: list[dict[str, Any]]) -> None:
 
 def test_run_batch_end_to_end(encoder_paths: dict[str, Path], tmp_path: Path) -> None:
     path = encoder_paths["bert"]
-    flags = ["--model", str(path), "--device", "cpu", "--no-progress", "--max-num-batched-tokens", "128"]
+    flags = ["--model", str(path), "--served-model-name", "tiny-bert", "--device", "cpu", "--no-progress"]
+    flags += ["--max-num-batched-tokens", "128"]
     texts = _texts(18, seed=1)
     bodies: list[dict[str, Any]] = [{"input": texts[i : i + 3]} for i in range(0, 12, 3)]
     bodies += [

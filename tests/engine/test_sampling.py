@@ -242,3 +242,100 @@ def test_sampling_draws_the_filtered_distribution(params: dict[str, Any], allowe
     chi_square = float(((counts[kept] - expected) ** 2 / expected).sum())
     # 99.9th percentile of chi-square with (kept - 1) degrees of freedom, for up to 5: 10.83, 13.82, 16.27, 18.47, 20.52
     assert chi_square < [10.83, 13.82, 16.27, 18.47, 20.52][int(kept.sum()) - 2]
+
+
+@pytest.mark.parametrize("penalty", [1.3, 0.7])
+def test_repetition_penalty_follows_the_vllm_definition(
+    make_engine: Callable[..., LLMEngine], run_to_completion: Run, random_prompts: Run, hf_model: Any, penalty: float
+) -> None:
+    prompt = random_prompts(1, 10, 10, seed=18)[0]
+    params = {"max_tokens": 16, "ignore_eos": True, "repetition_penalty": penalty}
+    generated = _generate(make_engine(), run_to_completion, prompt, **params).outputs[0].token_ids
+    for t, token in enumerate(generated):
+        logits = _next_logits(hf_model, prompt + generated[:t])
+        seen = torch.zeros_like(logits, dtype=torch.bool)
+        seen[prompt + generated[:t]] = True
+        penalized = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+        assert token == int(penalized.argmax())
+    plain = _generate(make_engine(), run_to_completion, prompt, max_tokens=16, ignore_eos=True).outputs[0].token_ids
+    assert generated != plain
+
+
+def test_min_p_one_keeps_only_the_most_likely_token(
+    make_engine: Callable[..., LLMEngine], run_to_completion: Run, random_prompts: Run
+) -> None:
+    engine = make_engine()
+    for prompt in random_prompts(3, 3, 30, seed=19):
+        greedy = _generate(engine, run_to_completion, prompt, max_tokens=20, ignore_eos=True)
+        sampled = _generate(engine, run_to_completion, prompt, max_tokens=20, ignore_eos=True, temperature=2.0, seed=4)
+        min_p = _generate(
+            engine, run_to_completion, prompt, max_tokens=20, ignore_eos=True, temperature=2.0, seed=4, min_p=1.0
+        )
+        assert min_p.outputs[0].token_ids == greedy.outputs[0].token_ids != sampled.outputs[0].token_ids
+
+
+def test_min_tokens_holds_back_eos_and_stop_strings(
+    make_engine: Callable[..., LLMEngine], run_to_completion: Run, random_prompts: Run, hf_model: Any, tokenizer: Any
+) -> None:
+    engine = make_engine()
+    eos = tokenizer.eos_token_id
+    prompts = random_prompts(32, 1, 60, seed=0)
+    prompt = next(  # one whose greedy output ends early at EOS
+        p
+        for p in prompts
+        if (r := _generate(engine, run_to_completion, p, max_tokens=20)).outputs[0].finish_reason == "stop"
+        and len(r.outputs[0].token_ids) < 12
+    )
+    held = _generate(engine, run_to_completion, prompt, max_tokens=30, min_tokens=15).outputs[0]
+    assert len(held.token_ids) >= 15 and eos not in held.token_ids[:14]
+    for t in range(15):  # the model's choice with EOS taken out, until min_tokens
+        logits = _next_logits(hf_model, prompt + held.token_ids[:t])
+        logits[eos] = float("-inf")
+        assert held.token_ids[t] == int(logits.argmax())
+    full = _generate(engine, run_to_completion, prompt, max_tokens=20, ignore_eos=True).outputs[0]
+    stop = full.text[1:3]
+    early = _generate(engine, run_to_completion, prompt, max_tokens=20, ignore_eos=True, stop=(stop,)).outputs[0]
+    late = _generate(engine, run_to_completion, prompt, max_tokens=20, ignore_eos=True, stop=(stop,), min_tokens=8)
+    assert early.text == full.text[:1] and len(early.token_ids) < 8
+    assert full.text.startswith(late.outputs[0].text) and len(late.outputs[0].token_ids) >= 8
+
+
+def test_logit_bias_forces_and_bans_tokens(
+    make_engine: Callable[..., LLMEngine], run_to_completion: Run, random_prompts: Run, hf_model: Any
+) -> None:
+    engine = make_engine()
+    prompt = random_prompts(1, 8, 8, seed=21)[0]
+    forced = _generate(engine, run_to_completion, prompt, max_tokens=6, ignore_eos=True, logit_bias={ord("z"): 100.0})
+    assert forced.outputs[0].text == "zzzzzz"
+    first = int(_next_logits(hf_model, prompt).argmax())
+    banned = _generate(engine, run_to_completion, prompt, max_tokens=1, ignore_eos=True, logit_bias={first: -100.0})
+    logits = _next_logits(hf_model, prompt)
+    logits[first] -= 100
+    assert banned.outputs[0].token_ids == [int(logits.argmax())] != [first]
+
+
+def test_special_tokens_in_the_text_only_when_asked(
+    make_engine: Callable[..., LLMEngine], run_to_completion: Run, tokenizer: Any
+) -> None:
+    engine = make_engine()
+    pad = {tokenizer.pad_token_id: 100.0}
+    params = {"max_tokens": 3, "ignore_eos": True, "logit_bias": pad}
+    assert _generate(engine, run_to_completion, list(b"Hi"), **params).outputs[0].text == ""
+    kept = _generate(engine, run_to_completion, list(b"Hi"), skip_special_tokens=False, **params).outputs[0]
+    assert kept.text == tokenizer.pad_token * 3
+    with_stop = _generate(engine, run_to_completion, list(b"Hi"), skip_special_tokens=False, stop=("x",), **params)
+    assert with_stop.outputs[0].text == tokenizer.pad_token * 3
+
+
+def test_a_stop_token_is_not_part_of_the_text(
+    make_engine: Callable[..., LLMEngine], run_to_completion: Run, tokenizer: Any
+) -> None:
+    engine = make_engine()
+    full = _generate(engine, run_to_completion, list(b"Once upon"), max_tokens=12, ignore_eos=True).outputs[0]
+    stop_id = full.token_ids[4]
+    cut = full.token_ids.index(stop_id)
+    stopped = _generate(
+        engine, run_to_completion, list(b"Once upon"), max_tokens=12, ignore_eos=True, stop_token_ids=(stop_id,)
+    ).outputs[0]
+    assert (stopped.finish_reason, stopped.token_ids) == ("stop", full.token_ids[: cut + 1])
+    assert stopped.text == tokenizer.decode(full.token_ids[:cut])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import copy
 import struct
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +21,7 @@ from batchgen.schemas import (
     TextCompletion,
     parse_output_line,
 )
+from batchgen.schemas.requests import _unsupported_fields
 from batchgen.server.engine import LLMEngine
 from batchgen.server.serving import BatchDefaults, OpenAIServing, RequestRejected
 
@@ -38,8 +40,8 @@ def serve(make_engine: Callable[..., LLMEngine], run_to_completion: Run) -> Call
 
     def run(line: Any, defaults: BatchDefaults = NO_DEFAULTS, **engine_overrides: Any) -> Any:
         engine = make_engine(**engine_overrides)
-        serving = OpenAIServing(engine.tokenizer, engine.model_name, engine.max_context_length)
-        requests = serving.to_engine_requests(line, request_id="rid", defaults=defaults, group="batch_1")
+        serving = OpenAIServing(engine.tokenizer, ("demo",), engine.max_context_length)
+        requests = serving.to_engine_requests(line.body, request_id="rid", defaults=defaults, group="batch_1")
         results = run_to_completion(engine, requests)
         in_order = [results[request.request_id] for request in requests]
         encoded = msgspec.json.encode(serving.output_line(line, in_order, request_id="rid"))
@@ -88,13 +90,13 @@ def test_chat_uses_the_template_and_reports_cached_tokens(
     make_engine: Callable[..., LLMEngine], run_to_completion: Run, tokenizer: Any
 ) -> None:
     engine = make_engine()
-    serving = OpenAIServing(engine.tokenizer, engine.model_name, engine.max_context_length)
+    serving = OpenAIServing(engine.tokenizer, ("demo",), engine.max_context_length)
     system = "You are a helpful assistant. " * 4
     bodies = []
     for i, question in enumerate(["What is 2+2?", "Name a colour."]):
         messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
         line = _line("/v1/chat/completions", {"messages": messages, "max_completion_tokens": 8}, f"c{i}")
-        requests = serving.to_engine_requests(line, request_id=f"r{i}", defaults=BatchDefaults(), group="g")
+        requests = serving.to_engine_requests(line.body, request_id=f"r{i}", defaults=BatchDefaults(), group="g")
         expected = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         assert requests[0].prompt_token_ids == tokenizer.encode(expected, add_special_tokens=False)
         results = list(run_to_completion(engine, requests).values())
@@ -184,8 +186,6 @@ def test_context_length_error_becomes_a_400_line(serve: Callable[..., Any]) -> N
             {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
             "response_format",
         ),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": True}, "stream"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
         ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
         ("/v1/completions", {"prompt": []}, "prompt"),
         ("/v1/completions", {"prompt": [[1, 2], [99999]]}, "prompt"),
@@ -195,7 +195,163 @@ def test_context_length_error_becomes_a_400_line(serve: Callable[..., Any]) -> N
 def test_unsupported_or_invalid_requests_are_rejected(
     tokenizer: Any, url: str, body: dict[str, Any], param: str
 ) -> None:
-    serving = OpenAIServing(tokenizer, "demo", 2048)
+    serving = OpenAIServing(tokenizer, ("demo",), 2048)
     with pytest.raises(RequestRejected) as caught:
-        serving.to_engine_requests(_line(url, body), request_id="r", defaults=BatchDefaults(), group="g")
+        serving.to_engine_requests(_line(url, body).body, request_id="r", defaults=BatchDefaults(), group="g")
     assert caught.value.param == param and caught.value.message
+
+
+# --- nothing silent: every field honoured, a no-op, or refused by name -----------------------------------------------
+
+CHAT_BODY = {"messages": [{"role": "user", "content": "x"}]}
+PROMPTS = {"/v1/chat/completions": CHAT_BODY, "/v1/completions": {"prompt": "x"}, "/v1/embeddings": {"input": "x"}}
+
+
+def _refused(serving: OpenAIServing, url: str, body: dict[str, Any]) -> RequestRejected:
+    with pytest.raises(RequestRejected) as caught:
+        serving.to_engine_requests(_line(url, {**PROMPTS[url], **body}).body, **ARGS)
+    return caught.value
+
+
+ARGS: dict[str, Any] = {"request_id": "r", "defaults": BatchDefaults(), "group": "g"}
+UNSUPPORTED = [
+    (url, name) for url, body_type in BODY_TYPES.items() for name in _unsupported_fields(body_type)
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("url", "name"), UNSUPPORTED, ids=[f"{url[4:]}-{name}" for url, name in UNSUPPORTED])
+def test_each_unsupported_field_is_refused_by_name(tokenizer: Any, url: str, name: str) -> None:
+    error = _refused(OpenAIServing(tokenizer, ("demo",), 2048), url, {name: {"any": "value"}})
+    assert (error.code, error.param, error.status_code) == ("unsupported_parameter", name, 400)
+    assert f"'{name}' is not supported" in error.message
+
+
+@pytest.mark.parametrize(
+    ("url", "body"),
+    [
+        ("/v1/chat/completions", {"modalities": ["text"], "echo": False, "best_of": 1, "use_beam_search": False}),
+        ("/v1/chat/completions", {"user": "u", "store": True, "metadata": {"k": "v"}, "service_tier": "auto"}),
+        ("/v1/chat/completions", {"prompt_cache_key": "k", "safety_identifier": "s", "parallel_tool_calls": True}),
+        ("/v1/completions", {"best_of": 2, "n": 2, "suffix": "", "include_stop_str_in_output": False}),
+        ("/v1/embeddings", {"normalize": True, "user": "u", "truncate_prompt_tokens": None}),
+    ],
+)
+def test_no_op_values_are_accepted(tokenizer: Any, url: str, body: dict[str, Any]) -> None:
+    serving = OpenAIServing(tokenizer, ("demo",), 2048)
+    assert serving.to_engine_requests(_line(url, {**PROMPTS[url], **body}).body, **ARGS)
+
+
+def test_a_model_it_does_not_serve_is_not_found(tokenizer: Any) -> None:
+    serving = OpenAIServing(tokenizer, ("demo", "alias"), 2048)
+    for url in PROMPTS:
+        error = _refused(serving, url, {"model": "gpt-4o"})
+        assert (error.code, error.param, error.status_code) == ("model_not_found", "model", 404)
+        assert error.message == "The model 'gpt-4o' does not exist: this server serves 'demo' or 'alias'."
+        assert serving.to_engine_requests(_line(url, {**PROMPTS[url], "model": "alias"}).body, **ARGS)
+
+
+def test_the_sampling_extensions_reach_the_engine(tokenizer: Any) -> None:
+    serving = OpenAIServing(tokenizer, ("demo",), 2048)
+    body = {
+        "prompt": "x",
+        "min_p": 0.1,
+        "min_tokens": 3,
+        "repetition_penalty": 1.2,
+        "logit_bias": {"65": 5, "66": -100},
+        "stop_token_ids": [10, 11],
+        "skip_special_tokens": False,
+        "add_special_tokens": False,
+        "seed": 9,
+    }
+    (request,) = serving.to_engine_requests(_line("/v1/completions", body).body, **ARGS)
+    params = request.params
+    assert (params.min_p, params.min_tokens, params.repetition_penalty, params.seed) == (0.1, 3, 1.2, 9)
+    assert (params.logit_bias, params.stop_token_ids, params.skip_special_tokens) == (
+        {65: 5, 66: -100},
+        (10, 11),
+        False,
+    )
+    assert request.prompt_token_ids == tokenizer.encode("x", add_special_tokens=False)
+    for param, value in (("logit_bias", {"4096": 1}), ("stop_token_ids", [4096])):
+        error = _refused(serving, "/v1/completions", {param: value})
+        assert (error.code, error.param) == ("invalid_value", param) and "outside the vocabulary" in error.message
+    error = _refused(serving, "/v1/completions", {"min_tokens": 9, "max_tokens": 4})
+    assert (error.code, error.param) == ("invalid_value", "min_tokens")
+    error = _refused(serving, "/v1/chat/completions", {"response_format": {"type": "json_object"}})
+    assert (error.code, error.param) == ("unsupported_parameter", "response_format")
+    assert "needs guided decoding" in error.message
+
+
+def test_the_model_generation_config_sits_beneath_batch_and_request(tokenizer: Any) -> None:
+    model = {"temperature": 0.6, "top_p": 0.8, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "max_tokens": 7}
+    serving = OpenAIServing(tokenizer, ("demo",), 2048, generation_defaults=model)
+
+    def params(body: dict[str, Any], defaults: BatchDefaults = NO_DEFAULTS) -> Any:
+        line = _line("/v1/completions", {"prompt": "x", **body})
+        return serving.to_engine_requests(line.body, request_id="r", defaults=defaults, group="g")[0].params
+
+    fields = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
+    assert tuple(getattr(params({}), f) for f in fields) == (0.6, 0.8, 20, 0.05, 1.1, 7)
+    batch = BatchDefaults(temperature=0.3, top_p=0.5, top_k=4, max_decoding_length=3)
+    assert tuple(getattr(params({}, batch), f) for f in fields) == (0.3, 0.5, 4, 0.05, 1.1, 3)
+    request = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "max_tokens": 9}
+    assert tuple(getattr(params(request, batch), f) for f in fields) == (0.0, 1.0, 0, 0.0, 1.0, 9)
+
+
+# --- chat templates: tools, template variables, the generation prompt -------------------------------------------------
+
+TOOLS_TEMPLATE = (
+    "{% if tools %}[tools:{% for tool in tools %}{{ tool.function.name }};{% endfor %}]{% endif %}"
+    "{% if think %}[think]{% endif %}"
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+    "{% for call in m.tool_calls or [] %}{{ call.function.name }}({{ call.function.arguments.city }}){% endfor %}"
+    "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
+
+
+@pytest.fixture
+def tools_serving(tokenizer: Any) -> OpenAIServing:
+    templated = copy.deepcopy(tokenizer)
+    templated.chat_template = TOOLS_TEMPLATE
+    return OpenAIServing(templated, ("demo",), 2048)
+
+
+def _prompt(serving: OpenAIServing, body: dict[str, Any]) -> str:
+    (request,) = serving.to_engine_requests(_line("/v1/chat/completions", {**CHAT_BODY, **body}).body, **ARGS)
+    return str(serving.tokenizer.decode(request.prompt_token_ids))
+
+
+def test_tools_and_template_variables_are_rendered(tools_serving: OpenAIServing) -> None:
+    assert _prompt(tools_serving, {"tools": [WEATHER]}) == "[tools:weather;]<user>x<assistant>"
+    assert _prompt(tools_serving, {"tools": [WEATHER], "tool_choice": "none"}) == "<user>x<assistant>"
+    assert _prompt(tools_serving, {"chat_template_kwargs": {"think": True}}) == "[think]<user>x<assistant>"
+    assert _prompt(tools_serving, {"add_generation_prompt": False}) == "<user>x"
+    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
+    history = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    history.append({"role": "tool", "content": "-3 C", "tool_call_id": "c1"})
+    rendered = _prompt(tools_serving, {"messages": history})
+    assert rendered == "<user>x<assistant>weather(Oslo)<tool>-3 C<assistant>"  # arguments as an object
+
+
+@pytest.mark.parametrize(
+    ("body", "code", "param"),
+    [
+        ({"tools": [WEATHER], "tool_choice": "required"}, "unsupported_parameter", "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": WEATHER["function"]}}, "", "tool_choice"),
+        ({"chat_template_kwargs": {"enable_thinking": False}}, "", "chat_template_kwargs.enable_thinking"),
+        ({"chat_template_kwargs": {"tokenize": True}}, "invalid_value", "chat_template_kwargs"),
+        ({"chat_template_kwargs": {"add_generation_prompt": False}}, "invalid_value", "chat_template_kwargs"),
+    ],
+)
+def test_what_the_template_would_drop_is_refused(
+    tools_serving: OpenAIServing, body: dict[str, Any], code: str, param: str
+) -> None:
+    error = _refused(tools_serving, "/v1/chat/completions", body)
+    assert (error.code, error.param) == (code or "unsupported_parameter", param)
+
+
+def test_tools_for_a_template_without_them_are_refused(tokenizer: Any) -> None:
+    error = _refused(OpenAIServing(tokenizer, ("demo",), 2048), "/v1/chat/completions", {"tools": [WEATHER]})
+    assert (error.code, error.param) == ("unsupported_parameter", "tools")
+    assert error.message == "the model's chat template does not render tools"

@@ -1,7 +1,7 @@
 """No request can stop the engine, over the real API: a line that breaks a step fails alone, with a server_error
 line, while the other lines, and another tenant's batch running meanwhile, complete untouched and /health stays 200;
-and an engine that dies for good says why on /health, keeps every accepted request unanswered for the next process,
-and still lets a batch be cancelled.
+and an engine that dies for good says why on /health, keeps every accepted batch request unanswered for the next
+process, answers online calls 503, and still lets a batch be cancelled.
 
 The faults are injected into the in-process server's model (its transformers class) and scheduler: the only fakes.
 """
@@ -117,6 +117,10 @@ def test_a_dead_engine_says_why_keeps_requests_and_cancels(
     with _server(serve, storage) as base_url:
         server = LiveServer(base_url=base_url, storage_dir=storage, api_key=KEYS[0])
         broken.set()  # after the model loaded: from now on every step fails, however often the engine restarts
+        online = {"model": "demo", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+        waiting: list[Any] = []  # an online call accepted before the engine died is answered, not left waiting
+        caller = threading.Thread(target=lambda: waiting.append(server.http.post("/v1/chat/completions", json=online)))
+        caller.start()
         batch = server.create_batch(server.upload([chat_line(f"r{i}", max_tokens=4) for i in range(5)])["id"])
         reasons = []  # restarting after each failure, then stopped for good
         for _ in range(300):
@@ -127,6 +131,9 @@ def test_a_dead_engine_says_why_keeps_requests_and_cancels(
                     break
             threading.Event().wait(0.05)
         assert reasons and reasons[-1] == "engine stopped: RuntimeError('device lost')"
+        caller.join(10)
+        for answer in (*waiting, server.http.post("/v1/chat/completions", json=online)):
+            assert answer.status_code == 503 and answer.json()["error"]["code"] == "engine_stopped", answer.text
         assert server.batch(batch["id"])["request_counts"]["failed"] == 0  # nothing failed for the device's sake
         cancelled = server.http.post(f"/v1/batches/{batch['id']}/cancel")
         assert cancelled.status_code == 200

@@ -28,6 +28,7 @@ from batchgen.schemas.validation import (
 )
 
 CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
 
 
 def chat_line(custom_id: str = "r1", **body: Any) -> dict[str, Any]:
@@ -82,7 +83,7 @@ def test_valid_chat_file_yields_typed_lines() -> None:
         "top_logprobs": 2,
         "response_format": {"type": "json_object"},
         "stream": False,
-        "some_future_field": {"ignored": True},
+        "user": "u-1",  # a no-op, as at OpenAI
     }
     items = run(jsonl(chat_line("a", **body), chat_line("b")))
     assert [type(item) for item in items] == [BatchInputLine, BatchInputLine]
@@ -340,11 +341,46 @@ def test_mismatched_model_against_the_expected_model() -> None:
     assert (error.line, error.code, error.param) == (1, "mismatched_model", "body.model")
 
 
-@pytest.mark.parametrize("url", [CHAT, "/v1/completions"])
-def test_streaming_unsupported(url: str) -> None:
-    body = {"model": "demo", "stream": True, "messages": [{"role": "user", "content": "x"}], "prompt": "x"}
+@pytest.mark.parametrize(
+    ("url", "prompt"), [(CHAT, {"messages": [{"role": "user", "content": "x"}]}), (COMPLETIONS, {"prompt": "x"})]
+)
+def test_streaming_unsupported(url: str, prompt: dict[str, Any]) -> None:
+    body = {"model": "demo", "stream": True, **prompt}
     error = only_error(jsonl({"custom_id": "s", "method": "POST", "url": url, "body": body}))
     assert (error.line, error.code, error.param) == (1, "streaming_unsupported", "body.stream")
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"temprature": 0.5}, "body.temprature"),
+        ({"stream": False, "stream_options": {"include_usage": True, "usage": 1}}, "body.stream_options.usage"),
+    ],
+)
+def test_an_unknown_field_is_named(body: dict[str, Any], param: str) -> None:
+    """Not a field of OpenAI's API or vLLM's: a typo is refused, never ignored."""
+    error = only_error(jsonl(chat_line("a", **body)))
+    assert (error.line, error.code, error.param) == (1, "unknown_parameter", param)
+    assert error.message == f"Unrecognized request argument supplied: '{param}'."
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "problem"),
+    [
+        ({"stream_options": {"include_usage": True}}, "body.stream_options", "only allowed when 'stream' is true"),
+        ({"logit_bias": {"abc": 1}}, "body.logit_bias", "keys must be token ids"),
+        ({"logit_bias": {"-3": 1}}, "body.logit_bias", "keys must be token ids"),
+        ({"logit_bias": {"3": 101}}, "body.logit_bias", "<= 100"),
+        ({"min_p": 1.5}, "body.min_p", "<= 1"),
+        ({"repetition_penalty": 0}, "body.repetition_penalty", "> 0"),
+        ({"min_tokens": -1}, "body.min_tokens", ">= 0"),
+        ({"stop_token_ids": [-1]}, "body.stop_token_ids[0]", ">= 0"),
+    ],
+)
+def test_sampling_extensions_are_checked(body: dict[str, Any], param: str, problem: str) -> None:
+    error = only_error(jsonl(chat_line("a", **body)))
+    assert (error.line, error.code, error.param) == (1, "invalid_request", param)
+    assert problem in error.message
 
 
 def test_too_many_requests_stops_at_the_first_line_over_the_limit() -> None:

@@ -6,6 +6,7 @@ Each object is built twice: with every optional field populated, and with only t
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -378,3 +379,17 @@ def test_request_bodies_round_trip_through_the_sdk_shape() -> None:
     sent = msgspec.json.decode(msgspec.json.encode(full_chat_request()))
     assert msgspec.convert(sent, ChatCompletionRequest) == full_chat_request()
     assert set(sent) >= {"top_k", "ignore_eos"}  # the extensions travel next to the OpenAI fields
+
+
+@pytest.mark.parametrize(
+    ("ours", "official"),
+    [
+        (ChatCompletionRequest, chat_create_params.CompletionCreateParamsStreaming),
+        (CompletionRequest, completion_create_params.CompletionCreateParamsStreaming),
+        (EmbeddingRequest, embedding_create_params.EmbeddingCreateParams),
+    ],
+)
+def test_every_field_the_sdk_sends_is_declared(ours: type[msgspec.Struct], official: Any) -> None:
+    """Each is honoured, a no-op or refused by name (unsupported_parameter); an undeclared one would be refused as
+    unknown, so a new SDK field fails here first."""
+    assert set(typing.get_type_hints(official)) <= set(ours.__struct_fields__)

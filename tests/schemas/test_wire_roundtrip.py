@@ -112,9 +112,10 @@ def test_input_lines_round_trip_through_the_validator() -> None:
     assert list(iter_input_lines(io.BytesIO(msgspec.json.encode(chat)))) == [chat]
 
 
-def test_body_structs_ignore_unknown_fields_and_omit_unset_ones() -> None:
-    raw = b'{"model": "demo", "input": "x", "future_field": {"a": 1}}'
-    request = msgspec.json.decode(raw, type=EmbeddingRequest)
+def test_body_structs_refuse_unknown_fields_and_omit_unset_ones() -> None:
+    with pytest.raises(msgspec.ValidationError, match="unknown field `future_field`"):
+        msgspec.json.decode(b'{"model": "demo", "input": "x", "future_field": {"a": 1}}', type=EmbeddingRequest)
+    request = msgspec.json.decode(b'{"model": "demo", "input": "x", "user": null}', type=EmbeddingRequest)
     assert msgspec.json.decode(msgspec.json.encode(request)) == {"model": "demo", "input": "x"}
 
 

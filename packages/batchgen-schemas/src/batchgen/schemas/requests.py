@@ -3,10 +3,17 @@
 msgspec allows one array-like type per union, so prompts/inputs that may be text, a list of texts, token ids or a
 list of token-id lists are typed as ``str | list[str | int | list[int]]``; the validator checks that a list is
 homogeneous.
+
+Every field OpenAI's API or vLLM's takes is declared, so that none passes silently: a field that is not declared is
+an unknown parameter (refused when the body is decoded), and one declared ``Unsupported`` is refused by name when it
+is set to anything but a value that changes nothing (``unsupported_parameter``). The rest are honoured, or are
+no-ops here as they are at OpenAI (``user``, ``store``, ``metadata``, ``service_tier``, ...).
 """
 
 from __future__ import annotations
 
+import typing
+from functools import cache
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -27,6 +34,18 @@ Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 TopLogprobs = Annotated[int, msgspec.Meta(ge=0, le=20)]
 Stop = str | Annotated[list[str], msgspec.Meta(max_length=4)]
 Prompt = str | list[str | int | list[int]]
+MinP = Annotated[float, msgspec.Meta(ge=0, le=1)]
+RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0, le=10)]
+MinTokens = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]
+LogitBias = dict[str, Annotated[float, msgspec.Meta(ge=-100, le=100)]]
+"""Token ids (as strings, OpenAI's shape) -> a bias added to their logits."""
+
+Unsupported = Annotated[
+    Any,
+    msgspec.Meta(description="Not supported by batchgen: a request that sets it is refused (unsupported_parameter)."),
+]
+"""A field OpenAI or vLLM takes that batchgen does not honour (see ``unsupported_parameter``)."""
 
 
 class TextContentPart(Body, kw_only=True, tag_field="type", tag="text"):
@@ -37,6 +56,10 @@ class ChatMessage(Body, kw_only=True):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    """An assistant's calls of ``tools``, as OpenAI returns them."""
+    tool_call_id: str | None = None
+    """A ``tool`` message: the call it answers."""
 
     def text(self) -> str:
         """The message's text, with text parts joined as OpenAI does (no separator)."""
@@ -52,22 +75,73 @@ class ResponseFormat(Body, kw_only=True):
     json_schema: dict[str, Any] | None = None
 
 
-class SamplingFields(Body, kw_only=True):
-    """Fields shared by the generating endpoints."""
+class StreamOptions(Body, kw_only=True, forbid_unknown_fields=True):
+    include_usage: bool = False
+    """A last chunk with the usage (and ``"usage": null`` in the others)."""
+    continuous_usage_stats: bool = False
+    """vLLM's: the usage so far in every chunk."""
+
+
+class RequestFields(Body, kw_only=True, forbid_unknown_fields=True):
+    """Fields every endpoint takes."""
 
     model: str
+    user: str | None = None
+    """A no-op (OpenAI uses it to monitor abuse)."""
+    add_special_tokens: bool | None = None
+    """vLLM's: the tokenizer's special tokens (BOS...) around text prompts (default: on, off for a chat prompt)."""
+    truncate_prompt_tokens: Unsupported = None
+    priority: Unsupported = None
+    request_id: Unsupported = None
+    cache_salt: Unsupported = None
+    mm_processor_kwargs: Unsupported = None
+    kv_transfer_params: Unsupported = None
+    vllm_xargs: Unsupported = None
+
+
+class SamplingFields(RequestFields, kw_only=True):
+    """Fields shared by the generating endpoints (with vLLM's sampling extensions)."""
+
     max_tokens: MaxTokens | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
     top_k: TopK | None = None
+    min_p: MinP | None = None
     seed: Seed | None = None
     stop: Stop | None = None
+    stop_token_ids: list[TokenId] | None = None
     n: ChoiceCount = 1
     ignore_eos: bool = False
+    min_tokens: MinTokens | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    logit_bias: LogitBias | None = None
+    skip_special_tokens: bool = True
     stream: bool | None = None
-    user: str | None = None
+    stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    """Only ``text``: the json modes need guided decoding, which batchgen does not have yet."""
+    best_of: Unsupported = None
+    use_beam_search: Unsupported = None
+    length_penalty: Unsupported = None
+    include_stop_str_in_output: Unsupported = None
+    spaces_between_special_tokens: Unsupported = None
+    prompt_logprobs: Unsupported = None
+    allowed_token_ids: Unsupported = None
+    bad_words: Unsupported = None
+    echo: Unsupported = None
+    logits_processors: Unsupported = None
+    return_tokens_as_token_ids: Unsupported = None
+    return_token_ids: Unsupported = None
+    structured_outputs: Unsupported = None
+    guided_json: Unsupported = None
+    guided_regex: Unsupported = None
+    guided_choice: Unsupported = None
+    guided_grammar: Unsupported = None
+    guided_decoding_backend: Unsupported = None
+    guided_whitespace_pattern: Unsupported = None
+    structural_tag: Unsupported = None
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -75,24 +149,88 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = None
-    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    """Rendered into the prompt by the model's chat template; a call comes back as the model's text (no parser)."""
+    tool_choice: Any = None
+    """``auto`` renders ``tools``, ``none`` leaves them out; ``required`` or a named tool (which need guided decoding)
+    are refused."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Variables for the chat template (``enable_thinking``...)."""
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    parallel_tool_calls: bool | None = None
+    """A no-op: with no tool-call parser, calls are never split out of the text."""
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: Any = None
+    safety_identifier: str | None = None
+    audio: Unsupported = None
+    modalities: Unsupported = None
+    prediction: Unsupported = None
+    reasoning_effort: Unsupported = None
+    verbosity: Unsupported = None
+    web_search_options: Unsupported = None
+    moderation: Unsupported = None
+    functions: Unsupported = None
+    function_call: Unsupported = None
+    documents: Unsupported = None
+    chat_template: Unsupported = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
     prompt: Prompt
     logprobs: TopLogprobs | None = None
-    echo: bool = False
+    suffix: Unsupported = None
+    prompt_embeds: Unsupported = None
 
 
-class EmbeddingRequest(Body, kw_only=True):
-    model: str
+class EmbeddingRequest(RequestFields, kw_only=True):
     input: Prompt
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, msgspec.Meta(ge=1, le=INT32_MAX)] | None = None
-    user: str | None = None
+    normalize: Unsupported = None
+    embed_dtype: Unsupported = None
+    additional_data: Unsupported = None
 
 
 RequestBody = ChatCompletionRequest | CompletionRequest | EmbeddingRequest
+
+NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
+    "modalities": (["text"],),
+    "echo": (False,),
+    "use_beam_search": (False,),
+    "length_penalty": (1, 1.0),
+    "include_stop_str_in_output": (False,),
+    "spaces_between_special_tokens": (True,),
+    "return_tokens_as_token_ids": (False,),
+    "return_token_ids": (False,),
+    "normalize": (True,),
+    "priority": (0,),
+    "suffix": ("",),
+}
+"""Values of ``Unsupported`` fields that change nothing here (what clients send as defaults), besides ``null``."""
+
+
+def unsupported_parameter(body: RequestBody) -> str | None:
+    """The first field of ``body`` that batchgen does not support, set to a value that would change the output (a
+    ``best_of`` equal to ``n`` changes nothing); ``None`` if there is none."""
+    for name in _unsupported_fields(type(body)):
+        value = getattr(body, name)
+        if value is None or value in NO_OP_VALUES.get(name, ()):
+            continue
+        if name == "best_of" and value == getattr(body, "n", 1):
+            continue
+        return name
+    return None
+
+
+@cache
+def _unsupported_fields(body_type: type[RequestBody]) -> tuple[str, ...]:
+    hints = typing.get_type_hints(body_type, include_extras=True)
+    return tuple(name for name, hint in hints.items() if hint == Unsupported)
 
 
 def count_sequences(prompt: object, n: object = 1) -> int:

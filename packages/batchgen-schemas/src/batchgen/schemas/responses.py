@@ -111,6 +111,50 @@ class EmbeddingList(Wire, kw_only=True, tag_field="object", tag="list"):
 ResponseBody = ChatCompletion | TextCompletion | EmbeddingList | ErrorResponse
 
 
+class ChoiceDelta(Wire, kw_only=True, omit_defaults=True):
+    """What a stream chunk adds to a chat choice: the role first, then content; ``{}`` in the chunk that ends it."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatCompletionChunkChoice(Wire, kw_only=True):
+    index: int
+    delta: ChoiceDelta
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionChunk(Wire, kw_only=True, tag_field="object", tag="chat.completion.chunk"):
+    """One server-sent event of a streamed chat completion."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[ChatCompletionChunkChoice]
+    system_fingerprint: str | None = None
+    usage: CompletionUsage | msgspec.UnsetType | None = msgspec.UNSET
+    """Sent only with ``stream_options.include_usage``: null, and the totals in a last chunk with no choices."""
+
+
+class CompletionChunkChoice(Wire, kw_only=True):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class TextCompletionChunk(Wire, kw_only=True, tag_field="object", tag="text_completion"):
+    """One server-sent event of a streamed completion (OpenAI tags it ``text_completion`` too)."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChunkChoice]
+    system_fingerprint: str | None = None
+    usage: CompletionUsage | msgspec.UnsetType | None = msgspec.UNSET
+
+
 class BatchResponse(Wire, kw_only=True):
     status_code: int
     request_id: str

@@ -32,6 +32,7 @@ from .requests import (
     BatchInputLine,
     ChatCompletionRequest,
     CompletionRequest,
+    EmbeddingRequest,
     Prompt,
     RequestBody,
     count_sequences,
@@ -45,6 +46,7 @@ __all__ = [
     "ValidationReport",
     "check_upload",
     "iter_input_lines",
+    "request_problem",
     "validate_input_file",
 ]
 
@@ -248,6 +250,11 @@ def _read_chunks(source: Source) -> Iterator[bytes]:
 
 _ERROR_AT = re.compile(r"^(?P<detail>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
 _MISSING = re.compile(r"^Object missing required field `(?P<field>[^`]+)`$")
+_UNKNOWN = re.compile(r"^Object contains unknown field `(?P<field>[^`]+)`$")
+_FIELD_ERRORS = (
+    (_MISSING, "missing_required_parameter", "Missing required parameter: '{}'."),
+    (_UNKNOWN, "unknown_parameter", "Unrecognized request argument supplied: '{}'."),
+)
 
 
 def _decode_error(line: int, exc: Exception, prefix: str) -> LineError:
@@ -258,16 +265,12 @@ def _decode_error(line: int, exc: Exception, prefix: str) -> LineError:
         return LineError(line=line, code="invalid_json_line", message=f"The line is not valid JSON: {exc}.")
     match = _ERROR_AT.match(str(exc))
     assert match is not None  # the pattern matches any string
-    detail, path = match["detail"], match["path"] or ""
+    detail, path = match["detail"], (match["path"] or "").replace("[...]", "")  # msgspec's mark for a dict value
     param = f"{prefix}{path}".lstrip(".") or None
-    if (missing := _MISSING.match(detail)) is not None:
-        field = ".".join(p for p in (param, missing["field"]) if p)
-        return LineError(
-            line=line,
-            code="missing_required_parameter",
-            message=f"Missing required parameter: '{field}'.",
-            param=field,
-        )
+    for pattern, code, message in _FIELD_ERRORS:  # a field missing or unknown: name it in full
+        if (named := pattern.match(detail)) is not None:
+            field = ".".join(p for p in (param, named["field"]) if p)
+            return LineError(line=line, code=code, message=message.format(field), param=field)
     if param is None:  # the line itself is valid JSON but not an object
         return LineError(line=line, code="invalid_json_line", message=f"The line must be a JSON object: {detail}.")
     return LineError(line=line, code="invalid_request", message=f"Invalid '{param}': {detail}.", param=param)
@@ -413,35 +416,36 @@ class _RequestValidator:
                 "a batch uses one model.",
                 param="body.model",
             )
-        if isinstance(body, ChatCompletionRequest):
-            if body.stream:
-                return _streaming_error(line)
-            if body.top_logprobs is not None and not body.logprobs:
-                return LineError(
-                    line=line,
-                    code="invalid_request",
-                    message="'body.top_logprobs' requires 'body.logprobs' to be true.",
-                    param="body.top_logprobs",
-                )
-            return None
-        if isinstance(body, CompletionRequest):
-            if body.stream:
-                return _streaming_error(line)
-            param, problem = "body.prompt", _prompt_problem(body.prompt)
-        else:
-            param, problem = "body.input", _prompt_problem(body.input)
-        if problem is not None:
-            return LineError(line=line, code="invalid_request", message=f"Invalid '{param}': {problem}", param=param)
+        if not isinstance(body, EmbeddingRequest) and body.stream:
+            return LineError(
+                line=line,
+                code="streaming_unsupported",
+                message="Streaming is not supported in batches; remove 'stream' or set it to false.",
+                param="body.stream",
+            )
+        if (problem := request_problem(body)) is not None:
+            field, detail = problem
+            return LineError(
+                line=line, code="invalid_request", message=f"Invalid 'body.{field}': {detail}", param=f"body.{field}"
+            )
         return None
 
 
-def _streaming_error(line: int) -> LineError:
-    return LineError(
-        line=line,
-        code="streaming_unsupported",
-        message="Streaming is not supported in batches; remove 'stream' or set it to false.",
-        param="body.stream",
-    )
+def request_problem(body: RequestBody) -> tuple[str, str] | None:
+    """What makes a body invalid beyond its fields' types, as ``(field, problem)``: the same checks for a batch line
+    and an online request."""
+    if isinstance(body, EmbeddingRequest):
+        problem = _prompt_problem(body.input)
+        return None if problem is None else ("input", problem)
+    if isinstance(body, ChatCompletionRequest) and body.top_logprobs is not None and not body.logprobs:
+        return "top_logprobs", "it requires 'logprobs' to be true."
+    if body.stream_options is not None and not body.stream:
+        return "stream_options", "it is only allowed when 'stream' is true."
+    if body.logit_bias and not all(key.isdigit() for key in body.logit_bias):
+        return "logit_bias", "its keys must be token ids (non-negative integers, as strings)."
+    if isinstance(body, CompletionRequest) and (problem := _prompt_problem(body.prompt)) is not None:
+        return "prompt", problem
+    return None
 
 
 def _prompt_problem(prompt: Prompt) -> str | None:

@@ -17,11 +17,13 @@ from batchgen.schemas import BatchObject, ModelObject
 
 from .api.batches import BatchesController
 from .api.deps import DEPENDENCIES, ServerContext, admit_while_running
+from .api.engine_calls import OnlineRequests
 from .api.errors import EXCEPTION_HANDLERS, add_request_id
 from .api.files import FilesController
 from .api.health import HealthController, PoolController
 from .api.legacy import legacy_inference
 from .api.models import ModelsController
+from .api.online import OnlineController
 from .api.openapi import BEARER_AUTH, openapi_config
 from .batches.crashes import CrashJournal
 from .batches.loop import BatchLoop, default_window
@@ -55,8 +57,8 @@ def create_app(settings: Settings, engine: LLMEngine | EncoderEngine | None = No
         if engine is None:
             engine = await asyncio.to_thread(LLMEngine.from_config, settings.engine)
         worker = EngineWorker(engine)
-        serving = OpenAIServing(
-            engine.tokenizer, engine.model_name, engine.max_context_length, engine.tasks, settings.max_line_sequences
+        serving = await asyncio.to_thread(
+            OpenAIServing.for_engine, engine, settings.engine, settings.max_line_sequences
         )
         metrics: Metrics | None = None
 
@@ -75,9 +77,12 @@ def create_app(settings: Settings, engine: LLMEngine | EncoderEngine | None = No
             limits=settings.validation_limits,
             journal=CrashJournal(settings.storage_dir / "inflight.journal"),
         )
-        model = ModelObject(
-            id=engine.model_name, created=int(time.time()), max_context_length=engine.max_context_length
-        )
+        created = int(time.time())
+        models = [
+            ModelObject(id=name, created=created, max_context_length=engine.max_context_length)
+            for name in serving.model_names
+        ]
+        online = OnlineRequests(worker, settings.max_online_sequences or 2 * settings.engine.max_num_seqs)
         metrics = Metrics(
             engine.model_name,
             ServerState(
@@ -91,7 +96,7 @@ def create_app(settings: Settings, engine: LLMEngine | EncoderEngine | None = No
             ),
         )
         worker.observer = metrics.observe_request
-        app.state.context = ServerContext(settings, db, blobs, model, worker, loop, metrics)
+        app.state.context = ServerContext(settings, db, blobs, models, worker, loop, metrics, serving, online)
         worker.start()
         loop.start()
         activity = (
@@ -116,7 +121,14 @@ def create_app(settings: Settings, engine: LLMEngine | EncoderEngine | None = No
 
     api = Router(
         path="/",
-        route_handlers=[ModelsController, FilesController, BatchesController, PoolController, legacy_inference],
+        route_handlers=[
+            ModelsController,
+            FilesController,
+            BatchesController,
+            OnlineController,
+            PoolController,
+            legacy_inference,
+        ],
         guards=[admit_while_running],
         security=BEARER_AUTH,
     )

@@ -34,6 +34,14 @@ def _run_batch(args: argparse.Namespace, config: EngineConfig) -> int:
     if not report.ok:
         _print_invalid(args.input, report.errors, report.error_count)
         return 2
+    if report.model not in config.served_model_names:
+        print(
+            f"{args.input}: its requests ask for the model {report.model!r}, which this run does not serve "
+            f"({', '.join(map(repr, config.served_model_names))}); nothing was run. Pass --served-model-name "
+            f"{report.model!r} to serve --model {config.model!r} under that name.",
+            file=sys.stderr,
+        )
+        return 2
     try:
         engine = LLMEngine.from_config(config)
     except ModelLoadError as exc:
@@ -81,7 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--errors-output", type=Path, default=None, help="error JSONL (default: into --output)")
     run.add_argument("--max-decoding-length", type=int, default=None, help="default max tokens per request")
     run.add_argument("--max-context-length", type=int, default=None, help="cap on prompt + generated tokens")
-    run.add_argument("--temperature", type=float, default=None, help="default temperature (unset: greedy)")
+    run.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="default temperature (unset: the model's generation config, else greedy)",
+    )
     run.add_argument("--top-p", type=float, default=None, help="default top_p")
     run.add_argument("--top-k", type=int, default=None, help="default top_k")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -60,7 +60,7 @@ def run_batch(
             bar.set_postfix_str(f"{tokens_per_s:,.0f} tok/s", refresh=True)
 
         store = FileStore(input_path, output_path, errors_path, on_update=show)
-        serving = OpenAIServing(engine.tokenizer, engine.model_name, engine.max_context_length, engine.tasks)
+        serving = OpenAIServing.for_engine(engine, engine.config)
         worker = EngineWorker(engine)
         loop = BatchLoop(store, serving, worker, capacity=2**62, window=default_window(engine.config.max_num_seqs))
         worker.start()

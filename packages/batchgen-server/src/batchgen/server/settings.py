@@ -56,6 +56,11 @@ class Settings:
     engine_window: int | None = setting(
         None, "most sequences the batch loop keeps inside the engine (default: 1.25 x --max-num-seqs)"
     )
+    max_online_sequences: int | None = setting(
+        None,
+        "most sequences (prompts x n) of online requests inside the engine at once; more answer 429 "
+        "(default: 2 x --max-num-seqs)",
+    )
     retry_after_s: int = setting(30, "Retry-After of a 429")
     max_upload_bytes: int = setting(200 * MIB, "largest uploaded file (413 above)")
     max_requests_per_file: int = setting(50_000, "most requests in one input file")

@@ -20,9 +20,11 @@ from ..batches.loop import BatchLoop
 from ..engine import EngineWorker
 from ..observability.metrics import Metrics
 from ..security.auth import provide_tenant
+from ..serving import OpenAIServing
 from ..settings import Settings
 from ..storage.blobs import BlobStore
 from ..storage.database import Database
+from .engine_calls import OnlineRequests
 from .errors import APIError
 
 
@@ -31,10 +33,17 @@ class ServerContext:
     settings: Settings
     db: Database
     blobs: BlobStore
-    model: ModelObject
+    models: list[ModelObject]
+    """The served model under each of its names, its id first."""
     worker: EngineWorker
     loop: BatchLoop
     metrics: Metrics
+    serving: OpenAIServing
+    online: OnlineRequests
+
+    @property
+    def model(self) -> ModelObject:
+        return self.models[0]
 
 
 def now() -> int:

@@ -111,6 +111,7 @@ def _validation_error(_: Request[Any, Any, Any], exc: ValidationException) -> Re
         code, param = "missing_required_parameter", _join(param, match.group(1))
     elif match := _UNKNOWN.search(message):
         code, param = "unknown_parameter", _join(param, match.group(1))
+        return error_response(400, f"Unrecognized request argument supplied: '{param}'.", code=code, param=param)
     elif "missing required" in message.lower():
         code = "missing_required_parameter"
     elif detail.get("source") == "body" and param is None:

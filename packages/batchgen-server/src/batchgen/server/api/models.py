@@ -1,4 +1,4 @@
-"""``/v1/models``: the one model this server runs."""
+"""``/v1/models``: the one model this server runs, under each of its names (``--served-model-name``)."""
 
 from __future__ import annotations
 
@@ -14,13 +14,14 @@ class ModelsController(Controller):
     path = "/v1/models"
     tags = ("models",)
 
-    @get(summary="List the loaded model", responses=ERROR_RESPONSES)
+    @get(summary="List the loaded model, under each name it is served by", responses=ERROR_RESPONSES)
     async def list_models(self, context: ServerContext) -> ModelList:
-        return ModelList(data=[context.model])
+        return ModelList(data=context.models)
 
-    @get("/{model_id:path}", summary="Retrieve the loaded model (404 for any other id)", responses=ERROR_RESPONSES)
+    @get("/{model_id:path}", summary="Retrieve the loaded model (404 for any other name)", responses=ERROR_RESPONSES)
     async def retrieve(self, context: ServerContext, model_id: str) -> ModelObject:
         model_id = model_id.lstrip("/")
-        if model_id != context.model.id:
-            raise not_found("model", model_id, param="model")
-        return context.model
+        for model in context.models:
+            if model.id == model_id:
+                return model
+        raise not_found("model", model_id, param="model")

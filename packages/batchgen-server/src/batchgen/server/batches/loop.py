@@ -665,11 +665,16 @@ class BatchLoop:
             return []
         try:
             requests = self.serving.to_engine_requests(
-                line, request_id=request_id, defaults=batch.defaults, group=batch.id
+                line.body, request_id=request_id, defaults=batch.defaults, group=batch.id
             )
         except RequestRejected as exc:
             error = self.serving.error_line(
-                line.custom_id, request_id=request_id, code=exc.code, message=exc.message, param=exc.param
+                line.custom_id,
+                request_id=request_id,
+                code=exc.code,
+                message=exc.message,
+                param=exc.param,
+                status_code=exc.status_code,
             )
             self._answer(batch, error, work)
             return []

@@ -31,6 +31,23 @@ class EngineConfig:
     model: str = setting(
         "demo", "'demo' (a tiny random model built in code), a local directory or a Hugging Face hub id"
     )
+    revision: str | None = setting(None, "the model's branch, tag or commit on the hub (default: main)")
+    trust_remote_code: bool = setting(
+        False, "run the Python code a model ships with (its auto_map), for architectures transformers lacks"
+    )
+    tokenizer: str | None = setting(None, "the tokenizer's directory or hub id (default: the model's own)")
+    chat_template: str | None = setting(
+        None, "a chat template file, or the Jinja template itself, in place of the tokenizer's"
+    )
+    served_model_name: tuple[str, ...] = setting(
+        (),
+        "a model name requests may use, repeat for aliases; the first is the model's id (default: --model as given)",
+    )
+    generation_config: str = setting(
+        "auto",
+        "sampling defaults for what neither a request nor its batch sets: auto (the model's generation_config.json), "
+        "none or vllm (batchgen's own: greedy), or a directory holding a generation_config.json",
+    )
     device: str | None = setting(None, "cuda, cuda:1 or cpu (default: cuda when available)")
     dtype: str = setting(
         "auto", "auto (bfloat16 on GPU, float32 on CPU), bfloat16 (bf16), float16 (half, fp16), float32 (fp32), float64"
@@ -63,6 +80,11 @@ class EngineConfig:
     torch_threads: int | None = setting(
         None, "CPU threads of torch's ops, process-wide (default: torch's own, the machine's cores)"
     )
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        """The names requests may use for the model, its id first."""
+        return self.served_model_name or (self.model,)
 
     def apply_torch_threads(self) -> None:
         import torch

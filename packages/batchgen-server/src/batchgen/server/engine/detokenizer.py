@@ -12,28 +12,29 @@ class IncrementalDetokenizer:
     complete (the usual prefix/read offset scheme).
     """
 
-    def __init__(self, tokenizer: Any, stop: tuple[str, ...]) -> None:
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...], skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
+        self.skip_special_tokens = skip_special_tokens
         self.max_stop_len = max((len(s) for s in stop), default=0)
         self.token_ids: list[int] = []
         self.text = ""
         self._prefix_offset = 0
         self._read_offset = 0
 
-    def add(self, token_id: int) -> bool:
-        """Append a token; return ``True`` when the text now contains a stop string (the text is cut before it)."""
+    def add(self, token_id: int, find_stops: bool = True) -> bool:
+        """Append a token; return ``True`` when the text now contains a stop string (the text is cut before it).
+        With ``find_stops`` false (before ``min_tokens``), stop strings are not looked for in the new text."""
         self.token_ids.append(token_id)
-        decode = self.tokenizer.decode
-        prefix = decode(self.token_ids[self._prefix_offset : self._read_offset], skip_special_tokens=True)
-        full = decode(self.token_ids[self._prefix_offset :], skip_special_tokens=True)
+        prefix = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self.token_ids[self._prefix_offset :])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return False
         delta = full[len(prefix) :]
         self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
         start = max(0, len(self.text) - self.max_stop_len + 1)
         self.text += delta
-        hits = [i for i in (self.text.find(stop, start) for stop in self.stop) if i != -1]
+        hits = [i for i in (self.text.find(stop, start) for stop in self.stop) if i != -1] if find_stops else []
         if hits:
             self.text = self.text[: min(hits)]
             return True
@@ -42,10 +43,11 @@ class IncrementalDetokenizer:
     def finish(self) -> str:
         """The final text, including any held-back tail (call only when no stop string was found)."""
         if self._read_offset < len(self.token_ids):
-            prefix = self.tokenizer.decode(
-                self.token_ids[self._prefix_offset : self._read_offset], skip_special_tokens=True
-            )
-            full = self.tokenizer.decode(self.token_ids[self._prefix_offset :], skip_special_tokens=True)
+            prefix = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
+            full = self._decode(self.token_ids[self._prefix_offset :])
             self.text += full[len(prefix) :]
             self._read_offset = len(self.token_ids)
         return self.text
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens))

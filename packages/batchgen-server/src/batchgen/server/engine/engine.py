@@ -7,7 +7,6 @@ import random
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -83,7 +82,7 @@ class LLMEngine:
 
         model, tokenizer = load_model(config)
         engine_class = EncoderEngine if is_encoder_only(model.config) else cls
-        return engine_class(model, tokenizer, config, "demo" if config.model == "demo" else Path(config.model).name)
+        return engine_class(model, tokenizer, config, config.served_model_names[0])
 
     def reset(self) -> None:
         """Forget every request and start from an empty cache (the weights and the cache tensors stay): how the
@@ -163,7 +162,8 @@ class LLMEngine:
     # ---- one step ----------------------------------------------------------------------------------------------
 
     def step(self) -> list[EngineResult]:
-        """Run one forward over everything scheduled; return the requests that finished."""
+        """Run one forward over everything scheduled; return the requests that finished, and the partial results of
+        streamed requests that moved."""
         finished, self._ready = self._ready, []
         self._step_request_ids = None
         scheduled = self.scheduler.schedule()
@@ -210,7 +210,7 @@ class LLMEngine:
             sample_rows.append(row - 1)
             for choice in self._choices_sampled(seq):
                 logits_rows.append(len(sample_rows) - 1)
-                rows.append(SampleRow(seq.state.request.params, choice.seed, len(seq), choice.generated_ids))
+                rows.append(_sample_row(seq, choice))
         output = self.runner.forward(scheduled, sample_rows)
         if not rows:
             return _Computed(output.hidden, [], [])
@@ -267,6 +267,8 @@ class LLMEngine:
             self._append_token(target, token_id, logprob)
         if state.finished and state.request.request_id in self._requests:
             finished.append(self._completion_result(state))
+        elif state.request.stream:
+            finished.append(self._partial_result(state, targets))
 
     def _fail(self, state: RequestState, exc: Exception, finished: list[EngineResult]) -> None:
         """Fail one request whose step raised; the engine carries on with the others."""
@@ -284,7 +286,9 @@ class LLMEngine:
 
     def _new_sequence(self, state: RequestState, token_ids: list[int], index: int) -> Sequence:
         params = state.request.params
-        detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop) if params.stop else None
+        detokenizer = None
+        if params.stop or state.request.stream:
+            detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
         logprobs: list[TokenLogprob] | None = [] if params.logprobs else None
         return Sequence(
             state,
@@ -317,7 +321,10 @@ class LLMEngine:
         if seq.logprobs is not None and logprob is not None:
             seq.logprobs.append(logprob)
         state = seq.state
-        if token_id in state.stop_token_ids or (seq.detokenizer is not None and seq.detokenizer.add(token_id)):
+        may_stop = seq.num_generated >= state.request.params.min_tokens
+        if (may_stop and token_id in state.stop_token_ids) or (
+            seq.detokenizer is not None and seq.detokenizer.add(token_id, find_stops=may_stop)
+        ):
             seq.finish_reason = "stop"
         elif seq.num_generated >= state.max_tokens or len(seq) >= state.max_len:
             seq.finish_reason = "length"
@@ -326,17 +333,10 @@ class LLMEngine:
 
     def _completion_result(self, state: RequestState) -> EngineResult:
         del self._requests[state.request.request_id]
-        outputs = []
-        for seq in state.seqs:
-            if seq.detokenizer is None:
-                text = self.tokenizer.decode(seq.generated_ids, skip_special_tokens=True)
-            elif seq.finish_reason == "stop" and seq.generated_ids[-1] not in state.stop_token_ids:
-                text = seq.detokenizer.text  # cut before the stop string
-            else:
-                text = seq.detokenizer.finish()
-            outputs.append(
-                CompletionOutput(seq.index, seq.generated_ids, text, seq.finish_reason or "length", seq.logprobs)
-            )
+        outputs = [
+            CompletionOutput(seq.index, seq.generated_ids, self._text(seq), seq.finish_reason or "length", seq.logprobs)
+            for seq in state.seqs
+        ]
         return EngineResult(
             state.request.request_id,
             len(state.request.prompt_token_ids),
@@ -344,6 +344,46 @@ class LLMEngine:
             outputs=outputs,
             group=state.request.group,
             times=_times(state),
+        )
+
+    def _text(self, seq: Sequence) -> str:
+        """A finished choice's text."""
+        state = seq.state
+        by_stop_token = seq.finish_reason == "stop" and seq.generated_ids[-1] in state.stop_token_ids
+        if seq.detokenizer is None:  # the stop token is not part of the text (it never reaches a detokenizer)
+            ids = seq.generated_ids[:-1] if by_stop_token else seq.generated_ids
+            return str(self.tokenizer.decode(ids, skip_special_tokens=state.request.params.skip_special_tokens))
+        if seq.finish_reason == "stop" and not by_stop_token:
+            return seq.detokenizer.text  # cut before the stop string
+        return seq.detokenizer.finish()
+
+    def _partial_result(self, state: RequestState, seqs: list[Sequence]) -> EngineResult:
+        """What a streamed request's choices ``seqs`` added this step. Text that could still turn out to be the start
+        of a stop string is held back (the stop search looks that far back), so what is reported is always a prefix
+        of the final text."""
+        outputs = []
+        for seq in seqs:
+            assert seq.detokenizer is not None  # every sequence of a streamed request has one
+            if seq.finish_reason is None:
+                text = seq.detokenizer.text
+                end = max(seq.streamed_chars, len(text) - max(0, seq.detokenizer.max_stop_len - 1))
+            else:
+                text = self._text(seq)
+                end = len(text)
+            logprobs = None if seq.logprobs is None else seq.logprobs[seq.streamed_tokens :]
+            tokens = seq.generated_ids[seq.streamed_tokens :]
+            outputs.append(
+                CompletionOutput(seq.index, tokens, text[seq.streamed_chars : end], seq.finish_reason, logprobs)
+            )
+            seq.streamed_tokens, seq.streamed_chars = seq.num_generated, end
+        request = state.request
+        return EngineResult(
+            request.request_id,
+            len(request.prompt_token_ids),
+            cached_tokens=state.cached_tokens,
+            outputs=outputs,
+            group=request.group,
+            finished=False,
         )
 
     def _embedding_result(self, state: RequestState) -> EngineResult:
@@ -380,6 +420,14 @@ def _times(state: RequestState) -> RequestTimes:
 
 def _request_ids(seqs: Iterable[Sequence]) -> list[str]:
     return list(dict.fromkeys(seq.state.request.request_id for seq in seqs))
+
+
+def _sample_row(seq: Sequence, choice: _Choice) -> SampleRow:
+    state = seq.state
+    params = state.request.params
+    prompt_ids = seq.token_ids[: seq.num_prompt_tokens] if params.repetition_penalty != 1.0 else ()
+    banned = state.stop_token_ids if len(choice.generated_ids) < params.min_tokens else frozenset()
+    return SampleRow(params, choice.seed, len(seq), choice.generated_ids, prompt_ids, banned)
 
 
 def _choice_seed(state: RequestState, index: int) -> int:

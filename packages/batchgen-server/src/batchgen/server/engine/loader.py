@@ -1,14 +1,17 @@
-"""Load a model and its tokenizer (demo, a local directory or a hub id): a causal LM or a BERT-style encoder."""
+"""Load a model and its tokenizer (demo, a local directory or a hub id): a causal LM or a BERT-style encoder; and the
+sampling defaults of its generation config."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from transformers import (
     AutoConfig,
     AutoModel,
     AutoModelForCausalLM,
     AutoTokenizer,
+    GenerationConfig,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
@@ -18,6 +21,17 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_N
 from .config import EngineConfig
 from .demo_model import demo_model_dir
 from .errors import ModelLoadError
+
+GENERATION_DEFAULTS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+"""The generation config's sampling fields that become defaults (as vLLM takes them), and the request field each
+stands for. ``do_sample`` is ignored, as vLLM does: a temperature the model ships is used."""
 
 
 def resolve_model_path(model: str) -> str:
@@ -39,31 +53,86 @@ def is_encoder_only(config: PretrainedConfig) -> bool:
 def load_model(config: EngineConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The model and its tokenizer; ``ModelLoadError`` (one line: what was tried, what to do) if they cannot load."""
     path = resolve_model_path(config.model)
-    kwargs: dict[str, object] = {"dtype": config.resolved_dtype()}
+    hub: dict[str, Any] = {"revision": config.revision, "trust_remote_code": config.trust_remote_code}
+    kwargs: dict[str, Any] = {"dtype": config.resolved_dtype(), **hub}
     if config.device_map is not None:
         kwargs["device_map"] = config.device_map
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model_class = AutoModel if is_encoder_only(AutoConfig.from_pretrained(path)) else AutoModelForCausalLM
+        model_config = AutoConfig.from_pretrained(path, **hub)
+        model_class = AutoModel if is_encoder_only(model_config) else AutoModelForCausalLM
         model = model_class.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as exc:  # transformers' errors for missing files, unknown ids, bad configs
         raise ModelLoadError(_why_not_loaded(config.model, exc)) from exc
+    tokenizer = load_tokenizer(config)
     if config.device_map is None:
         model = model.to(config.resolved_device())
     model.eval()
     return model, tokenizer
 
 
-def _why_not_loaded(model: str, exc: Exception) -> str:
+def load_tokenizer(config: EngineConfig) -> PreTrainedTokenizerBase:
+    """The model's tokenizer, or ``--tokenizer``'s, with ``--chat-template`` in place of its own."""
+    source = config.tokenizer or config.model
+    revision = config.revision if config.tokenizer is None else None  # a revision names a commit of the model
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            resolve_model_path(source), revision=revision, trust_remote_code=config.trust_remote_code
+        )
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(_why_not_loaded(source, exc, "tokenizer")) from exc
+    if config.chat_template is not None:
+        tokenizer.chat_template = read_chat_template(config.chat_template)
+        try:
+            tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], tokenize=False)
+        except Exception as exc:  # jinja2's syntax and template errors, and whatever the template raises
+            raise ModelLoadError(f"--chat-template cannot render a one-message conversation: {exc}") from exc
+    return tokenizer
+
+
+def read_chat_template(value: str) -> str:
+    """``--chat-template``: a file's content, or the template itself (as vLLM reads it)."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if "{" not in value:
+        raise ModelLoadError(
+            f"--chat-template {value!r}: no such file, and not a template either (a Jinja template has '{{' in it)"
+        )
+    return value
+
+
+def load_generation_defaults(config: EngineConfig) -> dict[str, Any]:
+    """The sampling defaults of ``--generation-config`` (``auto``: the model's generation_config.json), keyed by
+    request field; empty for ``none``/``vllm``, or a model with no generation config."""
+    choice = config.generation_config
+    if choice in ("none", "vllm"):
+        return {}
+    source, revision = (resolve_model_path(config.model), config.revision) if choice == "auto" else (choice, None)
+    try:
+        generation = GenerationConfig.from_pretrained(source, revision=revision)
+    except OSError as exc:
+        if choice == "auto":
+            return {}  # the model ships none
+        raise ModelLoadError(f"--generation-config {choice!r}: no generation_config.json there ({exc})") from exc
+    values = {field: getattr(generation, name, None) for name, field in GENERATION_DEFAULTS.items()}
+    return {field: value for field, value in values.items() if value is not None}
+
+
+def _why_not_loaded(model: str, exc: Exception, what: str = "model") -> str:
+    if "trust_remote_code" in str(exc):
+        return (
+            f"the {what} {model!r} ships its own Python code (auto_map): pass --trust-remote-code to run it, if you "
+            "trust its source"
+        )
     # A hub id is "org/name"; anything else, or an "org/name" whose first part is a local directory, is a path.
     local = model.startswith((".", "/", "~")) or model.count("/") != 1 or Path(model.split("/")[0]).is_dir()
     if local and not Path(model).expanduser().exists():
         return (
-            f"no model at {model!r}: that directory does not exist (give a directory holding config.json, "
+            f"no {what} at {model!r}: that directory does not exist (give a directory holding config.json, "
             "or a Hugging Face hub id such as Qwen/Qwen2.5-0.5B-Instruct)"
         )
     detail = next(iter(str(exc).strip().splitlines()), type(exc).__name__)
     return (
-        f"could not load the model {model!r}: {detail} (check the hub id or the directory, and that this machine "
+        f"could not load the {what} {model!r}: {detail} (check the hub id or the directory, and that this machine "
         "can reach the hub, or that the model is in the local cache with HF_HUB_OFFLINE=1)"
     )

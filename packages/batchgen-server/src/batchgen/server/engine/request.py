@@ -26,6 +26,17 @@ class SamplingParams:
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    """vLLM's: the logit of a token already in the prompt or the output is divided by it (multiplied when negative);
+    ``1`` is off."""
+    min_p: float = 0.0
+    """Tokens less likely than ``min_p`` times the most likely one are dropped; ``0`` is off."""
+    min_tokens: int = 0
+    """No stop token (EOS, ``stop_token_ids``) and no stop string ends a choice before it has this many tokens."""
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    """Token id -> a bias added to its logit before sampling (-100 bans it, +100 forces it)."""
+    skip_special_tokens: bool = True
+    """Leave special tokens out of the text (the token ids keep them)."""
     logprobs: bool = False
     top_logprobs: int = 0
     max_context_length: int | None = None
@@ -40,6 +51,11 @@ class EngineRequest:
     task: Task = "generate"
     group: str = ""
     """Scheduling group (the batch id): groups are served first come, first served; all of a group can be aborted."""
+    interactive: bool = False
+    """An online request, someone waiting on it: admitted ahead of batch work, preempting a batch sequence when the
+    running set is full."""
+    stream: bool = False
+    """Report each step's new tokens as they come (results with ``finished`` false) before the final result."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +71,8 @@ class CompletionOutput:
     index: int
     token_ids: list[int]
     text: str
-    finish_reason: FinishReason
+    finish_reason: FinishReason | None
+    """``None`` in a partial result while the choice is still running."""
     logprobs: list[TokenLogprob] | None = None
 
 
@@ -90,6 +107,9 @@ class EngineResult:
     group: str = ""
     times: RequestTimes | None = None
     """Set on the results of requests that ran (not on those refused at admission)."""
+    finished: bool = True
+    """``False`` for a streamed request's partial result: each of its outputs holds only what is new since the last
+    one (tokens, text, logprobs), for the choices that moved. The final result holds everything, as unstreamed."""
 
     @property
     def completion_tokens(self) -> int:

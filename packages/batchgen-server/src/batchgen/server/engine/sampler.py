@@ -8,6 +8,7 @@ computed again (after a fault, say) samples exactly what it would have.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -43,14 +44,22 @@ class SampleRow:
     """Position of the token being sampled in its sequence."""
     generated_ids: list[int]
     """Tokens generated so far (for the presence/frequency penalties)."""
+    prompt_ids: Sequence[int] = ()
+    """The prompt's tokens, for ``repetition_penalty`` (left empty when it is off)."""
+    banned_ids: frozenset[int] = frozenset()
+    """Tokens that may not be drawn at this position (the stop tokens, before ``min_tokens``)."""
 
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[TokenLogprob | None]]:
         """``logits`` is ``[rows, vocab]``; returns the chosen token ids and, where asked, their logprobs."""
         logits = logits.float()
+        if any(r.banned_ids or r.params.logit_bias for r in rows):
+            logits = self._apply_biases(logits, rows)
         if any(r.params.presence_penalty or r.params.frequency_penalty for r in rows):
             logits = self._apply_penalties(logits, rows)
+        if any(r.params.repetition_penalty != 1.0 for r in rows):
+            logits = self._apply_repetition_penalty(logits, rows)
         temperatures = [r.params.temperature for r in rows]
         if all(t == 0 for t in temperatures):
             chosen = logits.argmax(dim=-1)
@@ -85,11 +94,41 @@ class Sampler:
         return logits - counts * frequency - (counts > 0).float() * presence
 
     @staticmethod
+    def _apply_biases(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """``logit_bias`` added, then the banned tokens removed."""
+        logits = logits.clone()
+        for i, row in enumerate(rows):
+            if row.params.logit_bias:
+                ids = torch.tensor(list(row.params.logit_bias), dtype=torch.long, device=logits.device)
+                biases = torch.tensor(list(row.params.logit_bias.values()), device=logits.device)
+                logits[i].index_add_(0, ids, biases)
+            if row.banned_ids:
+                logits[i, torch.tensor(sorted(row.banned_ids), dtype=torch.long, device=logits.device)] = float("-inf")
+        return logits
+
+    @staticmethod
+    def _apply_repetition_penalty(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """vLLM's definition: over the tokens of the prompt and the output, a positive logit is divided by the
+        penalty and a negative one multiplied."""
+        seen = torch.zeros_like(logits, dtype=torch.bool)
+        for i, row in enumerate(rows):
+            if row.params.repetition_penalty != 1.0:
+                ids = torch.tensor([*row.prompt_ids, *row.generated_ids], dtype=torch.long, device=logits.device)
+                seen[i, ids] = True
+        penalty = torch.tensor([r.params.repetition_penalty for r in rows], device=logits.device).unsqueeze(1)
+        penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+        return torch.where(seen, penalized, logits)
+
+    @staticmethod
     def _sample(logits: torch.Tensor, rows: list[SampleRow], temperatures: list[float]) -> torch.Tensor:
         device, vocab = logits.device, logits.shape[1]
         greedy = logits.argmax(dim=-1)
         temps = torch.tensor([t if t > 0 else 1.0 for t in temperatures], device=device).unsqueeze(1)
         sorted_logits, sorted_ids = (logits / temps).sort(dim=-1, descending=True)
+        min_p = torch.tensor([r.params.min_p for r in rows], device=device).unsqueeze(1)
+        if bool((min_p > 0).any()):  # relative to the most likely token: probability ratios are logit differences
+            floor = sorted_logits[:, :1] + torch.log(min_p)
+            sorted_logits = sorted_logits.masked_fill(sorted_logits < floor, float("-inf"))
         ranks = torch.arange(vocab, device=device).unsqueeze(0)
         top_k = torch.tensor([min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in rows], device=device)
         sorted_logits = sorted_logits.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))

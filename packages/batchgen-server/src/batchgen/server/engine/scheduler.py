@@ -5,6 +5,10 @@ next chunk), then waiting sequences are admitted strictly first come, first serv
 order they arrived) while the budget, the running-sequence cap and free KV blocks allow. When a running sequence
 needs a block and none is free, the most recently admitted sequence is preempted: its blocks are freed (full ones
 stay in the prefix cache) and it goes back to the front of the queue, to be recomputed later.
+
+Interactive sequences (online requests) come first everywhere: they wait ahead of batch ones, run first in a step,
+and when one cannot be admitted (the running set is full, or no block is free) the batch sequence admitted last is
+preempted to make room. A batch never makes an online request wait behind it.
 """
 
 from __future__ import annotations
@@ -33,13 +37,14 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        self._enqueue(seq, front=False)
 
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         kept: list[Sequence] = []
-        queue = deque(self.running)
+        # Interactive first (a stable sort keeps admission order within each kind), so ``queue.pop()`` preempts batch.
+        queue = deque(sorted(self.running, key=_is_batch) if any(map(_is_interactive, self.running)) else self.running)
         while queue and budget > 0:
             seq = queue.popleft()
             num_tokens = min(seq.num_uncomputed, budget)
@@ -55,10 +60,19 @@ class Scheduler:
         kept.extend(queue)  # not reached this step (budget spent): they keep their blocks and run next step
         self.running = kept
 
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
+            if len(self.running) >= self.max_num_seqs:
+                if not _is_interactive(seq) or (refund := self._preempt_batch(scheduled)) is None:
+                    break
+                budget += refund
             cached = self.block_manager.match_prefix(seq) if seq.state.request.task == "generate" else 0
             num_tokens = min(seq.num_uncomputed, budget)
+            while not self.block_manager.can_allocate(seq, num_tokens):
+                if not _is_interactive(seq) or (refund := self._preempt_batch(scheduled)) is None:
+                    break
+                budget += refund
+                num_tokens = min(seq.num_uncomputed, budget)
             if not self.block_manager.can_allocate(seq, num_tokens):
                 self.block_manager.free_seq(seq)  # a waiting sequence holds no blocks
                 break
@@ -76,8 +90,33 @@ class Scheduler:
         self.block_manager.free_seq(seq)
         seq.state.embedding_sum = None  # an embedding is pooled again over the recomputed prompt
         seq.status = Status.WAITING
-        self.waiting.appendleft(seq)
+        self._enqueue(seq, front=True)
         self.num_preemptions += 1
+
+    def _preempt_batch(self, scheduled: list[ScheduledSeq]) -> int | None:
+        """Preempt the batch sequence admitted last, for an interactive one; the step's tokens it gives back (it may
+        have been scheduled already), or ``None`` when no batch sequence runs."""
+        victim = next((seq for seq in reversed(self.running) if _is_batch(seq)), None)
+        if victim is None:
+            return None
+        self.running.remove(victim)
+        refund = 0
+        for index, item in enumerate(scheduled):
+            if item.seq is victim:
+                refund = item.num_tokens
+                del scheduled[index]
+                break
+        self._preempt(victim)
+        return refund
+
+    def _enqueue(self, seq: Sequence, *, front: bool) -> None:
+        """Interactive sequences wait ahead of batch ones; within each kind first come, first served, except that a
+        preempted sequence (``front``) goes first."""
+        if not front and _is_batch(seq):
+            self.waiting.append(seq)
+            return
+        interactive = next((i for i, other in enumerate(self.waiting) if _is_batch(other)), len(self.waiting))
+        self.waiting.insert(0 if front and _is_interactive(seq) else interactive, seq)
 
     def finish(self, seq: Sequence) -> None:
         """Release a finished or aborted sequence wherever it is."""
@@ -87,3 +126,11 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+
+
+def _is_interactive(seq: Sequence) -> bool:
+    return seq.state.request.interactive
+
+
+def _is_batch(seq: Sequence) -> bool:
+    return not seq.state.request.interactive

@@ -62,6 +62,10 @@ class Sequence:
     logprobs: list[TokenLogprob] | None = None
     forked: bool = False
     """``True`` once the n choices have been forked from this sequence (or for a fork itself)."""
+    streamed_tokens: int = 0
+    """Generated tokens reported in partial results so far (streamed requests)."""
+    streamed_chars: int = 0
+    """Characters of the text reported in partial results so far."""
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -27,15 +27,17 @@ STRIKES_TO_QUARANTINE = 2
 class EngineWorker:
     """Thread-safe front of an ``LLMEngine``: submissions and aborts are queued and applied between steps.
 
-    Each finished request's callback is invoked from the worker thread. When idle the thread sleeps on a condition
-    variable (no busy loop).
+    A request's callback is invoked from the worker thread with its result, and before that with each partial result
+    of a streamed request (``EngineResult.finished`` false). When idle the thread sleeps on a condition variable (no
+    busy loop).
 
     The engine already fails a request whose step raises without stopping (``LLMEngine.step``). Should a step still
     fail (a fault it could not pin on a request), the worker restarts the engine in place: it empties the engine and
     submits again every request it held, so nothing accepted is lost. Each request of the failed step gets a strike
     and goes on probation: requests on probation run one at a time (beside the others), so a second failure is
     pinned on one of them; a request with two strikes is quarantined (failed with a ``server_error`` result) rather
-    than run again, so one request can never keep the engine in a restart loop. ``state`` is ``restarting``
+    than run again, so one request can never keep the engine in a restart loop. A streamed request that has reported
+    tokens is failed rather than run again: what it streamed cannot be taken back. ``state`` is ``restarting``
     meanwhile, and ``dead`` (with ``error``) if failures keep coming (a broken device): the worker then stops and
     answers nothing more, so no accepted request is failed for it; a new process runs them.
     """
@@ -43,7 +45,7 @@ class EngineWorker:
     def __init__(self, engine: LLMEngine, observer: ResultCallback | None = None) -> None:
         self.engine = engine
         self.observer = observer
-        """Hears of every result delivered (the metrics), from the worker thread."""
+        """Hears of every final result delivered (the metrics), from the worker thread."""
         self.error: BaseException | None = None
         """The last engine failure (kept after a successful restart, for the record)."""
         self.state: State = "running"
@@ -53,6 +55,8 @@ class EngineWorker:
         self._aborts: list[str] = []
         self._held: dict[str, tuple[EngineRequest, ResultCallback]] = {}
         """Every request inside the engine, in arrival order: what a restart submits again."""
+        self._streamed: set[str] = set()
+        """Held requests that have reported partial results."""
         self._strikes: Counter[str] = Counter()
         self._probation: deque[str] = deque()
         """Held requests with a strike, to run one at a time; the first is in the engine once admitted."""
@@ -121,14 +125,17 @@ class EngineWorker:
         self._admit_probation()
 
     def _deliver(self, result: EngineResult) -> None:
-        held = self._release(result.request_id)
+        held = self._release(result.request_id) if result.finished else self._held.get(result.request_id)
         if held is not None:
+            if not result.finished:
+                self._streamed.add(result.request_id)
             _call(functools.partial(held[1], result), f"result callback of {result.request_id}")
-            if self.observer is not None:
+            if self.observer is not None and result.finished:
                 _call(functools.partial(self.observer, result), "result observer")
         self._admit_probation()
 
     def _release(self, request_id: str) -> tuple[EngineRequest, ResultCallback] | None:
+        self._streamed.discard(request_id)
         if request_id in self._probation:
             self._probation.remove(request_id)
         if request_id == self._admitted:
@@ -163,6 +170,9 @@ class EngineWorker:
                 if self._strikes[request_id] >= STRIKES_TO_QUARANTINE:
                     logger.error("request %s quarantined: the engine failed twice while running it", request_id)
                     reason = "it was running each of the two times the engine failed; it is not run again"
+                    self._deliver(self._error_result(request, reason))
+                elif request_id in self._streamed:
+                    reason = "it had streamed part of its output, which a new run would not continue"
                     self._deliver(self._error_result(request, reason))
                 elif self._strikes[request_id]:
                     self._probation.append(request_id)

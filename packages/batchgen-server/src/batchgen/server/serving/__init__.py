@@ -1,5 +1,7 @@
-"""OpenAI request bodies <-> engine requests and results; shared by the REST server and ``run-batch``."""
+"""OpenAI request bodies <-> engine requests and results; shared by the REST server (batches and online requests)
+and ``run-batch``."""
 
-from .openai_serving import BatchDefaults, OpenAIServing, RequestRejected
+from .errors import RequestRejected
+from .openai_serving import BatchDefaults, OpenAIServing, failed
 
-__all__ = ["BatchDefaults", "OpenAIServing", "RequestRejected"]
+__all__ = ["BatchDefaults", "OpenAIServing", "RequestRejected", "failed"]

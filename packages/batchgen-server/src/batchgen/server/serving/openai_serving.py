@@ -1,4 +1,5 @@
-"""Turn one OpenAI batch input line into engine requests, and engine results into its output line."""
+"""Turn an OpenAI request body (a batch input line's, or an online request's) into engine requests, and engine
+results into its response body or output line."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ import base64
 import math
 import struct
 import time
+from collections.abc import Mapping
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from batchgen.schemas import (
     BatchInputLine,
@@ -30,17 +32,25 @@ from batchgen.schemas import (
     ErrorResponse,
     GenerationDefaults,
     PromptTokensDetails,
+    RequestBody,
     TextCompletion,
     TokenLogprob,
     TopLogprob,
     sequences_of,
+    unsupported_parameter,
 )
 
-from ..engine.request import EngineRequest, EngineResult, SamplingParams, Task
+from ..engine.request import EngineError, EngineRequest, EngineResult, SamplingParams, Task
 from ..engine.request import TokenLogprob as EngineTokenLogprob
 from ..ids import engine_request_id, new_line_id
+from .chat_template import render_chat
+from .errors import RequestRejected
+
+if TYPE_CHECKING:
+    from ..engine.config import EngineConfig
 
 DEFAULT_MAX_SEQUENCES = 256
+ResponseBody = ChatCompletion | TextCompletion | EmbeddingList
 
 
 class BatchDefaults(GenerationDefaults, kw_only=True):
@@ -52,44 +62,67 @@ class BatchDefaults(GenerationDefaults, kw_only=True):
         return cls(**{name: getattr(source, name) for name in GenerationDefaults.__struct_fields__})
 
 
-class RequestRejected(Exception):
-    """A request the server cannot run as asked; it becomes an error line with status 400."""
-
-    def __init__(self, code: str, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.param = param
-
-
 class OpenAIServing:
     def __init__(
         self,
         tokenizer: Any,
-        model_name: str,
+        model_names: tuple[str, ...],
         max_context_length: int,
         tasks: frozenset[Task] = frozenset({"generate", "embed"}),
         max_sequences: int = DEFAULT_MAX_SEQUENCES,
+        generation_defaults: Mapping[str, Any] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
-        self.model_name = model_name
+        self.model_names = model_names
+        """The names requests may use for the model, its id first (``--served-model-name``)."""
         self.max_context_length = max_context_length
         self.tasks = tasks
         """What the engine runs (``engine.tasks``): an encoder model only embeds."""
         self.max_sequences = max_sequences
         """Most sequences (prompts x n) one request may ask for; a request over it is rejected before tokenizing."""
+        self.generation_defaults = dict(generation_defaults or {})
+        """The model's sampling defaults by request field (``--generation-config``), beneath a batch's own."""
         self._token_text = lru_cache(maxsize=65536)(self._decode_token)
 
-    # ---- input line -> engine requests -------------------------------------------------------------------------
+    @classmethod
+    def for_engine(cls, engine: Any, config: EngineConfig, max_sequences: int = DEFAULT_MAX_SEQUENCES) -> OpenAIServing:
+        """The serving of a loaded engine: under the names ``config`` serves it by, with its generation config's
+        defaults."""
+        from ..engine.loader import load_generation_defaults  # transformers: only once a model is loaded
+
+        return cls(
+            engine.tokenizer,
+            config.served_model_names,
+            engine.max_context_length,
+            engine.tasks,
+            max_sequences,
+            load_generation_defaults(config),
+        )
+
+    @property
+    def model_name(self) -> str:
+        """The model's id."""
+        return self.model_names[0]
+
+    # ---- request body -> engine requests ------------------------------------------------------------------------
 
     def to_engine_requests(
-        self, line: BatchInputLine, *, request_id: str, defaults: BatchDefaults, group: str
+        self, body: RequestBody, *, request_id: str, defaults: BatchDefaults, group: str, online: bool = False
     ) -> list[EngineRequest]:
-        """One engine request per prompt (chat: one; completions/embeddings: one per prompt/input), in prompt order.
+        """One engine request per prompt (chat: one; completions/embeddings: one per prompt/input), in prompt order;
+        ``online`` ones are interactive (scheduled ahead of batch work) and may stream. ``body`` has passed
+        ``batchgen.schemas.validation`` (its types, ``request_problem``; a batch line's ``stream`` is refused there).
 
-        ``output_line`` takes their results in the same order.
+        ``output_line`` and ``response_body`` take their results in the same order.
         """
-        body = line.body
+        if body.model not in self.model_names:
+            raise RequestRejected(
+                "model_not_found",
+                f"The model {body.model!r} does not exist: this server serves "
+                f"{' or '.join(repr(name) for name in self.model_names)}.",
+                "model",
+                status_code=404,
+            )
         sequences = sequences_of(body)
         if sequences > self.max_sequences:
             raise RequestRejected(
@@ -97,78 +130,101 @@ class OpenAIServing:
                 f"The request asks for {sequences} sequences (prompts x n); this server runs at most "
                 f"{self.max_sequences} for one request. Split it into several requests.",
             )
+        if (name := unsupported_parameter(body)) is not None:
+            raise RequestRejected(
+                "unsupported_parameter",
+                f"The parameter {name!r} is not supported by this server; remove it (docs/api.md lists the "
+                "parameters it honours).",
+                name,
+            )
         if isinstance(body, EmbeddingRequest):
-            prompts = self._prompts(body.input, "input")
+            prompts = self._prompts(body.input, "input", _first(body.add_special_tokens, True))
             return [
-                EngineRequest(engine_request_id(request_id, i), ids, task="embed", group=group)
+                EngineRequest(engine_request_id(request_id, i), ids, task="embed", group=group, interactive=online)
                 for i, ids in enumerate(prompts)
             ]
         if "generate" not in self.tasks:
+            url = "/v1/chat/completions" if isinstance(body, ChatCompletionRequest) else "/v1/completions"
             raise RequestRejected(
                 "unsupported_endpoint",
-                f"model {self.model_name!r} is an embedding model: it serves /v1/embeddings only, not {line.url}",
+                f"model {self.model_name!r} is an embedding model: it serves /v1/embeddings only, not {url}",
             )
         params = self._sampling_params(body, defaults)
         if isinstance(body, ChatCompletionRequest):
-            prompts = [self._chat_prompt(body)]
+            text = render_chat(self.tokenizer, body, self.model_name)
+            prompts = [list(self.tokenizer.encode(text, add_special_tokens=_first(body.add_special_tokens, False)))]
         else:
-            if body.echo:
-                raise RequestRejected("unsupported_parameter", "echo is not supported", "echo")
-            prompts = self._prompts(body.prompt, "prompt")
+            prompts = self._prompts(body.prompt, "prompt", _first(body.add_special_tokens, True))
         return [
-            EngineRequest(engine_request_id(request_id, i), ids, params=params, group=group)
+            EngineRequest(
+                engine_request_id(request_id, i),
+                ids,
+                params=params,
+                group=group,
+                interactive=online,
+                stream=online and bool(body.stream),
+            )
             for i, ids in enumerate(prompts)
         ]
 
     def _sampling_params(
         self, body: ChatCompletionRequest | CompletionRequest, defaults: BatchDefaults
     ) -> SamplingParams:
-        if body.stream:
-            raise RequestRejected("unsupported_parameter", "stream is not supported in a batch", "stream")
+        """The request's values, else the batch's defaults, else the model's generation config's, else batchgen's
+        (greedy, no limit but the context)."""
         logprobs, top_logprobs = False, 0
         max_tokens = body.max_tokens
+        if body.response_format is not None and body.response_format.type != "text":
+            raise RequestRejected(
+                "unsupported_parameter",
+                f"response_format {body.response_format.type!r} needs guided decoding, which batchgen does not have "
+                "yet; use 'text' (and describe the format in the prompt)",
+                "response_format",
+            )
         if isinstance(body, ChatCompletionRequest):
-            if body.response_format is not None and body.response_format.type != "text":
-                raise RequestRejected(
-                    "unsupported_parameter",
-                    f"response_format {body.response_format.type!r} is not supported; only 'text'",
-                    "response_format",
-                )
-            if body.top_logprobs and not body.logprobs:
-                raise RequestRejected("invalid_value", "top_logprobs requires logprobs to be true", "top_logprobs")
             logprobs, top_logprobs = bool(body.logprobs), body.top_logprobs or 0
             if body.max_completion_tokens is not None:
                 max_tokens = body.max_completion_tokens
         elif body.logprobs is not None:
             logprobs, top_logprobs = True, body.logprobs
+        model = self.generation_defaults
+        max_tokens = _first(max_tokens, defaults.max_decoding_length, model.get("max_tokens"), None)
+        if body.min_tokens and max_tokens is not None and body.min_tokens > max_tokens:
+            raise RequestRejected(
+                "invalid_value", f"min_tokens {body.min_tokens} is more than max_tokens {max_tokens}", "min_tokens"
+            )
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        logit_bias = {int(token): bias for token, bias in (body.logit_bias or {}).items()}
+        self._check_token_ids(logit_bias, "logit_bias")
+        self._check_token_ids(body.stop_token_ids or (), "stop_token_ids")
         return SamplingParams(
-            max_tokens=max_tokens if max_tokens is not None else defaults.max_decoding_length,
-            temperature=_first(body.temperature, defaults.temperature, 0.0),
-            top_p=_first(body.top_p, defaults.top_p, 1.0),
-            top_k=max(_first(body.top_k, defaults.top_k, 0), 0),
+            max_tokens=max_tokens,
+            temperature=_first(body.temperature, defaults.temperature, model.get("temperature"), 0.0),
+            top_p=_first(body.top_p, defaults.top_p, model.get("top_p"), 1.0),
+            top_k=max(_first(body.top_k, defaults.top_k, model.get("top_k"), 0), 0),
+            min_p=_first(body.min_p, model.get("min_p"), 0.0),
             seed=body.seed,
             n=body.n,
             stop=tuple(s for s in stop if s),
+            stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos,
+            min_tokens=body.min_tokens or 0,
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=_first(body.repetition_penalty, model.get("repetition_penalty"), 1.0),
+            logit_bias=logit_bias,
+            skip_special_tokens=body.skip_special_tokens,
             logprobs=logprobs,
             top_logprobs=top_logprobs,
             max_context_length=defaults.max_context_length,
         )
 
-    def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise RequestRejected("unsupported_endpoint", f"model {self.model_name!r} has no chat template", "messages")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as exc:  # the template itself may reject a conversation (e.g. roles out of order)
-            raise RequestRejected("invalid_value", f"chat template rejected the messages: {exc}", "messages") from exc
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+    def _check_token_ids(self, token_ids: Any, param: str) -> None:
+        bad = [token for token in token_ids if token >= len(self.tokenizer)]
+        if bad:
+            raise RequestRejected("invalid_value", f"{param} has token ids outside the vocabulary: {bad[:5]}", param)
 
-    def _prompts(self, prompt: str | list[Any], param: str) -> list[list[int]]:
+    def _prompts(self, prompt: str | list[Any], param: str, add_special_tokens: bool) -> list[list[int]]:
         """Text, a list of texts, a list of token ids, or a list of token-id lists -> token-id lists."""
         if isinstance(prompt, str):
             items: list[Any] = [prompt]
@@ -181,7 +237,7 @@ class OpenAIServing:
         prompts = []
         for item in items:
             if isinstance(item, str):
-                ids = list(self.tokenizer.encode(item))
+                ids = list(self.tokenizer.encode(item, add_special_tokens=add_special_tokens))
             elif isinstance(item, list) and all(isinstance(t, int) for t in item):
                 bad = [t for t in item if not 0 <= t < len(self.tokenizer)]
                 if bad:
@@ -198,25 +254,24 @@ class OpenAIServing:
             prompts.append(ids)
         return prompts
 
-    # ---- engine results -> output line ------------------------------------------------------------------------
+    # ---- engine results -> response body, output line ---------------------------------------------------------
+
+    def response_body(self, body: RequestBody, results: list[EngineResult], *, request_id: str) -> ResponseBody:
+        """The 200 body of a request whose results (in the order of its engine requests) all succeeded."""
+        if isinstance(body, EmbeddingRequest):
+            return self._embedding_list(body, results)
+        if isinstance(body, ChatCompletionRequest):
+            return self._chat_completion(body.model, results[0], request_id)
+        return self._text_completion(body.model, results, request_id)
 
     def output_line(self, line: BatchInputLine, results: list[EngineResult], *, request_id: str) -> BatchOutputLine:
-        """The 200 line, or an error line if any result failed (status 500 for the engine's own failure, else 400);
-        ``results`` in the order of the engine requests."""
-        for result in results:
-            if result.error is not None:
-                error = result.error
-                status = 500 if error.code == "server_error" else 400
-                return self.error_line(
-                    line.custom_id, request_id=request_id, code=error.code, message=error.message, status_code=status
-                )
-        body: ChatCompletion | TextCompletion | EmbeddingList
-        if isinstance(line.body, EmbeddingRequest):
-            body = self._embedding_list(line.body, results)
-        elif isinstance(line.body, ChatCompletionRequest):
-            body = self._chat_completion(results[0], request_id)
-        else:
-            body = self._text_completion(results, request_id)
+        """The 200 line, or an error line if any result failed; ``results`` in the order of the engine requests."""
+        if (failure := failed(results)) is not None:
+            status, error = failure
+            return self.error_line(
+                line.custom_id, request_id=request_id, code=error.code, message=error.message, status_code=status
+            )
+        body = self.response_body(line.body, results, request_id=request_id)
         return BatchOutputLine(
             id=new_line_id(),
             custom_id=line.custom_id,
@@ -243,45 +298,33 @@ class OpenAIServing:
             error=None,
         )
 
-    def _chat_completion(self, result: EngineResult, request_id: str) -> ChatCompletion:
+    def _chat_completion(self, model: str, result: EngineResult, request_id: str) -> ChatCompletion:
         choices = [
             ChatCompletionChoice(
                 index=output.index,
                 message=ChatCompletionMessage(content=output.text),
-                logprobs=None
-                if output.logprobs is None
-                else ChoiceLogprobs(content=self._chat_logprobs(output.logprobs)),
-                finish_reason=output.finish_reason,
+                logprobs=self.chat_logprobs(output.logprobs),
+                finish_reason=output.finish_reason or "length",
             )
             for output in result.outputs
         ]
         return ChatCompletion(
-            id=f"chatcmpl-{request_id}",
-            created=int(time.time()),
-            model=self.model_name,
-            choices=choices,
-            usage=_usage([result]),
+            id=f"chatcmpl-{request_id}", created=int(time.time()), model=model, choices=choices, usage=usage([result])
         )
 
-    def _text_completion(self, results: list[EngineResult], request_id: str) -> TextCompletion:
-        choices = []
-        for prompt_index, result in enumerate(results):
-            for output in result.outputs:
-                logprobs = None if output.logprobs is None else self._completion_logprobs(output.logprobs)
-                choices.append(
-                    CompletionChoice(
-                        index=prompt_index * len(result.outputs) + output.index,
-                        text=output.text,
-                        logprobs=logprobs,
-                        finish_reason=output.finish_reason,
-                    )
-                )
+    def _text_completion(self, model: str, results: list[EngineResult], request_id: str) -> TextCompletion:
+        choices = [
+            CompletionChoice(
+                index=prompt_index * len(result.outputs) + output.index,
+                text=output.text,
+                logprobs=self.completion_logprobs(output.logprobs),
+                finish_reason=output.finish_reason or "length",
+            )
+            for prompt_index, result in enumerate(results)
+            for output in result.outputs
+        ]
         return TextCompletion(
-            id=f"cmpl-{request_id}",
-            created=int(time.time()),
-            model=self.model_name,
-            choices=choices,
-            usage=_usage(results),
+            id=f"cmpl-{request_id}", created=int(time.time()), model=model, choices=choices, usage=usage(results)
         )
 
     def _embedding_list(self, body: EmbeddingRequest, results: list[EngineResult]) -> EmbeddingList:
@@ -299,24 +342,31 @@ class OpenAIServing:
         prompt_tokens = sum(r.prompt_tokens for r in results)
         return EmbeddingList(
             data=data,
-            model=self.model_name,
+            model=body.model,
             usage=EmbeddingUsage(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens),
         )
 
     def _decode_token(self, token_id: int) -> str:
         return str(self.tokenizer.decode([token_id]))
 
-    def _chat_logprobs(self, logprobs: list[EngineTokenLogprob]) -> list[TokenLogprob]:
-        out = []
+    def chat_logprobs(self, logprobs: list[EngineTokenLogprob] | None) -> ChoiceLogprobs | None:
+        if logprobs is None:
+            return None
+        content = []
         for lp in logprobs:
             text = self._token_text(lp.token_id)
             top = [TopLogprob(token=(t := self._token_text(i)), bytes=list(t.encode()), logprob=v) for i, v in lp.top]
-            out.append(TokenLogprob(token=text, bytes=list(text.encode()), logprob=lp.logprob, top_logprobs=top))
-        return out
+            content.append(TokenLogprob(token=text, bytes=list(text.encode()), logprob=lp.logprob, top_logprobs=top))
+        return ChoiceLogprobs(content=content)
 
-    def _completion_logprobs(self, logprobs: list[EngineTokenLogprob]) -> CompletionLogprobs:
+    def completion_logprobs(
+        self, logprobs: list[EngineTokenLogprob] | None, offset: int = 0
+    ) -> CompletionLogprobs | None:
+        """``text_offset`` counts from ``offset`` (where a streamed chunk's tokens start in the choice's text)."""
+        if logprobs is None:
+            return None
         tokens = [self._token_text(lp.token_id) for lp in logprobs]
-        offsets, offset = [], 0
+        offsets = []
         for token in tokens:
             offsets.append(offset)
             offset += len(token)
@@ -328,11 +378,20 @@ class OpenAIServing:
         )
 
 
+def failed(results: list[EngineResult]) -> tuple[int, EngineError] | None:
+    """The first failure among a request's results, with its status (500 for the engine's own failure, else 400)."""
+    for result in results:
+        if result.error is not None:
+            return (500 if result.error.code == "server_error" else 400), result.error
+    return None
+
+
 def _first(*values: Any) -> Any:
-    return next(v for v in values if v is not None)
+    """The first value that is set; the last one if none is."""
+    return next((v for v in values if v is not None), values[-1])
 
 
-def _usage(results: list[EngineResult]) -> CompletionUsage:
+def usage(results: list[EngineResult]) -> CompletionUsage:
     prompt = sum(r.prompt_tokens for r in results)
     completion = sum(r.completion_tokens for r in results)
     cached = sum(r.cached_tokens for r in results)

@@ -1,0 +1,163 @@
+"""Online endpoints: ``POST /v1/chat/completions``, ``/v1/completions`` and ``/v1/embeddings``, answered by the engine
+that runs the batches, ahead of them.
+
+A request is validated as a batch line is (its types, ``request_problem``, then ``OpenAIServing``), runs as
+interactive engine requests (scheduled before batch work, preempting it for room), and is answered whole or, with
+``stream: true``, as server-sent events while it generates. A client that goes away aborts its requests. Online
+requests hold at most ``--max-online-sequences`` sequences inside the engine; more are answered 429.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from litestar import Controller, Request, post
+from litestar.openapi.spec import OpenAPIMediaType, OpenAPIResponse, OpenAPIType, Operation, Schema
+from litestar.response import Stream
+
+from batchgen.schemas import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingList,
+    EmbeddingRequest,
+    RequestBody,
+    TextCompletion,
+)
+from batchgen.schemas.validation import request_problem
+
+from ..engine import EngineRequest, EngineResult
+from ..ids import new_request_id
+from ..serving import BatchDefaults, RequestRejected, failed
+from ..serving.openai_serving import ResponseBody
+from ..serving.streaming import DONE, StreamedResponse, error_event
+from .deps import ServerContext
+from .errors import ERROR_RESPONSES, APIError
+
+NO_DEFAULTS = BatchDefaults()
+
+
+@dataclass
+class _StreamableOperation(Operation):
+    """The OpenAPI operation of an endpoint that answers ``stream: true`` with server-sent events."""
+
+    def __post_init__(self) -> None:
+        answer = (self.responses or {}).get("200")
+        if isinstance(answer, OpenAPIResponse) and answer.content is not None:
+            answer.content["text/event-stream"] = OpenAPIMediaType(
+                schema=Schema(
+                    type=OpenAPIType.STRING,
+                    description="With `stream: true`: `data: <chunk JSON>` events, then `data: [DONE]`.",
+                )
+            )
+
+
+class OnlineController(Controller):
+    tags = ("online",)
+
+    @post(
+        "/v1/chat/completions",
+        status_code=200,
+        summary="Create a chat completion now (stream: true for server-sent events)",
+        responses=ERROR_RESPONSES,
+        operation_class=_StreamableOperation,
+    )
+    async def chat(
+        self, data: ChatCompletionRequest, request: Request[Any, Any, Any], context: ServerContext
+    ) -> ChatCompletion:
+        return await _serve(context, request, data)
+
+    @post(
+        "/v1/completions",
+        status_code=200,
+        summary="Create a completion now (stream: true for server-sent events)",
+        responses=ERROR_RESPONSES,
+        operation_class=_StreamableOperation,
+    )
+    async def completions(
+        self, data: CompletionRequest, request: Request[Any, Any, Any], context: ServerContext
+    ) -> TextCompletion:
+        return await _serve(context, request, data)
+
+    @post("/v1/embeddings", status_code=200, summary="Create embeddings now", responses=ERROR_RESPONSES)
+    async def embeddings(
+        self, data: EmbeddingRequest, request: Request[Any, Any, Any], context: ServerContext
+    ) -> EmbeddingList:
+        return await _serve(context, request, data)
+
+
+async def _serve(context: ServerContext, request: Request[Any, Any, Any], body: RequestBody) -> ResponseBody | Stream:
+    if (problem := request_problem(body)) is not None:
+        name, detail = problem
+        raise APIError(400, f"Invalid '{name}': {detail}", code="invalid_request", param=name)
+    request_id = new_request_id()
+    try:  # tokenizing a long prompt takes a while: not on the event loop
+        requests = await asyncio.to_thread(
+            context.serving.to_engine_requests, body, request_id=request_id, defaults=NO_DEFAULTS, group="", online=True
+        )
+    except RequestRejected as exc:
+        raise APIError(exc.status_code, exc.message, code=exc.code, param=exc.param) from None
+    context.online.check(sum(r.params.n for r in requests))
+    if not isinstance(body, EmbeddingRequest) and body.stream:
+        events = _events(context, StreamedResponse(context.serving, body, request_id), requests)
+        # The content type as a header: Litestar would give a Stream the route's JSON media type.
+        return Stream(events, headers={"content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache"})
+    async with context.online.run(requests) as call:
+        results = await _unless_disconnected(request, call.final_results())
+    if (failure := failed(results)) is not None:
+        status, error = failure
+        raise APIError(status, error.message, code=error.code)
+    return context.serving.response_body(body, results, request_id=request_id)
+
+
+async def _events(
+    context: ServerContext, stream: StreamedResponse, requests: list[EngineRequest]
+) -> AsyncIterator[bytes]:
+    """The events of a streamed request. A client that goes away cancels this (Litestar listens for it), which
+    aborts the request in the engine."""
+    try:
+        async with context.online.run(requests) as call:
+            for event in stream.start():
+                yield event
+            async for index, result in call.results():
+                if (failure := failed([result])) is not None:
+                    status, error = failure
+                    yield error_event(error.code, error.message, status)
+                    yield DONE
+                    return
+                for event in stream.add(index, result):
+                    yield event
+    except APIError as error:  # the engine stopped: the status is sent already
+        yield error_event(error.code or "server_error", error.message, error.status_code)
+        yield DONE
+        return
+    for event in stream.end():
+        yield event
+
+
+async def _unless_disconnected(request: Request[Any, Any, Any], work: Any) -> list[EngineResult]:
+    """``work``'s result; if the client goes away first, ``work`` is cancelled (and the caller leaving its
+    ``online.run`` aborts the requests)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        task.cancel()  # nothing, once it is done
+    if not task.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        raise APIError(499, "The client closed the request.", code="client_closed_request")
+    result: list[EngineResult] = task.result()
+    return result
+
+
+async def _disconnected(request: Request[Any, Any, Any]) -> None:
+    """Returns when the client has gone (the body has been read: the next ASGI message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
