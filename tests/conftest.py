@@ -10,6 +10,15 @@ from server_helpers import TENANT_KEYS, LiveServer
 from batchgen.server.launcher import ServerProcess
 
 
+@pytest.fixture(scope="session", autouse=True)
+def small_kv_cache() -> Iterator[None]:
+    """Servers the tests start get a 64 MiB KV cache (the CPU default is 1 GiB, resident from the start): the demo
+    model needs little, and a suite that runs half a dozen servers at once must fit a small machine."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("BATCHGEN_CPU_KV_CACHE_GIB", "0.0625")
+        yield
+
+
 @pytest.fixture(scope="session")
 def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     """One real server for the whole session (``base_url``, ``storage_dir``, ``http`` and helpers)."""

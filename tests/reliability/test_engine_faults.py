@@ -47,7 +47,12 @@ def broken_forward() -> Iterator[None]:
 
 
 def _server(serve: Callable[[ASGIApp], AbstractContextManager[str]], storage: Any) -> AbstractContextManager[str]:
-    settings = Settings(storage_dir=storage, api_keys=KEYS, flush_interval_s=0.05, engine=EngineConfig(torch_threads=1))
+    settings = Settings(
+        storage_dir=storage,
+        api_keys=KEYS,
+        flush_interval_s=0.05,
+        engine=EngineConfig(torch_threads=1, cpu_kv_cache_gib=0.0625),
+    )
     return serve(create_app(settings))
 
 

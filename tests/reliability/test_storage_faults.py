@@ -151,7 +151,9 @@ def in_process(
     faulty: FaultyOs, serve: Callable[[ASGIApp], AbstractContextManager[str]], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LiveServer]:
     storage = tmp_path_factory.mktemp("faults")
-    settings = Settings(storage_dir=storage, flush_interval_s=0.05, engine=EngineConfig(torch_threads=1))
+    settings = Settings(
+        storage_dir=storage, flush_interval_s=0.05, engine=EngineConfig(torch_threads=1, cpu_kv_cache_gib=0.0625)
+    )
     with serve(create_app(settings)) as base_url:
         server = LiveServer(base_url=base_url, storage_dir=storage)
         yield server
