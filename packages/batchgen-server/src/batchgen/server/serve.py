@@ -20,8 +20,8 @@ def serve(settings: Settings) -> int:
     """Run until SIGTERM/SIGINT; 2 for an unauthenticated non-loopback bind, 1 for storage it cannot open or a model
     it cannot load or serve."""
     from .app import create_app
-    from .engine import LLMEngine
     from .engine.errors import ModelLoadError
+    from .engines import load_engine
 
     try:
         check_bind_address(settings.host, settings.api_keys, settings.insecure)
@@ -34,7 +34,7 @@ def serve(settings: Settings) -> int:
         return 1
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        engine = LLMEngine.from_config(settings.engine)
+        engine = load_engine(settings.engine, settings.cluster)
     except ModelLoadError as exc:
         print(f"batchgen-server: {exc}", file=sys.stderr)
         return 1

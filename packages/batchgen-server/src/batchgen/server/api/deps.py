@@ -17,7 +17,7 @@ from litestar.handlers import BaseRouteHandler
 from batchgen.schemas import ModelObject
 
 from ..batches.loop import BatchLoop
-from ..engine import EngineWorker
+from ..engines import EngineFront
 from ..security.auth import provide_tenant
 from ..settings import Settings
 from ..storage.blobs import BlobStore
@@ -31,7 +31,7 @@ class ServerContext:
     db: Database
     blobs: BlobStore
     model: ModelObject
-    worker: EngineWorker
+    worker: EngineFront
     loop: BatchLoop
 
 

@@ -10,9 +10,10 @@ from litestar import Controller, Response, get
 from litestar.openapi import ResponseSpec
 from litestar.status_codes import HTTP_200_OK, HTTP_503_SERVICE_UNAVAILABLE
 
-from batchgen.schemas import HealthStatus, PoolStatus
+from batchgen.schemas import HealthStatus, PoolStatus, ReplicaStatus
 
 from ..batches.lifecycle import STATUSES
+from ..replicas.pool import ReplicaPool
 from .deps import ServerContext
 from .errors import ERROR_RESPONSES
 
@@ -34,15 +35,16 @@ class HealthController(Controller):
         },
     )
     async def health(self, context: ServerContext) -> Response[HealthStatus]:
-        worker, fault = context.worker, context.loop.status.storage_fault
+        worker, fault, replicas = context.worker, context.loop.status.storage_fault, _replicas(context)
         if worker.healthy and fault is None:
-            return Response(HealthStatus(status="healthy", model=context.model.id), status_code=HTTP_200_OK)
+            body = HealthStatus(status="healthy", model=context.model.id, replicas=replicas)
+            return Response(body, status_code=HTTP_200_OK)
         if not worker.healthy:
             state = "restarting after a failure" if worker.state == "restarting" else "stopped"
             reason = f"engine {state}: {worker.error!r}" if worker.error else "engine not running"
         else:
             reason = f"storage fault: {fault}; batches are paused until results can be written again"
-        body = HealthStatus(status="unhealthy", reason=reason, model=context.model.id)
+        body = HealthStatus(status="unhealthy", reason=reason, model=context.model.id, replicas=replicas)
         return Response(body, status_code=HTTP_503_SERVICE_UNAVAILABLE)
 
     @get("/metrics", media_type="text/plain; version=0.0.4", summary="Prometheus metrics")
@@ -67,6 +69,7 @@ class PoolController(Controller):
             prompt_tokens=stats.prompt_tokens,
             generated_tokens=stats.generated_tokens,
             storage_fault=loop.storage_fault,
+            replicas=_replicas(context),
         )
 
 
@@ -148,6 +151,12 @@ def render_metrics(context: ServerContext) -> str:
     )
     metric("batchgen_engine_healthy", "gauge", "1 while the engine runs.", [("", 1 if context.worker.healthy else 0)])
     return "\n".join(lines) + "\n"
+
+
+def _replicas(context: ServerContext) -> list[ReplicaStatus] | None:
+    """Each replica's state with ``--replicas``; ``None`` with the single in-process engine."""
+    worker = context.worker
+    return worker.replicas() if isinstance(worker, ReplicaPool) else None
 
 
 def _queued(context: ServerContext, running: int) -> int:
