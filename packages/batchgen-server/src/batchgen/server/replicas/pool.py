@@ -12,7 +12,7 @@ run-batch drive N engines exactly as they drive one.
   one) or whose engine gave up has its unanswered requests dispatched again to the running replicas (held until
   one runs, if none does), so nothing is lost; a result of a moved request that still comes from the old replica
   is dropped, so nothing is answered twice. A replica whose engine gave up is restarted (a new process may have a
-  working device).
+  working device); one that cannot load the model after a restart is left dead, its error saying why.
 
 The replicas are reached through ``ReplicaHandle`` (``ray_cluster.RayReplica`` on Ray); this module imports no Ray.
 """
@@ -92,6 +92,8 @@ class _Replica:
     """Sequences dispatched to it and not answered."""
     served: int = 0
     restarts: int = 0
+    ran: bool = False
+    """Its incarnation has run (loaded the model and answered ``running``)."""
     ended: str | None = None
     """The incarnation whose process the pool asked Ray to replace (its engine gave up)."""
     moved: set[str] = field(default_factory=set)
@@ -262,6 +264,7 @@ class ReplicaPool:
                     replica.restarts += 1
                     self._dispatch(self._take_back(replica))
                 replica.incarnation, replica.pid, replica.node = report.incarnation, report.pid, report.node
+                replica.ran = False
                 replica.moved.clear()
             replica.stats = report.stats
             if report.error is not None and report.error != replica.error:
@@ -284,17 +287,23 @@ class ReplicaPool:
 
     def _update_state(self, replica: _Replica, report: Report) -> None:
         """Under the lock."""
-        if report.state == "dead":  # its engine gave up (a broken device?): the others take over
-            if replica.ended != replica.incarnation:
+        if report.state == "dead":
+            if replica.ended == replica.incarnation:
+                return  # being replaced
+            if replica.ran:  # its engine gave up (a broken device?): the others take over, a new process may work
                 log.error("replica %d: its engine stopped (%s); restarting its process", replica.index, report.error)
                 replica.state, replica.ended = "restarting", replica.incarnation
                 self._move_away(replica)
                 replica.handle.restart()
+            elif replica.state != "dead":  # restarted, it could not load the model: left dead, its error says why
+                log.error("replica %d could not start: %s", replica.index, report.error)
+                replica.state = "dead"
             return
         was_running = replica.state == "running"
         replica.state = "running" if report.state == "running" else "restarting"
         if replica.state != "running":
             return
+        replica.ran = True
         if not was_running:
             log.info("replica %d running (pid %s on %s)", replica.index, replica.pid, replica.node)
             self._dispatch([assignment for assignment in self._assigned.values() if assignment.replica is None])

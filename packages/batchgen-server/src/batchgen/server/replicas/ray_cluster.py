@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+from typing import Any
 
 import ray
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayError
@@ -18,7 +19,7 @@ from ..engine.config import EngineConfig
 from ..engine.errors import ModelLoadError
 from ..engine.request import EngineRequest
 from .config import ClusterConfig
-from .pool import ReplicaLost, ReplicaPool
+from .pool import ReplicaHandle, ReplicaLost, ReplicaPool
 from .replica import ModelInfo, Replica, Report
 
 POLL_S = 0.5
@@ -67,7 +68,7 @@ def start_pool(config: EngineConfig, cluster: ClusterConfig) -> ReplicaPool:
             ray.shutdown()
         raise
     assert isinstance(described[0], ModelInfo)
-    handles = [RayReplica(actor) for actor in actors]
+    handles: list[ReplicaHandle] = [RayReplica(actor) for actor in actors]
     return ReplicaPool(handles, described[0], config, on_stop=ray.shutdown if started else lambda: None)
 
 
@@ -104,12 +105,12 @@ def _check_room(replicas: int, resources: dict[str, int]) -> None:
 class RayReplica:
     """A ``Replica`` actor, as the pool reaches it (``pool.ReplicaHandle``)."""
 
-    def __init__(self, actor: ray.actor.ActorHandle) -> None:
+    def __init__(self, actor: ray.actor.ActorHandle[Replica]) -> None:
         self._actor = actor
         self._lock = threading.Lock()
-        self._sent: list[ray.ObjectRef] = []
+        self._sent: list[ray.ObjectRef[Any]] = []
         """Submits and aborts not known to have arrived: ``poll`` checks them."""
-        self._poll: ray.ObjectRef | None = None
+        self._poll: ray.ObjectRef[Report] | None = None
         """The poll awaited. Never abandoned for a new one: its answer may carry results taken from the outbox."""
 
     def submit(self, requests: list[EngineRequest]) -> None:
@@ -138,7 +139,7 @@ class RayReplica:
     def kill(self) -> None:
         ray.kill(self._actor, no_restart=True)
 
-    def _send(self, ref: ray.ObjectRef) -> None:
+    def _send(self, ref: ray.ObjectRef[Any]) -> None:
         with self._lock:
             self._sent.append(ref)
 

@@ -69,20 +69,19 @@ class Replica:
         self._cond = threading.Condition()
         self._outbox: list[EngineResult] = []
         self._held: set[str] = set()
-        self.failure: str | None = None
         self.worker: EngineWorker | None = None
         try:
             engine = LLMEngine.from_config(config)
         except ModelLoadError as exc:  # said in one line by ``describe``, not as an actor's traceback
-            self.failure = str(exc)
+            self.described: ModelInfo | str = str(exc)
             return
-        self.info = ModelInfo(engine.tokenizer, engine.model_name, engine.max_context_length, engine.tasks)
+        self.described = ModelInfo(engine.tokenizer, engine.model_name, engine.max_context_length, engine.tasks)
         self.worker = EngineWorker(engine)
         self.worker.start()
 
     def describe(self) -> ModelInfo | str:
         """The model, or why it could not be loaded."""
-        return self.failure if self.worker is None else self.info
+        return self.described
 
     def submit(self, requests: list[EngineRequest]) -> None:
         assert self.worker is not None
@@ -103,7 +102,7 @@ class Replica:
             results, self._outbox = self._outbox, []
         worker = self.worker
         if worker is None:
-            return Report(self.incarnation, os.getpid(), socket.gethostname(), "dead", self.failure, None)
+            return Report(self.incarnation, os.getpid(), socket.gethostname(), "dead", str(self.described), None)
         error = None if worker.error is None else repr(worker.error)
         return Report(self.incarnation, os.getpid(), socket.gethostname(), worker.state, error, worker.stats(), results)
 
