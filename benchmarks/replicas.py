@@ -1,6 +1,6 @@
 """Throughput of engine replicas on Ray: 1 against 2 CPU replicas of the demo model, on the same workload, in one run.
 
-    python benchmarks/replicas.py                   # 512 requests x 64 tokens, 3 rounds
+    python benchmarks/replicas.py                   # 256 requests x 64 tokens, best of 5 rounds
     python benchmarks/replicas.py --requests 128 --rounds 1 --no-results
 
 Every row runs the same input file through ``run-batch``'s path (the batch loop with plain files) and times it from
@@ -128,10 +128,10 @@ def run_row(row: Row, source: Path, out: Path, max_num_seqs: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=512)
+    parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, default=64, help="each engine's running set")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--no-results", action="store_true")
     args = parser.parse_args()
     cores = os.cpu_count() or 1
