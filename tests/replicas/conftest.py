@@ -15,12 +15,12 @@ from batchgen.server.launcher import ServerProcess
 
 HOLD_RAY = """
 import sys, ray
-ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
 print(ray.get_runtime_context().gcs_address, flush=True)
 sys.stdin.read()  # until the test session ends (or dies: its end of the pipe closes either way)
 ray.shutdown()
 """
-"""A process that starts Ray (8 logical CPUs: replicas of several servers fit) and ends it when its stdin closes."""
+"""A process that starts Ray (4 logical CPUs: two replicas and room to restart one) and ends it when stdin closes."""
 
 
 @pytest.fixture(scope="session")

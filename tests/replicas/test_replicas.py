@@ -1,20 +1,14 @@
 """Two CPU replicas of the demo model on a local Ray, over the real API: a batch is spread over both, a cancel
-reaches both, a replica killed with SIGKILL mid-batch loses nothing and duplicates nothing (Ray restarts it), and
-run-batch runs on replicas too."""
+reaches both, and a replica killed with SIGKILL mid-batch loses nothing and duplicates nothing (Ray restarts it)."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
 import time
-from collections import Counter
-from pathlib import Path
 from typing import Any
 
-from server_helpers import LiveServer, assert_exactly_once, chat_line, jsonl
+from server_helpers import LiveServer, assert_exactly_once, chat_line
 
 
 def _replicas(server: LiveServer) -> list[dict[str, Any]]:
@@ -102,16 +96,3 @@ def test_a_replica_killed_mid_batch_loses_nothing_and_duplicates_nothing(replica
     before = _served(server)
     assert_exactly_once(server, server.run(lines), lines)
     assert all(after > earlier for after, earlier in zip(_served(server), before, strict=True))
-
-
-def test_run_batch_on_two_replicas(replica_flags: tuple[str, ...], tmp_path: Path) -> None:
-    source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    lines = _lines("offline", 12, max_tokens=6)
-    source.write_bytes(jsonl(lines))
-    command = [sys.executable, "-m", "batchgen.server.cli", "run-batch", "-i", str(source), "-o", str(output)]
-    done = subprocess.run([*command, *replica_flags, "--no-progress"], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "12/12 completed, 0 failed" in done.stderr
-    answered = [json.loads(line) for line in output.read_text().splitlines()]
-    assert Counter(line["custom_id"] for line in answered) == Counter(line["custom_id"] for line in lines)
-    assert all(line["response"]["body"]["usage"]["completion_tokens"] == 6 for line in answered)
