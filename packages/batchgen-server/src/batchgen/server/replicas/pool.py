@@ -11,8 +11,10 @@ run-batch drive N engines exactly as they drive one.
 - **Faults**: a replica that cannot be reached, was restarted (its process, or its node, died: Ray starts a new
   one) or whose engine gave up has its unanswered requests dispatched again to the running replicas (held until
   one runs, if none does), so nothing is lost; a result of a moved request that still comes from the old replica
-  is dropped, so nothing is answered twice. A replica whose engine gave up is restarted (a new process may have a
-  working device); one that cannot load the model after a restart is left dead, its error saying why.
+  is dropped, so nothing is answered twice. A streamed request that has reported tokens is failed instead of moved
+  (what it streamed cannot be taken back), as the engine worker does when it restarts its engine. A replica whose
+  engine gave up is restarted (a new process may have a working device); one that cannot load the model after a
+  restart is left dead, its error saying why.
 
 The replicas are reached through ``ReplicaHandle`` (``ray_cluster.RayReplica`` on Ray); this module imports no Ray.
 """
@@ -29,7 +31,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 from batchgen.schemas import ReplicaState, ReplicaStatus
 
-from ..engine.request import EngineRequest, EngineResult
+from ..engine.request import EngineError, EngineRequest, EngineResult
 from .dispatch import Dispatcher, Load
 from .replica import ModelInfo, Report, is_final
 
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("batchgen.server.replicas")
 
 ResultCallback = Callable[[EngineResult], None]
+Deliveries = list[tuple[ResultCallback, EngineResult]]
 RECONNECT_S = 1.0
 """How often a replica that cannot be reached is tried again."""
 FIRST_ANSWER_S = 30.0
@@ -107,6 +110,8 @@ class _Assignment:
     on_result: ResultCallback
     replica: _Replica | None = None
     """Where it runs; ``None`` while no replica runs."""
+    streamed: bool = False
+    """A partial result of it was delivered."""
 
 
 class ReplicaPool:
@@ -247,22 +252,25 @@ class ReplicaPool:
             replica.answered.set()
 
     def _lost(self, replica: _Replica, exc: ReplicaLost) -> None:
+        deliveries: Deliveries = []
         with self._lock:
             state: ReplicaState = "dead" if exc.dead else "restarting"
             if replica.state != state:
                 log.warning("replica %d %s: %s", replica.index, "dead" if exc.dead else "lost", exc)
             replica.state, replica.stats = state, None
             self._failed(replica, str(exc))
-            self._move_away(replica)
+            self._move_away(replica, deliveries)
+        _deliver(deliveries)
 
     def _received(self, replica: _Replica, report: Report) -> None:
-        deliveries: list[tuple[ResultCallback, EngineResult]] = []
+        deliveries: Deliveries = []
         with self._lock:
             if report.incarnation != replica.incarnation:
                 if replica.incarnation is not None:  # a new process: what the old one held is gone
                     log.warning("replica %d was restarted (pid %s -> %s)", replica.index, replica.pid, report.pid)
                     replica.restarts += 1
-                    self._dispatch(self._take_back(replica))
+                    self._failed(replica, f"restarted: its process {replica.pid} ended")
+                    self._move_away(replica, deliveries)
                 replica.incarnation, replica.pid, replica.node = report.incarnation, report.pid, report.node
                 replica.ran = False
                 replica.moved.clear()
@@ -277,15 +285,13 @@ class ReplicaPool:
                     del self._assigned[result.request_id]
                     replica.assigned -= assignment.request.params.n
                     replica.served += 1
+                else:
+                    assignment.streamed = True
                 deliveries.append((assignment.on_result, result))
-            self._update_state(replica, report)
-        for on_result, result in deliveries:
-            try:
-                on_result(result)
-            except Exception:  # the caller's bug must not stop this replica's results
-                log.exception("result callback of %s failed", result.request_id)
+            self._update_state(replica, report, deliveries)
+        _deliver(deliveries)
 
-    def _update_state(self, replica: _Replica, report: Report) -> None:
+    def _update_state(self, replica: _Replica, report: Report, deliveries: Deliveries) -> None:
         """Under the lock."""
         if report.state == "dead":
             if replica.ended == replica.incarnation:
@@ -293,7 +299,7 @@ class ReplicaPool:
             if replica.ran:  # its engine gave up (a broken device?): the others take over, a new process may work
                 log.error("replica %d: its engine stopped (%s); restarting its process", replica.index, report.error)
                 replica.state, replica.ended = "restarting", replica.incarnation
-                self._move_away(replica)
+                self._move_away(replica, deliveries)
                 replica.handle.restart()
             elif replica.state != "dead":  # restarted, it could not load the model: left dead, its error says why
                 log.error("replica %d could not start: %s", replica.index, report.error)
@@ -313,13 +319,18 @@ class ReplicaPool:
             if stale:
                 replica.handle.abort(stale)
 
-    def _move_away(self, replica: _Replica) -> None:
-        """Dispatch the requests of a replica that lost them, or may have, to the running ones; under the lock."""
+    def _move_away(self, replica: _Replica, deliveries: Deliveries) -> None:
+        """Dispatch the requests of a replica that lost them, or may have, to the running ones, but fail those that
+        streamed tokens (added to ``deliveries``); under the lock."""
         taken = self._take_back(replica)
         if taken:
             log.warning("replica %d: %d request(s) dispatched again", replica.index, len(taken))
         replica.moved.update(assignment.request.request_id for assignment in taken)
-        self._dispatch(taken)
+        for assignment in taken:
+            if assignment.streamed:
+                del self._assigned[assignment.request.request_id]
+                deliveries.append((assignment.on_result, _stream_cut(assignment.request, replica)))
+        self._dispatch([assignment for assignment in taken if not assignment.streamed])
 
     def _where(self, request_id: str) -> _Replica | None:
         assignment = self._assigned.get(request_id)
@@ -328,6 +339,24 @@ class ReplicaPool:
     def _failed(self, replica: _Replica, message: str) -> None:
         replica.error = message
         self.error = ReplicaFailure(f"replica {replica.index}: {message}")
+
+
+def _deliver(deliveries: Deliveries) -> None:
+    """Outside the lock."""
+    for on_result, result in deliveries:
+        try:
+            on_result(result)
+        except Exception:  # the caller's bug must not stop this replica's results
+            log.exception("result callback of %s failed", result.request_id)
+
+
+def _stream_cut(request: EngineRequest, replica: _Replica) -> EngineResult:
+    message = (
+        f"The engine replica running this request was lost after it had streamed tokens ({replica.error}); what it "
+        "streamed cannot be taken back, so it is not run again."
+    )
+    error = EngineError("server_error", message)
+    return EngineResult(request.request_id, len(request.prompt_token_ids), error=error, group=request.group)
 
 
 def _load(replica: _Replica) -> Load:
