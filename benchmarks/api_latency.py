@@ -27,6 +27,15 @@ from batchgen.server.launcher import ServerProcess
 RESULTS = Path(__file__).parent / "RESULTS.md"
 
 
+def append_section(lines: list[str]) -> None:
+    """Append a section (its lines, heading first) to RESULTS.md, as every benchmark script here does."""
+    if not RESULTS.exists():
+        RESULTS.write_text("# Benchmark results\n")
+    with open(RESULTS, "a") as f:
+        f.write("\n".join(lines))
+    print(f"\nappended to {RESULTS}")
+
+
 def percentiles(samples: list[float]) -> tuple[float, float]:
     ordered = sorted(samples)
     return statistics.median(ordered), ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
@@ -197,11 +206,7 @@ def append_results(
         f"+{(peak_kib - rss_before_kib) / 1024:.0f} MiB |",
         "",
     ]
-    if not RESULTS.exists():
-        RESULTS.write_text("# Benchmark results\n")
-    with open(RESULTS, "a") as f:
-        f.write("\n".join(lines))
-    print(f"\nappended to {RESULTS}")
+    append_section(lines)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from api_latency import RESULTS, RssSampler
+from api_latency import RssSampler, append_section
 
 from batchgen.server.launcher import ServerProcess
 
@@ -185,9 +185,7 @@ def append_results(f: dict[str, Any]) -> None:
         f"| cancel -> cancelled (a second big batch, {f['cancelled_done']} done) | {f['cancel_s']:.2f} s | < 5 s |",
         "",
     ]
-    with open(RESULTS, "a") as out:
-        out.write("\n".join(lines))
-    print(f"\nappended to {RESULTS}")
+    append_section(lines)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from datetime import date
 from pathlib import Path
 
 import httpx
-from api_latency import RESULTS, percentiles, saturate
+from api_latency import append_section, percentiles, saturate
 
 from batchgen.server.launcher import ServerProcess
 
@@ -130,8 +130,7 @@ def append_results(
         ),
         "",
     ]
-    with open(RESULTS, "a") as f:
-        f.write("\n".join(lines))
+    append_section(lines)
 
 
 if __name__ == "__main__":

@@ -18,8 +18,10 @@ DOCS = Path(__file__).parents[2] / "docs" / "server.md"
 
 
 def _documented_families() -> dict[str, str]:
+    """The families docs/server.md lists, but the replicas' (only with --replicas: tests/replicas checks them)."""
     section = DOCS.read_text().split("## Metrics", 1)[1].split("\n## ", 1)[0]
-    return dict(re.findall(r"^\| `(batchgen_\w+)` \| (\w+) \|", section, re.M))
+    families = dict(re.findall(r"^\| `(batchgen_\w+)` \| (\w+) \|", section, re.M))
+    return {name: kind for name, kind in families.items() if not name.startswith("batchgen_replica_")}
 
 
 def _scrape(server: LiveServer) -> dict[str, object]:

@@ -306,9 +306,10 @@ def test_idempotency_keys(live_server: LiveServer) -> None:
 
 def test_operations_endpoints(live_server: LiveServer) -> None:
     health = live_server.http.get("/health")
-    assert (health.status_code, health.json()) == (200, {"status": "healthy", "reason": None, "model": "demo"})
+    healthy = {"status": "healthy", "reason": None, "model": "demo", "replicas": None}  # one engine, no replicas
+    assert (health.status_code, health.json()) == (200, healthy)
     pool = live_server.http.get("/v1/pool/status").json()
-    assert pool["object"] == "pool.status" and pool["capacity"] == 100_000
+    assert pool["object"] == "pool.status" and pool["capacity"] == 100_000 and pool["replicas"] is None
     assert pool["kv_blocks_total"] >= pool["kv_blocks_free"] > 0
     assert {"queued_requests", "running_requests", "active_batches"} <= set(pool)
     assert live_server.http.get("/metrics").status_code == 200  # its families: test_metrics_and_logs.py

@@ -102,7 +102,7 @@ def test_insecure_and_callback_hosts_from_flags_and_environment() -> None:
 def test_every_setting_is_a_flag_and_a_variable(cls: type, monkeypatch: pytest.MonkeyPatch) -> None:
     """One declaration per field: its flag and its BATCHGEN_* variable both set it, and the flag wins."""
     declared = options(cls)
-    assert {option.name for option in declared} == {f.name for f in dataclasses.fields(cls)} - {"engine"}
+    assert {option.name for option in declared} == {f.name for f in dataclasses.fields(cls)} - {"engine", "cluster"}
     samples = {bool: (True, "1", "--{}"), int: (7, "7", "7"), float: (0.25, "0.25", "0.25")}
     samples |= {str: ("x", "x", "x"), Path: (Path("/p"), "/p", "/p"), tuple: (("a", "b"), "a,b", "a")}
     for option in declared:
@@ -139,7 +139,7 @@ def test_a_field_declared_once_is_a_flag_and_a_variable() -> None:
 
 
 def test_help_and_version_answer_without_loading_the_model_stack() -> None:
-    """--help imports argparse and the declarations only: no torch, transformers, litestar, uvicorn or httpx."""
+    """--help imports argparse and the declarations only: no torch, transformers, litestar, uvicorn, httpx or ray."""
     script = (
         "import contextlib, io, sys\n"
         "from batchgen.server.cli import main\n"
@@ -147,7 +147,7 @@ def test_help_and_version_answer_without_loading_the_model_stack() -> None:
         "for argv in (['--help'], ['serve', '--help'], ['run-batch', '--help'], ['--version']):\n"
         "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(out):\n"
         "        main(argv)\n"
-        "heavy = ('torch', 'transformers', 'litestar', 'uvicorn', 'httpx')\n"
+        "heavy = ('torch', 'transformers', 'litestar', 'uvicorn', 'httpx', 'ray')\n"
         "print(sorted(name for name in heavy if name in sys.modules))\n"
         "print(out.getvalue())\n"
     )

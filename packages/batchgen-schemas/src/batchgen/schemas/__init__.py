@@ -19,7 +19,7 @@ from .batches import (
 )
 from .errors import ErrorDetail, ErrorResponse
 from .files import FileDeleted, FileList, FileObject, FilePurpose, FileStatus
-from .health import HealthStatus, PoolStatus
+from .health import HealthStatus, PoolStatus, ReplicaState, ReplicaStatus
 from .models import ModelList, ModelObject
 from .requests import (
     BODY_TYPES,
@@ -116,6 +116,8 @@ __all__ = [
     "OutputTokensDetails",
     "PoolStatus",
     "PromptTokensDetails",
+    "ReplicaState",
+    "ReplicaStatus",
     "RequestBody",
     "ResponseBody",
     "ResponseFormat",

@@ -6,11 +6,39 @@ from typing import Literal
 
 from ._base import Wire
 
+ReplicaState = Literal["starting", "running", "restarting", "dead"]
+
+
+class ReplicaStatus(Wire, kw_only=True):
+    """One engine replica of a server started with ``--replicas`` (a Ray actor, one GPU each where there are GPUs)."""
+
+    index: int
+    state: ReplicaState
+    """``starting`` (loading the model), ``running``, ``restarting`` (its engine or its process is being replaced;
+    its requests went to the other replicas) or ``dead`` (it gave up; its requests went to the others)."""
+    node: str | None = None
+    """Host name of the machine it runs on (``None`` until it has answered)."""
+    pid: int | None = None
+    assigned_requests: int = 0
+    """Sequences (prompts x n) dispatched to it and not answered yet: running there or queued there."""
+    running_requests: int = 0
+    """Sequences its engine is running, as it last reported."""
+    served_requests: int = 0
+    """Results it returned since the server started (one per prompt of a request line)."""
+    kv_blocks_total: int = 0
+    kv_blocks_free: int = 0
+    restarts: int = 0
+    """Times its process was replaced (Ray restarts a replica whose process or node died)."""
+    error: str | None = None
+    """Its last failure, if any (kept after it recovered, for the record)."""
+
 
 class HealthStatus(Wire, kw_only=True):
     status: Literal["healthy", "unhealthy"]
     reason: str | None = None
     model: str | None = None
+    replicas: list[ReplicaStatus] | None = None
+    """Each engine replica's state with ``--replicas``; ``None`` with the single in-process engine."""
 
 
 class PoolStatus(Wire, kw_only=True):
@@ -30,3 +58,6 @@ class PoolStatus(Wire, kw_only=True):
     """Tokens the engine has generated since the server started (a counter)."""
     storage_fault: str | None = None
     """Why batch results cannot be written now (a full disk...): batches are paused and resume by themselves."""
+    replicas: list[ReplicaStatus] | None = None
+    """Each engine replica with ``--replicas`` (the other fields are their sums); ``None`` with one in-process
+    engine."""

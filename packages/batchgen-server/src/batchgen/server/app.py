@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 from litestar import Litestar, Router
 from litestar.datastructures import State
@@ -26,11 +27,11 @@ from .api.models import ModelsController
 from .api.online import OnlineController
 from .api.openapi import BEARER_AUTH, openapi_config
 from .batches.crashes import CrashJournal
-from .batches.loop import BatchLoop, default_window
+from .batches.loop import BatchLoop
 from .batches.stores import DatabaseStore
 from .callbacks import CallbackNotifier
 from .console import console_assets, console_page
-from .engine import EncoderEngine, EngineWorker, LLMEngine
+from .engines import load_engine, replica_states, window_for, worker_for
 from .observability.logs import log_activity
 from .observability.metrics import Metrics, ServerState
 from .security.auth import ApiKeyAuthMiddleware
@@ -40,10 +41,14 @@ from .storage.blobs import BlobStore
 from .storage.database import Database
 from .storage.expiry import sweep_forever
 
+if TYPE_CHECKING:
+    from .engines import Engine
 
-def create_app(settings: Settings, engine: LLMEngine | EncoderEngine | None = None) -> Litestar:
-    """The app; it loads ``settings.engine``'s model at start-up unless given the ``engine`` (``serve`` loads it
-    first, so that a model that cannot be loaded is one line and an exit status, not a failed start-up)."""
+
+def create_app(settings: Settings, engine: Engine | None = None) -> Litestar:
+    """The app; it loads ``settings.engine``'s model at start-up (on ``settings.cluster``'s replicas, if any) unless
+    given the ``engine`` (``serve`` loads it first, so that a model that cannot be loaded is one line and an exit
+    status, not a failed start-up)."""
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -55,8 +60,8 @@ def create_app(settings: Settings, engine: LLMEngine | EncoderEngine | None = No
         await notifier.start()
         nonlocal engine
         if engine is None:
-            engine = await asyncio.to_thread(LLMEngine.from_config, settings.engine)
-        worker = EngineWorker(engine)
+            engine = await asyncio.to_thread(load_engine, settings.engine, settings.cluster)
+        worker = worker_for(engine)
         serving = await asyncio.to_thread(
             OpenAIServing.for_engine, engine, settings.engine, settings.max_line_sequences
         )
@@ -72,7 +77,7 @@ def create_app(settings: Settings, engine: LLMEngine | EncoderEngine | None = No
             serving,
             worker,
             capacity=settings.max_queued_requests,
-            window=settings.engine_window or default_window(settings.engine.max_num_seqs),
+            window=settings.engine_window or window_for(engine),
             flush_interval_s=settings.flush_interval_s,
             limits=settings.validation_limits,
             journal=CrashJournal(settings.storage_dir / "inflight.journal"),
@@ -93,6 +98,7 @@ def create_app(settings: Settings, engine: LLMEngine | EncoderEngine | None = No
                 storage_fault=lambda: loop.status.storage_fault,
                 batch_counts=db.batch_status_counts,
                 line_counts=db.request_totals,
+                replicas=lambda: replica_states(worker),
             ),
         )
         worker.observer = metrics.observe_request

@@ -14,19 +14,20 @@ from pathlib import Path
 
 from .engine.config import EngineConfig
 from .options import add_flags, build
+from .replicas.config import ClusterConfig
 from .settings import Settings
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     """The server's settings: flags given, then BATCHGEN_* variables, then defaults."""
-    return build(Settings, args, engine=build(EngineConfig, args))
+    return build(Settings, args, engine=build(EngineConfig, args), cluster=build(ClusterConfig, args))
 
 
-def _run_batch(args: argparse.Namespace, config: EngineConfig) -> int:
+def _run_batch(args: argparse.Namespace, config: EngineConfig, cluster: ClusterConfig) -> int:
     from batchgen.schemas.validation import validate_input_file
 
-    from .engine import LLMEngine
     from .engine.errors import ModelLoadError
+    from .engines import load_engine
     from .run_batch import InvalidInputFile, run_batch
     from .serving import BatchDefaults
 
@@ -43,7 +44,7 @@ def _run_batch(args: argparse.Namespace, config: EngineConfig) -> int:
         )
         return 2
     try:
-        engine = LLMEngine.from_config(config)
+        engine = load_engine(config, cluster)
     except ModelLoadError as exc:
         print(f"batchgen-server: {exc}", file=sys.stderr)
         return 1
@@ -79,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_flags(serve, Settings, "server")
     add_flags(serve, EngineConfig, "engine")
+    add_flags(serve, ClusterConfig, "replicas (docs/scaling.md)")
     run = commands.add_parser(
         "run-batch",
         help="process a batch input file offline, without the server",
@@ -99,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--top-k", type=int, default=None, help="default top_k")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_flags(run, EngineConfig, "engine")
+    add_flags(run, ClusterConfig, "replicas (docs/scaling.md)")
     return parser
 
 
@@ -113,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .serve import serve
 
         return serve(settings)
-    return _run_batch(args, settings.engine)
+    return _run_batch(args, settings.engine, settings.cluster)
 
 
 if __name__ == "__main__":

@@ -5,17 +5,20 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
 from batchgen.schemas import BatchError, BatchObject, BatchRequestCounts
 
-from .batches.loop import BatchLoop, default_window
+from .batches.loop import BatchLoop
 from .batches.stores import FileStore
-from .engine import EncoderEngine, EngineWorker, LLMEngine
+from .engines import window_for, worker_for
 from .ids import new_batch_id
 from .serving import BatchDefaults, OpenAIServing
+
+if TYPE_CHECKING:
+    from .engines import Engine
 
 
 class InvalidInputFile(Exception):
@@ -37,7 +40,7 @@ class RunBatchSummary:
 
 
 def run_batch(
-    engine: LLMEngine | EncoderEngine,
+    engine: Engine,
     input_path: Path,
     output_path: Path,
     errors_path: Path | None = None,
@@ -50,7 +53,6 @@ def run_batch(
     ``errors_path`` (or the output when unset). The file is streamed and only the loop's window of requests is in
     the engine at a time, so memory stays flat on huge files.
     """
-    start = time.monotonic()
     with tqdm(unit="req", disable=not progress, dynamic_ncols=True) as bar:
 
         def show(fields: dict[str, Any]) -> None:
@@ -61,15 +63,17 @@ def run_batch(
 
         store = FileStore(input_path, output_path, errors_path, on_update=show)
         serving = OpenAIServing.for_engine(engine, engine.config)
-        worker = EngineWorker(engine)
-        loop = BatchLoop(store, serving, worker, capacity=2**62, window=default_window(engine.config.max_num_seqs))
+        worker = worker_for(engine)
+        loop = BatchLoop(store, serving, worker, capacity=2**62, window=window_for(engine))
         worker.start()
+        start = time.monotonic()  # the engine is ready: from here on is the batch's time
         loop.start()
         try:
             loop.admit(offline_batch(defaults or BatchDefaults()), owner="", sequences=0).result()
             while not store.finished.wait(0.5):
                 if worker.state == "dead":
                     raise RuntimeError(f"the engine stopped: {worker.error}") from worker.error
+            seconds = time.monotonic() - start  # not the shutdown: ending replicas on Ray takes seconds
         finally:
             loop.stop()
             worker.stop()
@@ -85,7 +89,7 @@ def run_batch(
         failed=fields["failed"],
         prompt_tokens=fields["input_tokens"],
         completion_tokens=fields["output_tokens"],
-        seconds=time.monotonic() - start,
+        seconds=seconds,
     )
 
 

@@ -21,8 +21,8 @@ def serve(settings: Settings) -> int:
     """Run until SIGTERM/SIGINT; 2 for an unauthenticated non-loopback bind, 1 for storage it cannot open or a model
     it cannot load or serve."""
     from .app import create_app
-    from .engine import LLMEngine
     from .engine.errors import ModelLoadError
+    from .engines import load_engine
 
     try:
         check_bind_address(settings.host, settings.api_keys, settings.insecure)
@@ -35,7 +35,7 @@ def serve(settings: Settings) -> int:
         return 1
     configure_logs(settings.log_level, settings.log_format)
     try:
-        engine = LLMEngine.from_config(settings.engine)
+        engine = load_engine(settings.engine, settings.cluster)
     except ModelLoadError as exc:
         print(f"batchgen-server: {exc}", file=sys.stderr)
         return 1

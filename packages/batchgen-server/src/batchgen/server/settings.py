@@ -13,6 +13,7 @@ from batchgen.schemas.validation import ValidationLimits
 
 from .engine.config import EngineConfig
 from .options import build, setting
+from .replicas.config import ClusterConfig
 
 if TYPE_CHECKING:
     from .callbacks import CallbackSettings
@@ -54,7 +55,9 @@ class Settings:
         256, "most sequences (prompts x n) one request may ask for; a line over it gets an error line"
     )
     engine_window: int | None = setting(
-        None, "most sequences the batch loop keeps inside the engine (default: 1.25 x --max-num-seqs)"
+        None,
+        "most sequences the batch loop keeps inside the engine, all replicas together "
+        "(default: 1.25 x --max-num-seqs for each replica)",
     )
     max_online_sequences: int | None = setting(
         None,
@@ -75,11 +78,14 @@ class Settings:
     )
     engine: EngineConfig = field(default_factory=EngineConfig)
     """The model and the engine's knobs (their own flags and variables)."""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """Engine replicas on Ray, if any (their own flags and variables)."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
-        """Defaults, then ``BATCHGEN_*`` variables (the engine's too), then ``overrides``."""
-        settings = build(cls, environ=environ, engine=build(EngineConfig, environ=environ))
+        """Defaults, then ``BATCHGEN_*`` variables (the engine's and the replicas' too), then ``overrides``."""
+        nested = {"engine": build(EngineConfig, environ=environ), "cluster": build(ClusterConfig, environ=environ)}
+        settings = build(cls, environ=environ, **nested)
         for name, value in overrides.items():
             setattr(settings, name, value)
         return settings

@@ -17,7 +17,7 @@ from litestar.handlers import BaseRouteHandler
 from batchgen.schemas import ModelObject
 
 from ..batches.loop import BatchLoop
-from ..engine import EngineWorker
+from ..engines import EngineFront
 from ..observability.metrics import Metrics
 from ..security.auth import provide_tenant
 from ..serving import OpenAIServing
@@ -35,7 +35,7 @@ class ServerContext:
     blobs: BlobStore
     models: list[ModelObject]
     """The served model under each of its names, its id first."""
-    worker: EngineWorker
+    worker: EngineFront
     loop: BatchLoop
     metrics: Metrics
     serving: OpenAIServing

@@ -10,6 +10,7 @@ from litestar.status_codes import HTTP_200_OK, HTTP_503_SERVICE_UNAVAILABLE
 
 from batchgen.schemas import HealthStatus, PoolStatus
 
+from ..engines import replica_states
 from ..observability.metrics import CONTENT_TYPE
 from .deps import ServerContext
 from .errors import ERROR_RESPONSES
@@ -30,15 +31,16 @@ class HealthController(Controller):
         },
     )
     async def health(self, context: ServerContext) -> Response[HealthStatus]:
-        worker, fault = context.worker, context.loop.status.storage_fault
+        worker, fault, replicas = context.worker, context.loop.status.storage_fault, replica_states(context.worker)
         if worker.healthy and fault is None:
-            return Response(HealthStatus(status="healthy", model=context.model.id), status_code=HTTP_200_OK)
+            body = HealthStatus(status="healthy", model=context.model.id, replicas=replicas)
+            return Response(body, status_code=HTTP_200_OK)
         if not worker.healthy:
             state = "restarting after a failure" if worker.state == "restarting" else "stopped"
             reason = f"engine {state}: {worker.error!r}" if worker.error else "engine not running"
         else:
             reason = f"storage fault: {fault}; batches are paused until results can be written again"
-        body = HealthStatus(status="unhealthy", reason=reason, model=context.model.id)
+        body = HealthStatus(status="unhealthy", reason=reason, model=context.model.id, replicas=replicas)
         return Response(body, status_code=HTTP_503_SERVICE_UNAVAILABLE)
 
     @get("/metrics", media_type=CONTENT_TYPE, summary="Prometheus metrics (docs/server.md lists the families)")
@@ -63,6 +65,7 @@ class PoolController(Controller):
             prompt_tokens=stats.prompt_tokens,
             generated_tokens=stats.generated_tokens,
             storage_fault=loop.storage_fault,
+            replicas=replica_states(context.worker),
         )
 
 

@@ -20,7 +20,7 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
-from batchgen.schemas import BatchObject
+from batchgen.schemas import BatchObject, ReplicaStatus
 from batchgen.schemas.batches import TERMINAL_STATUSES
 
 from ..batches.lifecycle import STATUSES
@@ -70,6 +70,8 @@ class ServerState:
     """Batches by status."""
     line_counts: Callable[[], dict[str, int]]
     """Result lines written over all batches: ``completed`` (output file) and ``failed`` (error file)."""
+    replicas: Callable[[], list[ReplicaStatus] | None]
+    """Each engine replica's state with ``--replicas`` (``None`` with the single in-process engine)."""
 
 
 class Metrics:
@@ -217,3 +219,33 @@ class _StateCollector(Collector):
         lines.add_metric([self.model_name, "output"], written.get("completed", 0))
         lines.add_metric([self.model_name, "error"], written.get("failed", 0))
         yield lines
+        replicas = self.state.replicas()
+        if replicas is not None:
+            yield from _replica_families(self.model_name, replicas)
+
+
+def _replica_families(model_name: str, replicas: list[ReplicaStatus]) -> Iterator[Metric]:
+    """With ``--replicas``: each replica's state and load, labelled ``replica`` (its index)."""
+    labels = ["model_name", "replica"]
+    up = GaugeMetricFamily("batchgen_replica_up", "1 while the replica's engine runs, else 0.", labels=labels)
+    running = GaugeMetricFamily("batchgen_replica_running_requests", "Sequences the replica runs.", labels=labels)
+    assigned = GaugeMetricFamily(
+        "batchgen_replica_assigned_requests", "Sequences dispatched to the replica, not answered yet.", labels=labels
+    )
+    kv = GaugeMetricFamily(
+        "batchgen_replica_kv_cache_usage_ratio", "The replica's KV-cache use, 0 to 1.", labels=labels
+    )
+    served = CounterMetricFamily("batchgen_replica_served_requests", "Results the replica returned.", labels=labels)
+    restarts = CounterMetricFamily(
+        "batchgen_replica_restarts", "Times the replica's process was replaced.", labels=labels
+    )
+    for replica in replicas:
+        key = [model_name, str(replica.index)]
+        up.add_metric(key, 1 if replica.state == "running" else 0)
+        running.add_metric(key, replica.running_requests)
+        assigned.add_metric(key, replica.assigned_requests)
+        used = replica.kv_blocks_total - replica.kv_blocks_free
+        kv.add_metric(key, used / replica.kv_blocks_total if replica.kv_blocks_total else 0.0)
+        served.add_metric(key, replica.served_requests)
+        restarts.add_metric(key, replica.restarts)
+    yield from (up, running, assigned, kv, served, restarts)

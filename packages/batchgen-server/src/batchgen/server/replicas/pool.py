@@ -1,0 +1,380 @@
+"""ReplicaPool: engine replicas behind the interface of the single in-process ``EngineWorker`` (``submit`` with a
+result callback, ``abort`` by request ids, ``stats``, ``healthy``/``state``/``error``), so the batch loop and
+run-batch drive N engines exactly as they drive one.
+
+- **Dispatch** (``Dispatcher``): each request goes to the running replica with the fewest sequences assigned,
+  unless the replica that took the last request with the same first block of prompt tokens is at most a quarter of
+  a running set busier (its prefix cache holds that block).
+- **Results stream back**: one thread per replica long-polls it for the results finished since the last poll.
+- **Exactly once**: the pool knows which replica each unanswered request is on, and delivers a result only from
+  that replica, once (then forgets the request).
+- **Faults**: a replica that cannot be reached, was restarted (its process, or its node, died: Ray starts a new
+  one) or whose engine gave up has its unanswered requests dispatched again to the running replicas (held until
+  one runs, if none does), so nothing is lost; a result of a moved request that still comes from the old replica
+  is dropped, so nothing is answered twice. A streamed request that has reported tokens is failed instead of moved
+  (what it streamed cannot be taken back), as the engine worker does when it restarts its engine. A replica whose
+  engine gave up is restarted (a new process may have a working device); one that cannot load the model after a
+  restart is left dead, its error saying why.
+
+The replicas are reached through ``ReplicaHandle`` (``ray_cluster.RayReplica`` on Ray); this module imports no Ray.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal, Protocol
+
+from batchgen.schemas import ReplicaState, ReplicaStatus
+
+from ..engine.request import EngineError, EngineRequest, EngineResult
+from .dispatch import Dispatcher, Load
+from .replica import ModelInfo, Report, is_final
+
+if TYPE_CHECKING:
+    from ..engine import EngineStats
+    from ..engine.config import EngineConfig
+
+log = logging.getLogger("batchgen.server.replicas")
+
+ResultCallback = Callable[[EngineResult], None]
+Deliveries = list[tuple[ResultCallback, EngineResult]]
+RECONNECT_S = 1.0
+"""How often a replica that cannot be reached is tried again."""
+FIRST_ANSWER_S = 30.0
+"""The longest ``start`` waits for a replica's first answer (the first one loads the stats' modules here)."""
+
+
+class ReplicaLost(Exception):
+    """The replica did not answer: its process or node died (Ray may be starting a new one), or it is unreachable.
+    Whatever it held may be lost."""
+
+    def __init__(self, message: str, *, dead: bool) -> None:
+        super().__init__(message)
+        self.dead = dead
+        """Ray says it will not come back (it may still, if a later poll answers)."""
+
+
+class ReplicaFailure(Exception):
+    """The last failure of a replica, as the pool's ``error`` (what ``/health`` shows)."""
+
+
+class ReplicaHandle(Protocol):
+    """One replica, reached from the server. Calls do not wait for the replica, except ``poll``."""
+
+    def submit(self, requests: list[EngineRequest]) -> None: ...
+
+    def abort(self, request_ids: list[str]) -> None: ...
+
+    def poll(self) -> Report | None:
+        """Its news (``None`` if its answer is late); ``ReplicaLost`` if it is gone, or a submit did not reach it."""
+        ...
+
+    def restart(self) -> None:
+        """End its process, for Ray to start a new one."""
+
+    def kill(self) -> None:
+        """End it for good."""
+
+
+@dataclass(slots=True, eq=False)
+class _Replica:
+    index: int
+    handle: ReplicaHandle
+    state: ReplicaState = "starting"
+    incarnation: str | None = None
+    pid: int | None = None
+    node: str | None = None
+    stats: EngineStats | None = None
+    error: str | None = None
+    assigned: int = 0
+    """Sequences dispatched to it and not answered."""
+    served: int = 0
+    restarts: int = 0
+    ran: bool = False
+    """Its incarnation has run (loaded the model and answered ``running``)."""
+    ended: str | None = None
+    """The incarnation whose process the pool asked Ray to replace (its engine gave up)."""
+    moved: set[str] = field(default_factory=set)
+    """Requests taken from it when it could not be reached: aborted there if it answers again, still the same."""
+    answered: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass(slots=True, eq=False)
+class _Assignment:
+    request: EngineRequest
+    on_result: ResultCallback
+    replica: _Replica | None = None
+    """Where it runs; ``None`` while no replica runs."""
+    streamed: bool = False
+    """A partial result of it was delivered."""
+
+
+class ReplicaPool:
+    def __init__(
+        self,
+        handles: list[ReplicaHandle],
+        model: ModelInfo,
+        config: EngineConfig,
+        on_stop: Callable[[], None] = lambda: None,
+    ) -> None:
+        """``handles`` are replicas that have loaded ``model``; ``on_stop`` runs last in ``stop``."""
+        self.tokenizer = model.tokenizer
+        self.model_name = model.model_name
+        self.max_context_length = model.max_context_length
+        self.tasks = model.tasks
+        self.config = config
+        """Every replica's engine config (their seeds differ, so sampled requests draw different seeds)."""
+        self.error: BaseException | None = None
+        """The last failure of any replica (kept after it recovered, for the record)."""
+        self._replicas = [_Replica(index, handle) for index, handle in enumerate(handles)]
+        self._dispatcher = Dispatcher(config.block_size, slack=max(1, config.max_num_seqs // 4))
+        self._lock = threading.Lock()
+        self._assigned: dict[str, _Assignment] = {}
+        """Every request submitted and not answered nor aborted."""
+        self._stopping = threading.Event()
+        self._on_stop = on_stop
+        self._threads = [
+            threading.Thread(target=self._pump, args=(replica,), name=f"batchgen-replica-{replica.index}", daemon=True)
+            for replica in self._replicas
+        ]
+
+    # ---- the engine worker's interface --------------------------------------------------------------------------
+
+    @property
+    def size(self) -> int:
+        return len(self._replicas)
+
+    @property
+    def state(self) -> Literal["running", "restarting", "dead"]:
+        """``running`` while a replica runs, ``dead`` once all are dead (or stopped), ``restarting`` in between."""
+        states = {replica.state for replica in self._replicas}
+        if self._stopping.is_set() or states == {"dead"}:
+            return "dead"
+        return "running" if "running" in states else "restarting"
+
+    @property
+    def healthy(self) -> bool:
+        return self.state == "running"
+
+    def start(self) -> None:
+        """Start collecting results; return once every replica has answered (or ``FIRST_ANSWER_S`` passed)."""
+        for thread in self._threads:
+            thread.start()
+        for replica in self._replicas:
+            replica.answered.wait(FIRST_ANSWER_S)
+
+    def stop(self, timeout: float | None = None) -> None:
+        """End every replica; what they held is not answered (it runs again at the next start)."""
+        self._stopping.set()
+        for replica in self._replicas:
+            replica.handle.kill()
+        for thread in self._threads:
+            if thread.is_alive():
+                thread.join(timeout)
+        self._on_stop()
+
+    def submit(self, requests: list[EngineRequest], on_result: ResultCallback) -> None:
+        with self._lock:
+            self._dispatch([_Assignment(request, on_result) for request in requests])
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Cancel requests wherever they run; no result is reported for them."""
+        by_replica: defaultdict[_Replica, list[str]] = defaultdict(list)
+        with self._lock:
+            for request_id in request_ids:
+                assignment = self._assigned.pop(request_id, None)
+                if assignment is not None and assignment.replica is not None:
+                    assignment.replica.assigned -= assignment.request.params.n
+                    by_replica[assignment.replica].append(request_id)
+            for replica, ids in by_replica.items():
+                replica.handle.abort(ids)
+
+    def stats(self) -> EngineStats:
+        """The replicas' engine stats added up (every field is a count); a replica restarted counts from zero."""
+        from ..engine import EngineStats
+
+        with self._lock:
+            reported = [replica.stats for replica in self._replicas if replica.stats is not None]
+        names = [f.name for f in dataclasses.fields(EngineStats)]
+        return EngineStats(**{name: sum(getattr(stats, name) for stats in reported) for name in names})
+
+    def replicas(self) -> list[ReplicaStatus]:
+        with self._lock:
+            return [_status(replica) for replica in self._replicas]
+
+    # ---- dispatch -----------------------------------------------------------------------------------------------
+
+    def _dispatch(self, assignments: list[_Assignment]) -> None:
+        """Send each request to a running replica (or hold it, with none); under the lock."""
+        running = [replica for replica in self._replicas if replica.state == "running"]
+        loads = {replica.index: _load(replica) for replica in running}
+        sent: defaultdict[_Replica, list[EngineRequest]] = defaultdict(list)
+        for assignment in assignments:
+            request = assignment.request
+            self._assigned[request.request_id] = assignment
+            index = self._dispatcher.choose(request.prompt_token_ids, loads)
+            if index is None:
+                continue
+            replica = self._replicas[index]
+            assignment.replica = replica
+            replica.assigned += request.params.n
+            loads[index] = _load(replica)
+            sent[replica].append(request)
+        for replica, requests in sent.items():
+            replica.handle.submit(requests)
+
+    def _take_back(self, replica: _Replica) -> list[_Assignment]:
+        """Every request on ``replica``, now on none; under the lock."""
+        taken = [assignment for assignment in self._assigned.values() if assignment.replica is replica]
+        for assignment in taken:
+            assignment.replica = None
+        replica.assigned = 0
+        return taken
+
+    # ---- each replica's news ------------------------------------------------------------------------------------
+
+    def _pump(self, replica: _Replica) -> None:
+        while not self._stopping.is_set():
+            try:
+                report = replica.handle.poll()
+            except ReplicaLost as exc:
+                if not self._stopping.is_set():
+                    self._lost(replica, exc)
+                    self._stopping.wait(RECONNECT_S)
+                continue
+            if report is not None:
+                self._received(replica, report)
+            replica.answered.set()
+
+    def _lost(self, replica: _Replica, exc: ReplicaLost) -> None:
+        deliveries: Deliveries = []
+        with self._lock:
+            state: ReplicaState = "dead" if exc.dead else "restarting"
+            if replica.state != state:
+                log.warning("replica %d %s: %s", replica.index, "dead" if exc.dead else "lost", exc)
+            replica.state, replica.stats = state, None
+            self._failed(replica, str(exc))
+            self._move_away(replica, deliveries)
+        _deliver(deliveries)
+
+    def _received(self, replica: _Replica, report: Report) -> None:
+        deliveries: Deliveries = []
+        with self._lock:
+            if report.incarnation != replica.incarnation:
+                if replica.incarnation is not None:  # a new process: what the old one held is gone
+                    log.warning("replica %d was restarted (pid %s -> %s)", replica.index, replica.pid, report.pid)
+                    replica.restarts += 1
+                    self._failed(replica, f"restarted: its process {replica.pid} ended")
+                    self._move_away(replica, deliveries)
+                replica.incarnation, replica.pid, replica.node = report.incarnation, report.pid, report.node
+                replica.ran = False
+                replica.moved.clear()
+            replica.stats = report.stats
+            if report.error is not None and report.error != replica.error:
+                self._failed(replica, report.error)
+            for result in report.results:
+                assignment = self._assigned.get(result.request_id)
+                if assignment is None or assignment.replica is not replica:
+                    continue  # aborted, or moved to another replica when this one could not be reached
+                if is_final(result):
+                    del self._assigned[result.request_id]
+                    replica.assigned -= assignment.request.params.n
+                    replica.served += 1
+                else:
+                    assignment.streamed = True
+                deliveries.append((assignment.on_result, result))
+            self._update_state(replica, report, deliveries)
+        _deliver(deliveries)
+
+    def _update_state(self, replica: _Replica, report: Report, deliveries: Deliveries) -> None:
+        """Under the lock."""
+        if report.state == "dead":
+            if replica.ended == replica.incarnation:
+                return  # being replaced
+            if replica.ran:  # its engine gave up (a broken device?): the others take over, a new process may work
+                log.error("replica %d: its engine stopped (%s); restarting its process", replica.index, report.error)
+                replica.state, replica.ended = "restarting", replica.incarnation
+                self._move_away(replica, deliveries)
+                replica.handle.restart()
+            elif replica.state != "dead":  # restarted, it could not load the model: left dead, its error says why
+                log.error("replica %d could not start: %s", replica.index, report.error)
+                replica.state = "dead"
+            return
+        was_running = replica.state == "running"
+        replica.state = "running" if report.state == "running" else "restarting"
+        if replica.state != "running":
+            return
+        replica.ran = True
+        if not was_running:
+            log.info("replica %d running (pid %s on %s)", replica.index, replica.pid, replica.node)
+            self._dispatch([assignment for assignment in self._assigned.values() if assignment.replica is None])
+        if replica.moved:
+            stale = [request_id for request_id in replica.moved if self._where(request_id) is not replica]
+            replica.moved.clear()
+            if stale:
+                replica.handle.abort(stale)
+
+    def _move_away(self, replica: _Replica, deliveries: Deliveries) -> None:
+        """Dispatch the requests of a replica that lost them, or may have, to the running ones, but fail those that
+        streamed tokens (added to ``deliveries``); under the lock."""
+        taken = self._take_back(replica)
+        if taken:
+            log.warning("replica %d: %d request(s) dispatched again", replica.index, len(taken))
+        replica.moved.update(assignment.request.request_id for assignment in taken)
+        for assignment in taken:
+            if assignment.streamed:
+                del self._assigned[assignment.request.request_id]
+                deliveries.append((assignment.on_result, _stream_cut(assignment.request, replica)))
+        self._dispatch([assignment for assignment in taken if not assignment.streamed])
+
+    def _where(self, request_id: str) -> _Replica | None:
+        assignment = self._assigned.get(request_id)
+        return None if assignment is None else assignment.replica
+
+    def _failed(self, replica: _Replica, message: str) -> None:
+        replica.error = message
+        self.error = ReplicaFailure(f"replica {replica.index}: {message}")
+
+
+def _deliver(deliveries: Deliveries) -> None:
+    """Outside the lock."""
+    for on_result, result in deliveries:
+        try:
+            on_result(result)
+        except Exception:  # the caller's bug must not stop this replica's results
+            log.exception("result callback of %s failed", result.request_id)
+
+
+def _stream_cut(request: EngineRequest, replica: _Replica) -> EngineResult:
+    message = (
+        f"The engine replica running this request was lost after it had streamed tokens ({replica.error}); what it "
+        "streamed cannot be taken back, so it is not run again."
+    )
+    error = EngineError("server_error", message)
+    return EngineResult(request.request_id, len(request.prompt_token_ids), error=error, group=request.group)
+
+
+def _load(replica: _Replica) -> Load:
+    return Load(replica.assigned, replica.stats.kv_blocks_free if replica.stats else 0)
+
+
+def _status(replica: _Replica) -> ReplicaStatus:
+    stats = replica.stats
+    return ReplicaStatus(
+        index=replica.index,
+        state=replica.state,
+        node=replica.node,
+        pid=replica.pid,
+        assigned_requests=replica.assigned,
+        running_requests=stats.running if stats else 0,
+        served_requests=replica.served,
+        kv_blocks_total=stats.kv_blocks_total if stats else 0,
+        kv_blocks_free=stats.kv_blocks_free if stats else 0,
+        restarts=replica.restarts,
+        error=replica.error,
+    )
