@@ -59,3 +59,20 @@ def test_the_journal_is_compacted(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert path.stat().st_size < 400
     del journal
     assert dict(CrashJournal(path).strikes) == {("b", "open"): 1}
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full, a device that is always full")
+def test_a_full_disk_costs_the_journal_a_warning_never_an_answer(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The journal is advisory: the batch loop notes a request leaving the engine after answering it, and a write
+    that fails (ENOSPC) must not raise into the loop, where it would drop the answer."""
+    journal = CrashJournal(tmp_path / "inflight.journal")
+    journal._file.close()
+    journal._file = open("/dev/full", "a", encoding="utf-8")  # noqa: SIM115 (every write fails with ENOSPC)
+    journal.entered("batch", "a")
+    journal.answered("batch", "a")
+    journal.entered("batch", "b")
+    warnings = [record for record in caplog.records if "crash journal could not be written" in record.message]
+    assert len(warnings) == 1  # once while it keeps failing, not per line
+    journal.close()

@@ -45,14 +45,16 @@ class ServerProcess:
         """Added to the child's environment (a test's fault injection, say)."""
         self.process: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> ServerProcess:
+    def start(self, *, wait: bool = True) -> ServerProcess:
+        """Start the server; with ``wait``, return once it is healthy."""
         self.storage_dir.mkdir(parents=True, exist_ok=True)
         # The child sees the same packages as this process, installed or on PYTHONPATH.
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), **self._env}
         command = [sys.executable, "-m", "batchgen.server.cli", "serve", "--storage", str(self.storage_dir)]
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen([*command, *self._args], stdout=log, stderr=subprocess.STDOUT, env=env)
-        self._wait_healthy()
+        if wait:
+            self._wait_healthy()
         return self
 
     def _wait_healthy(self) -> None:

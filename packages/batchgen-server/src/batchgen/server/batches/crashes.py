@@ -33,6 +33,7 @@ class CrashJournal:
         self._inside: set[Key] = set()
         self._recover()
         self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (open for the loop's lifetime)
+        self._failing = False
 
     def _recover(self) -> None:
         if not self.path.exists():
@@ -76,17 +77,31 @@ class CrashJournal:
 
     def close(self) -> None:
         """A clean stop: what is inside the engine now is not a suspect."""
-        self._file.close()
         self._inside.clear()
-        self._rewrite()
-
-    def _append(self, *record: object) -> None:
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
-        if self._file.tell() > COMPACT_BYTES:
+        try:
             self._file.close()
             self._rewrite()
-            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+        except OSError as exc:
+            log.warning("the crash journal could not be closed cleanly (%s)", exc)
+
+    def _append(self, *record: object) -> None:
+        """Advisory: a full disk must not cost an answer, so a failed write is logged, never raised (a line it cut
+        short is skipped when read back)."""
+        try:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+            if self._file.tell() > COMPACT_BYTES:
+                self._file.close()
+                self._rewrite()
+                self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+        except OSError as exc:
+            if not self._failing:
+                log.warning("the crash journal could not be written (%s): a crash now is not pinned on a request", exc)
+            self._failing = True
+            if self._file.closed:
+                self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+        else:
+            self._failing = False
 
     def _rewrite(self) -> None:
         records = [("!", b, c, n) for (b, c), n in self.strikes.items()] + [("+", b, c) for b, c in self._inside]

@@ -702,9 +702,9 @@ class BatchLoop:
             return
         batch = entry.batch
         del batch.in_engine[entry.request_id]
-        self._left_engine(batch, entry.line.custom_id, answered=True)
         results = [r for r in entry.results if r is not None]
         self._answer(batch, self.serving.output_line(entry.line, results, request_id=entry.request_id), entry.work)
+        self._left_engine(batch, entry.line.custom_id, answered=True)
 
     def _left_engine(self, batch: _Batch, custom_id: str, *, answered: bool) -> None:
         if self.journal is None:

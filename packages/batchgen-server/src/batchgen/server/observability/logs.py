@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sys
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -30,9 +31,25 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, ensure_ascii=False)
 
 
+class StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a record arrives, not the stream it was when the handler was made
+    (a test's or an embedding application's replaced stderr may be closed by then)."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property  # type: ignore[override]
+    def stream(self):  # noqa: ANN201
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: object) -> None:
+        pass
+
+
 def configure(level: str, fmt: str) -> None:
     """The root logger at ``level``, in ``text`` or ``json``."""
-    handler = logging.StreamHandler()
+    handler = StderrHandler()
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:

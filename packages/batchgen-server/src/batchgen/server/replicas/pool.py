@@ -161,6 +161,11 @@ class ReplicaPool:
     def healthy(self) -> bool:
         return self.state == "running"
 
+    @property
+    def restarts(self) -> int:
+        """Replicas restarted, all together (as the engine worker counts its engine's restarts)."""
+        return sum(replica.restarts for replica in self._replicas)
+
     def start(self) -> None:
         """Start collecting results; return once every replica has answered (or ``FIRST_ANSWER_S`` passed)."""
         for thread in self._threads:
