@@ -37,6 +37,10 @@ class EngineConfig:
     attention_backend: str = "auto"
     """``gather`` (contexts copied into a buffer, then SDPA: fastest on CPU), ``flex`` (FlexAttention reading the
     paged cache in place, compiled on CUDA), or ``auto``: flex on CUDA, gather elsewhere."""
+    enforce_eager: bool = False
+    """Run everything eagerly: no ``torch.compile`` (the in-place decode attention, FlexAttention) and no CUDA
+    graphs. Models under 10M parameters (the demo model) always run eagerly: compiling takes seconds and their
+    steps are too small to gain from it."""
     self_check: bool = True
     """At load, run a few tokens through the engine and through the model's own forward, and refuse the model if
     they disagree (about a second on a large model on a GPU)."""

@@ -15,6 +15,9 @@ from .errors import ModelNotSupported
 from .kv_cache import KVCache, LayerShape
 from .scheduler import ScheduledSeq
 
+EAGER_BELOW_PARAMETERS = 10_000_000
+"""Smaller models run eagerly whatever the config: compiling costs seconds, and their steps gain nothing from it."""
+
 
 @dataclass(slots=True)
 class StepOutput:
@@ -43,7 +46,8 @@ class ModelRunner:
         self.block_bytes = KVCache.block_bytes(shapes, self.block_size)
         self.num_blocks = config.num_kv_blocks or self._blocks_that_fit(config)
         self.cache = KVCache(modules, shapes, self.num_blocks, self.block_size)
-        self.backend = make_backend(config.attention_backend, self.device)
+        self.compiled = not config.enforce_eager and model.num_parameters() >= EAGER_BELOW_PARAMETERS
+        self.backend = make_backend(config.attention_backend, self.device, self.compiled)
 
     @torch.no_grad()
     def _probe_layers(self) -> tuple[list[torch.nn.Module], list[LayerShape]]:

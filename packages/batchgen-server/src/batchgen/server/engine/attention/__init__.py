@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from transformers import AttentionInterface
 
+from .decode import DecodeKernel
 from .flex import FlexBackend
 from .gather import GatherBackend
 from .layer import AttentionRefused, LayerAttention
@@ -40,14 +41,15 @@ def paged_attention(
     return step.attend(module, query, key, value, layer).unsqueeze(0), None
 
 
-def make_backend(name: str, device: torch.device) -> AttentionBackend:
-    """``auto``: ``flex`` (compiled) on CUDA, ``gather`` elsewhere."""
+def make_backend(name: str, device: torch.device, compiled: bool) -> AttentionBackend:
+    """``auto``: ``flex`` on CUDA, ``gather`` elsewhere. ``compiled``: gather's decodes read the cache in place
+    through a compiled kernel; flex is compiled on CUDA (on CPU it is a dense reference, for the tests)."""
     if name == "auto":
         name = "flex" if device.type == "cuda" else "gather"
     if name == "gather":
-        return GatherBackend()
+        return GatherBackend(DecodeKernel() if compiled else None)
     if name == "flex":
-        return FlexBackend(compiled=device.type == "cuda")
+        return FlexBackend(compiled=compiled and device.type == "cuda")
     raise ValueError(f"unknown attention backend {name!r}; choose auto, gather or flex")
 
 
