@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from typing import Any
 
@@ -10,7 +11,7 @@ import torch
 
 from batchgen.server.engine import EngineRequest, LLMEngine, SamplingParams
 from batchgen.server.engine.detokenizer import IncrementalDetokenizer
-from batchgen.server.engine.sampler import Sampler, SampleRow
+from batchgen.server.engine.sampler import Sampler, SampleRow, uniform, uniforms
 
 Run = Callable[..., Any]
 
@@ -225,7 +226,9 @@ def test_sampling_draws_the_filtered_distribution(params: dict[str, Any], allowe
     logits = torch.tensor([2.0, 1.5, 1.0, 0.2, -0.5, -1.0], dtype=torch.float64)
     draws = 24_000
     rows = [
-        SampleRow(SamplingParams(**params), seed, position, []) for seed in range(draws // 8) for position in range(8)
+        SampleRow(SamplingParams(**params), seed, position, [], 0)
+        for seed in range(draws // 8)
+        for position in range(8)
     ]
     token_ids, _ = Sampler()(logits.expand(len(rows), -1), rows)
     probs = torch.softmax(logits / params["temperature"], dim=0)
@@ -242,3 +245,109 @@ def test_sampling_draws_the_filtered_distribution(params: dict[str, Any], allowe
     chi_square = float(((counts[kept] - expected) ** 2 / expected).sum())
     # 99.9th percentile of chi-square with (kept - 1) degrees of freedom, for up to 5: 10.83, 13.82, 16.27, 18.47, 20.52
     assert chi_square < [10.83, 13.82, 16.27, 18.47, 20.52][int(kept.sum()) - 2]
+
+
+def test_device_noise_is_the_python_hash_bit_for_bit() -> None:
+    """The sampler hashes (seed, position) on the device; it must be exactly ``uniform``, seeds above 2**63 too."""
+    rng = random.Random(0)
+    pairs = [(rng.getrandbits(64), rng.randrange(1 << 20)) for _ in range(2000)] + [(2**64 - 1, 0), (0, 0), (2**63, 7)]
+    seeds = torch.tensor([s - 2**64 if s >= 2**63 else s for s, _ in pairs], dtype=torch.long)
+    positions = torch.tensor([p for _, p in pairs], dtype=torch.long)
+    assert uniforms(seeds, positions).tolist() == [uniform(s, p) for s, p in pairs]
+
+
+def test_a_row_samples_the_same_token_whatever_shares_its_batch() -> None:
+    """Every row's token depends on its own logits, parameters, seed and position only."""
+    torch.manual_seed(0)
+    vocab = 50
+    logits = torch.randn(64, vocab, dtype=torch.float64) * 3
+    kinds = [
+        {"temperature": 0.0},
+        {"temperature": 0.9, "top_k": 5},
+        {"temperature": 1.2, "top_p": 0.7},
+        {"temperature": 1.0, "min_p": 0.2},
+        {"temperature": 1.0, "repetition_penalty": 1.3, "frequency_penalty": 0.5},
+        {"temperature": 0.7, "logit_bias": {3: 4.0}, "presence_penalty": -0.5},
+        {"temperature": 1.0, "min_tokens": 8},
+    ]
+    rows = [
+        SampleRow(
+            SamplingParams(**kinds[i % len(kinds)]), 1000 + i, 20 + i % 5, [i % vocab, 7, 7, 3], 2, frozenset({1})
+        )
+        for i in range(64)
+    ]
+    together, _ = Sampler()(logits, rows)
+    alone = [Sampler()(logits[i : i + 1], [row])[0][0] for i, row in enumerate(rows)]
+    reversed_batch, _ = Sampler()(logits.flip(0), rows[::-1])
+    assert together == alone == reversed_batch[::-1]
+
+
+def test_min_p_draws_only_tokens_near_the_likeliest() -> None:
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.2, -0.5, -1.0], dtype=torch.float64)
+    rows = [SampleRow(SamplingParams(temperature=1.0, min_p=0.3), seed, 0, [], 0) for seed in range(4000)]
+    token_ids, _ = Sampler()(logits.expand(len(rows), -1), rows)
+    probs = torch.softmax(logits, dim=0)
+    allowed = set((probs >= 0.3 * probs.max()).nonzero().flatten().tolist())
+    assert allowed == {0, 1, 2}
+    assert set(token_ids) == allowed
+
+
+@pytest.mark.parametrize("penalty", [1.5, 0.7])
+def test_repetition_penalty_follows_vllm(
+    make_engine: Callable[..., LLMEngine], run_to_completion: Run, random_prompts: Run, hf_model: Any, penalty: float
+) -> None:
+    prompt = random_prompts(1, 12, 12, seed=21)[0]
+    params = {"max_tokens": 12, "ignore_eos": True, "repetition_penalty": penalty}
+    generated = _generate(make_engine(), run_to_completion, prompt, **params).outputs[0].token_ids
+    for t, token in enumerate(generated):
+        logits = _next_logits(hf_model, prompt + generated[:t])
+        seen = torch.zeros_like(logits, dtype=torch.bool)
+        seen[prompt + generated[:t]] = True
+        penalised = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+        assert token == int(penalised.argmax())
+    plain = _generate(make_engine(), run_to_completion, prompt, max_tokens=12, ignore_eos=True).outputs[0].token_ids
+    assert generated != plain
+
+
+def test_logit_bias_moves_the_choice(
+    make_engine: Callable[..., LLMEngine], run_to_completion: Run, random_prompts: Run, hf_model: Any
+) -> None:
+    engine = make_engine()
+    prompt = random_prompts(1, 9, 9, seed=22)[0]
+    forced = _generate(engine, run_to_completion, prompt, max_tokens=5, ignore_eos=True, logit_bias={65: 100.0})
+    assert forced.outputs[0].token_ids == [65] * 5
+    greedy = _generate(engine, run_to_completion, prompt, max_tokens=1, ignore_eos=True).outputs[0].token_ids[0]
+    banned = _generate(engine, run_to_completion, prompt, max_tokens=1, logit_bias={greedy: -100.0})
+    expected = _next_logits(hf_model, prompt)
+    expected[greedy] -= 100.0
+    assert banned.outputs[0].token_ids == [int(expected.argmax())] != [greedy]
+
+
+def test_min_tokens_bans_stops_until_reached(
+    make_engine: Callable[..., LLMEngine], run_to_completion: Run, random_prompts: Run, hf_model: Any, tokenizer: Any
+) -> None:
+    engine = make_engine()
+    eos = tokenizer.eos_token_id
+    prompts = random_prompts(32, 1, 60, seed=0)
+    results = run_to_completion(
+        engine, [EngineRequest(f"r{i}", p, SamplingParams(max_tokens=20)) for i, p in enumerate(prompts)]
+    )
+    early = min(
+        results.values(), key=lambda r: len(r.outputs[0].token_ids) if r.outputs[0].finish_reason == "stop" else 99
+    )
+    prompt = prompts[int(early.request_id[1:])]
+    stopped_at = len(early.outputs[0].token_ids)  # EOS is its last token
+    min_tokens = stopped_at + 2
+    output = _generate(engine, run_to_completion, prompt, max_tokens=40, min_tokens=min_tokens).outputs[0]
+    assert len(output.token_ids) > min_tokens and eos not in output.token_ids[:min_tokens]
+    for t, token in enumerate(output.token_ids[:min_tokens]):
+        logits = _next_logits(hf_model, prompt + output.token_ids[:t])
+        logits[eos] = float("-inf")
+        assert token == int(logits.argmax())
+    # A stop string is not looked for before min_tokens either.
+    text = output.text
+    stop = text[1:3]
+    assert len(stop) == 2 and text.find(stop) < min_tokens - 2
+    late = _generate(engine, run_to_completion, prompt, max_tokens=40, min_tokens=min_tokens, stop=(stop,))
+    assert late.outputs[0].text.startswith(text[:3])  # the early occurrence did not stop it
+    assert late.outputs[0].finish_reason == "stop" and len(late.outputs[0].token_ids) >= min_tokens

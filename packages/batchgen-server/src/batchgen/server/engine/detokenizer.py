@@ -21,8 +21,9 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = 0
 
-    def add(self, token_id: int) -> bool:
-        """Append a token; return ``True`` when the text now contains a stop string (the text is cut before it)."""
+    def add(self, token_id: int, find_stop: bool = True) -> bool:
+        """Append a token; return ``True`` when the text now contains a stop string (the text is cut before it).
+        ``find_stop=False`` appends without looking (before ``min_tokens``)."""
         self.token_ids.append(token_id)
         decode = self.tokenizer.decode
         prefix = decode(self.token_ids[self._prefix_offset : self._read_offset], skip_special_tokens=True)
@@ -33,6 +34,8 @@ class IncrementalDetokenizer:
         self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
         start = max(0, len(self.text) - self.max_stop_len + 1)
         self.text += delta
+        if not find_stop:
+            return False
         hits = [i for i in (self.text.find(stop, start) for stop in self.stop) if i != -1]
         if hits:
             self.text = self.text[: min(hits)]

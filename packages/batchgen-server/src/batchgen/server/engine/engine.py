@@ -201,9 +201,14 @@ class LLMEngine:
             if seq.state.request.task == "embed" or seq.num_uncomputed > item.num_tokens:
                 continue  # nothing to sample: an embedding, or a prefill chunk short of the prompt's end
             sample_rows.append(row - 1)
-            for choice in self._choices_sampled(seq):
+            state = seq.state
+            for seed in self._choice_seeds(seq):
                 logits_rows.append(len(sample_rows) - 1)
-                rows.append(SampleRow(seq.state.request.params, choice.seed, len(seq), choice.generated_ids))
+                rows.append(
+                    SampleRow(
+                        state.request.params, seed, len(seq), seq.token_ids, seq.num_prompt_tokens, state.stop_token_ids
+                    )
+                )
         output = self.runner.forward(scheduled, sample_rows)
         if not rows:
             return _Computed(output.hidden, [], [])
@@ -211,12 +216,13 @@ class LLMEngine:
         token_ids, logprobs = self.sampler(logits, rows)
         return _Computed(output.hidden, token_ids, logprobs)
 
-    def _choices_sampled(self, seq: Sequence) -> list[_Choice]:
-        """The choices a sampled row feeds: ``n`` of them when the prompt just completed (they fork from it)."""
+    def _choice_seeds(self, seq: Sequence) -> list[int]:
+        """The seeds of the choices a sampled row feeds: ``n`` of them when the prompt just completed (they fork from
+        it, each sampling its first token from the same logits)."""
         state = seq.state
         if seq.forked or state.request.params.n == 1:
-            return [_Choice(seq.seed, seq.generated_ids)]
-        return [_Choice(_choice_seed(state, index), []) for index in range(state.request.params.n)]
+            return [seq.seed]
+        return [_choice_seed(state, index) for index in range(state.request.params.n)]
 
     def _commit(self, scheduled: list[ScheduledSeq], computed: _Computed, finished: list[EngineResult]) -> None:
         tokens = iter(zip(computed.token_ids, computed.logprobs, strict=True))
@@ -225,7 +231,7 @@ class LLMEngine:
             start, row = row, row + item.num_tokens
             seq = item.seq
             sampled = seq.state.request.task == "generate" and seq.num_uncomputed == item.num_tokens
-            choices = [next(tokens) for _ in self._choices_sampled(seq)] if sampled else []
+            choices = [next(tokens) for _ in self._choice_seeds(seq)] if sampled else []
             try:
                 self._commit_one(item, computed.hidden[start:row], choices, finished)
             except Exception as exc:  # e.g. a tokenizer that cannot decode the token: this request alone fails
@@ -305,7 +311,10 @@ class LLMEngine:
         if seq.logprobs is not None and logprob is not None:
             seq.logprobs.append(logprob)
         state = seq.state
-        if token_id in state.stop_token_ids or (seq.detokenizer is not None and seq.detokenizer.add(token_id)):
+        # vLLM's rule: nothing stops a sequence shorter than min_tokens (the sampler bans its stop tokens until then).
+        may_stop = seq.num_generated >= state.request.params.min_tokens
+        stop_string = seq.detokenizer is not None and seq.detokenizer.add(token_id, find_stop=may_stop)
+        if may_stop and (token_id in state.stop_token_ids or stop_string):
             seq.finish_reason = "stop"
         elif seq.num_generated >= state.max_tokens or len(seq) >= state.max_len:
             seq.finish_reason = "length"
@@ -352,12 +361,6 @@ class LLMEngine:
         self._totals["prompt"] += result.prompt_tokens
         self._totals["cached"] += result.cached_tokens
         self._totals["generated"] += result.completion_tokens
-
-
-@dataclass(frozen=True, slots=True)
-class _Choice:
-    seed: int
-    generated_ids: list[int]
 
 
 @dataclass(slots=True)

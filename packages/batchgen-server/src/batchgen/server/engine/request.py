@@ -25,7 +25,18 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     presence_penalty: float = 0.0
+    """OpenAI's: ``logit - (count > 0) * presence_penalty`` over the tokens generated so far."""
     frequency_penalty: float = 0.0
+    """OpenAI's: ``logit - count * frequency_penalty`` over the tokens generated so far."""
+    repetition_penalty: float = 1.0
+    """vLLM's: a token seen in the prompt or the output has a positive logit divided by it, a negative one
+    multiplied (``1`` disables it)."""
+    min_p: float = 0.0
+    """Drop tokens less likely than ``min_p`` times the likeliest one (after temperature; ``0`` disables it)."""
+    min_tokens: int = 0
+    """No stop (EOS, ``stop_token_ids``, stop strings) before this many tokens are generated."""
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    """Added to the token's logit before anything else (token id -> bias)."""
     logprobs: bool = False
     top_logprobs: int = 0
     max_context_length: int | None = None
