@@ -31,6 +31,7 @@ from .sampler import Sampler, SampleRow, mix64
 from .scheduler import ScheduledSeq, Scheduler
 from .self_check import self_check
 from .sequence import RequestState, Sequence, Status
+from .transfer import to_device
 
 if TYPE_CHECKING:
     from .encoder_engine import EncoderEngine
@@ -209,10 +210,13 @@ class LLMEngine:
                         state.request.params, seed, len(seq), seq.token_ids, seq.num_prompt_tokens, state.stop_token_ids
                     )
                 )
-        output = self.runner.forward(scheduled, sample_rows)
+        want_hidden = any(item.seq.state.request.task == "embed" for item in scheduled)
+        output = self.runner.forward(scheduled, sample_rows, want_hidden)
         if not rows:
             return _Computed(output.hidden, [], [])
-        logits = output.logits[torch.tensor(logits_rows, device=output.logits.device)]
+        logits = output.logits
+        if len(logits_rows) != len(sample_rows):  # a completed prompt feeds its n choices from one row
+            logits = logits[to_device(torch.tensor(logits_rows, dtype=torch.long), logits.device)]
         token_ids, logprobs = self.sampler(logits, rows)
         return _Computed(output.hidden, token_ids, logprobs)
 
@@ -233,14 +237,15 @@ class LLMEngine:
             sampled = seq.state.request.task == "generate" and seq.num_uncomputed == item.num_tokens
             choices = [next(tokens) for _ in self._choice_seeds(seq)] if sampled else []
             try:
-                self._commit_one(item, computed.hidden[start:row], choices, finished)
+                hidden = None if computed.hidden is None else computed.hidden[start:row]
+                self._commit_one(item, hidden, choices, finished)
             except Exception as exc:  # e.g. a tokenizer that cannot decode the token: this request alone fails
                 self._fail(seq.state, exc, finished)
 
     def _commit_one(
         self,
         item: ScheduledSeq,
-        hidden: torch.Tensor,
+        hidden: torch.Tensor | None,
         choices: list[tuple[int, TokenLogprob | None]],
         finished: list[EngineResult],
     ) -> None:
@@ -249,6 +254,7 @@ class LLMEngine:
         seq.num_computed_tokens += item.num_tokens
         self.block_manager.register_full_blocks(seq, first_new_block)
         if state.request.task == "embed":
+            assert hidden is not None
             chunk_sum = hidden.float().sum(dim=0)
             state.embedding_sum = chunk_sum if state.embedding_sum is None else state.embedding_sum + chunk_sum
             if not seq.num_uncomputed:
@@ -365,7 +371,7 @@ class LLMEngine:
 
 @dataclass(slots=True)
 class _Computed:
-    hidden: torch.Tensor
+    hidden: torch.Tensor | None
     token_ids: list[int]
     """One per sampled choice, in the order of the step's sequences."""
     logprobs: list[TokenLogprob | None]

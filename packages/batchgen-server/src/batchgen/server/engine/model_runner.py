@@ -9,11 +9,13 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from .attention import ATTENTION_NAME, AttentionRefused, LayerProbe, PagedStep, SeqSlice, active, make_backend
+from .attention import ATTENTION_NAME, AttentionRefused, LayerProbe, PagedStep, active, make_backend
 from .config import EngineConfig
 from .errors import ModelNotSupported
+from .inputs import InputBuffers
 from .kv_cache import KVCache, LayerShape
 from .scheduler import ScheduledSeq
+from .transfer import to_device
 
 EAGER_BELOW_PARAMETERS = 10_000_000
 """Smaller models run eagerly whatever the config: compiling costs seconds, and their steps gain nothing from it."""
@@ -21,11 +23,11 @@ EAGER_BELOW_PARAMETERS = 10_000_000
 
 @dataclass(slots=True)
 class StepOutput:
-    hidden: torch.Tensor
-    """Last hidden state of every packed token ``[tokens, hidden]`` (for embeddings)."""
+    hidden: torch.Tensor | None
+    """Last hidden state of every packed token ``[tokens, hidden]``, when asked for (embeddings)."""
     logits: torch.Tensor
-    """Float32 logits of the sampled rows only, ``[sampled, vocab]``, as the model's own head makes them (its
-    scaling and soft-capping included)."""
+    """Logits of the sampled rows only, ``[sampled, vocab]``, in the model's dtype (the sampler makes them float32),
+    as the model's own head makes them (its scaling and soft-capping included)."""
 
 
 class ModelRunner:
@@ -46,6 +48,7 @@ class ModelRunner:
         self.block_bytes = KVCache.block_bytes(shapes, self.block_size)
         self.num_blocks = config.num_kv_blocks or self._blocks_that_fit(config)
         self.cache = KVCache(modules, shapes, self.num_blocks, self.block_size)
+        self.inputs = InputBuffers(config.max_num_batched_tokens, self.block_size, self.device)
         self.compiled = not config.enforce_eager and model.num_parameters() >= EAGER_BELOW_PARAMETERS
         self.backend = make_backend(config.attention_backend, self.device, self.compiled)
 
@@ -87,26 +90,15 @@ class ModelRunner:
         self.cache.copy_block(src, dst)
 
     @torch.no_grad()
-    def forward(self, scheduled: list[ScheduledSeq], sample_rows: list[int]) -> StepOutput:
-        """Run every scheduled chunk in one packed forward; logits at ``sample_rows`` only."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seqs: list[SeqSlice] = []
-        bs = self.block_size
-        for item in scheduled:
-            seq, n = item.seq, item.num_tokens
-            start = seq.num_computed_tokens
-            table = seq.block_table
-            seqs.append(SeqSlice(len(input_ids), n, start, list(table)))
-            input_ids.extend(seq.token_ids[start : start + n])
-            positions.extend(range(start, start + n))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-        slot_mapping = torch.tensor(slots).to(self.device)
-        step = PagedStep(self.cache, self.backend, seqs, slot_mapping, self.device)
-        ids = torch.tensor(input_ids).to(self.device).unsqueeze(0)
-        pos = torch.tensor(positions).to(self.device).unsqueeze(0)
-        keep = torch.tensor(sample_rows, dtype=torch.long).to(self.device)
+    def forward(self, scheduled: list[ScheduledSeq], sample_rows: list[int], want_hidden: bool) -> StepOutput:
+        """Run every scheduled chunk in one packed forward; logits at ``sample_rows`` only; the last hidden state
+        of every token if ``want_hidden`` (embeddings)."""
+        packed = self.inputs.pack(scheduled)
+        step = PagedStep(self.cache, self.backend, packed.seqs, packed.slots, self.device)
+        every_row = len(sample_rows) == packed.input_ids.shape[0]
+        keep = (
+            0 if every_row else to_device(torch.tensor(sample_rows, dtype=torch.long), self.device)
+        )  # 0: every row (HF's rule)
         hidden: list[torch.Tensor] = []
 
         def keep_hidden(module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -114,10 +106,16 @@ class ModelRunner:
 
         # The base model's output, for embeddings: the model's forward returns only the logits asked for. The hook
         # lives for this forward only (the model may be shared with other engines).
-        handle = self.model.base_model.register_forward_hook(keep_hidden)
+        handle = self.model.base_model.register_forward_hook(keep_hidden) if want_hidden else None
         try:
             with active(step):
-                out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep)
+                out = self.model(
+                    input_ids=packed.input_ids.unsqueeze(0),
+                    position_ids=packed.positions.unsqueeze(0),
+                    use_cache=False,
+                    logits_to_keep=keep,
+                )
         finally:
-            handle.remove()
-        return StepOutput(hidden[0][0], out.logits[0].float())
+            if handle is not None:
+                handle.remove()
+        return StepOutput(hidden[0][0] if hidden else None, out.logits[0])

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .request import SamplingParams, TokenLogprob
+from .transfer import to_device
 
 _MASK64 = 2**64 - 1
 _GOLDEN, _MUL1, _MUL2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
@@ -86,6 +87,10 @@ class SampleRow:
 
 
 class Sampler:
+    """Stateless; every host value reaches the device through ``to_device`` (no synchronisation on CUDA), so the
+    host prepares the sampling while the device still runs the forward, and the one transfer back is the step's
+    only wait."""
+
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[TokenLogprob | None]]:
         """``logits`` is ``[rows, vocab]``; returns the chosen token ids and, where asked, their logprobs."""
         logits = self.process(logits.float(), rows)
@@ -94,25 +99,20 @@ class Sampler:
         if not wanted:
             return chosen.tolist(), [None] * len(rows)  # the step's one transfer to the host
         k = min(max(rows[i].params.top_logprobs for i in wanted), logits.shape[1])
-        index = torch.tensor(wanted, device=logits.device)
+        index = _long(wanted, logits.device)
         log_probs = torch.log_softmax(logits[index], dim=-1)
         chosen_lp = log_probs.gather(1, chosen[index].unsqueeze(1))
         top_lp, top_ids = log_probs.topk(k, dim=-1)
-        packed = torch.cat(
-            [chosen.double(), chosen_lp.double().flatten(), top_lp.double().flatten(), top_ids.double().flatten()]
-        )
-        host = packed.tolist()  # the step's one transfer to the host: token ids are exact in float64
+        parts = (chosen, chosen_lp, top_lp, top_ids)
+        host = torch.cat([part.double().flatten() for part in parts]).tolist()  # token ids are exact in float64
         token_ids = [int(t) for t in host[: len(rows)]]
         chosen_list = host[len(rows) : len(rows) + len(wanted)]
         top_lp_list = host[len(rows) + len(wanted) : len(rows) + len(wanted) * (1 + k)]
         top_ids_list = host[len(rows) + len(wanted) * (1 + k) :]
         logprobs: list[TokenLogprob | None] = [None] * len(rows)
         for j, i in enumerate(wanted):
-            n = rows[i].params.top_logprobs
-            top = tuple(
-                (int(token), lp)
-                for token, lp in zip(top_ids_list[j * k : j * k + n], top_lp_list[j * k : j * k + n], strict=True)
-            )
+            first, n = j * k, rows[i].params.top_logprobs
+            top = tuple(zip(map(int, top_ids_list[first : first + n]), top_lp_list[first : first + n], strict=True))
             logprobs[i] = TokenLogprob(token_ids[i], chosen_list[j], top)
         return token_ids, logprobs
 
@@ -123,17 +123,17 @@ class Sampler:
         device = logits.device
         biased = [(i, token, bias) for i, r in enumerate(rows) for token, bias in r.params.logit_bias.items()]
         if biased:
-            rows_t, tokens_t, biases = zip(*biased, strict=True)
-            index = (torch.tensor(rows_t, device=device), torch.tensor(tokens_t, device=device))
-            logits = logits.index_put(index, torch.tensor(biases, dtype=logits.dtype, device=device), accumulate=True)
+            at, tokens, biases = zip(*biased, strict=True)
+            values = to_device(torch.tensor(biases, dtype=logits.dtype), device)
+            logits = logits.index_put((_long(at, device), _long(tokens, device)), values, accumulate=True)
         banned = [(i, t) for i, r in enumerate(rows) if r.num_generated < r.params.min_tokens for t in r.stop_token_ids]
         if banned:
-            index = tuple(torch.tensor(column, device=device) for column in zip(*banned, strict=True))
-            logits = logits.index_put(index, torch.tensor(float("-inf"), device=device))
+            at, tokens = zip(*banned, strict=True)
+            logits = logits.index_put((_long(at, device), _long(tokens, device)), _full(float("-inf"), device))
         penalised = [i for i, r in enumerate(rows) if _has_penalties(r.params)]
         if penalised:
-            logits = logits.clone() if not (biased or banned) else logits
-            logits[penalised] = _penalties(logits[penalised], [rows[i] for i in penalised])
+            index = _long(penalised, device)
+            logits = logits.index_put((index,), _penalties(logits[index], [rows[i] for i in penalised]))
         return logits
 
     @staticmethod
@@ -144,9 +144,21 @@ class Sampler:
             return logits.argmax(dim=-1)
         if len(sampled) == len(rows):
             return _sample(logits, rows)
-        chosen = logits.argmax(dim=-1)
-        chosen[sampled] = _sample(logits[sampled], [rows[i] for i in sampled])
-        return chosen
+        index = _long(sampled, logits.device)
+        return logits.argmax(dim=-1).index_put((index,), _sample(logits[index], [rows[i] for i in sampled]))
+
+
+def _long(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    return to_device(torch.tensor(values, dtype=torch.long), device)
+
+
+def _column(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
+    return to_device(torch.tensor(values, dtype=like.dtype), like.device).unsqueeze(1)
+
+
+def _full(value: float, device: torch.device) -> torch.Tensor:
+    """A scalar made on the device (no transfer)."""
+    return torch.full((), value, device=device)
 
 
 def _has_penalties(params: SamplingParams) -> bool:
@@ -156,25 +168,23 @@ def _has_penalties(params: SamplingParams) -> bool:
 def _flat(lists: Sequence[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Row index and token id of every element of ``lists``, as two flat tensors."""
     row_ids = [row for row, ids in enumerate(lists) for _ in range(len(ids))]
-    tokens = [token for ids in lists for token in ids]
-    return torch.tensor(row_ids, dtype=torch.long, device=device), torch.tensor(tokens, dtype=torch.long, device=device)
+    return _long(row_ids, device), _long([token for ids in lists for token in ids], device)
 
 
 def _penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """vLLM's repetition penalty over prompt and output tokens (divide a positive logit, multiply a negative one),
     then OpenAI's ``logit - count * frequency - (count > 0) * presence`` over the output tokens."""
     device = logits.device
-    column = lambda values: torch.tensor(values, dtype=logits.dtype, device=device).unsqueeze(1)  # noqa: E731
     counts = torch.zeros_like(logits)
-    counts.index_put_(_flat([r.generated_ids for r in rows], device), torch.ones((), device=device), accumulate=True)
-    repetition = column([r.params.repetition_penalty for r in rows])
-    if bool((repetition != 1.0).any()):
-        seen = counts > 0
-        seen[_flat([r.token_ids[: r.num_prompt_tokens] for r in rows], device)] = True
-        scaled = torch.where(logits > 0, logits / repetition, logits * repetition)
-        logits = torch.where(seen, scaled, logits)
-    frequency = column([r.params.frequency_penalty for r in rows])
-    presence = column([r.params.presence_penalty for r in rows])
+    counts.index_put_(_flat([r.generated_ids for r in rows], device), _full(1.0, device), accumulate=True)
+    if any(r.params.repetition_penalty != 1.0 for r in rows):
+        seen = (counts > 0).index_put(
+            _flat([r.token_ids[: r.num_prompt_tokens] for r in rows], device), _full(True, device)
+        )
+        repetition = _column([r.params.repetition_penalty for r in rows], logits)
+        logits = torch.where(seen, torch.where(logits > 0, logits / repetition, logits * repetition), logits)
+    frequency = _column([r.params.frequency_penalty for r in rows], logits)
+    presence = _column([r.params.presence_penalty for r in rows], logits)
     return logits - counts * frequency - (counts > 0).to(logits.dtype) * presence
 
 
@@ -182,21 +192,17 @@ def _sample(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """Temperature, then ``min_p`` (drop tokens less likely than ``min_p`` times the likeliest), top-k and top-p
     on one sorted copy, then the inverse-CDF draw."""
     device, vocab = logits.device, logits.shape[1]
-    column = lambda values: torch.tensor(values, device=device).unsqueeze(1)  # noqa: E731
-    logits = logits / column([r.params.temperature for r in rows]).to(logits.dtype)
+    logits = logits / _column([r.params.temperature for r in rows], logits)
     sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
-    min_p = column([r.params.min_p for r in rows]).to(logits.dtype)
     # p < min_p * p_max  <=>  logit < max logit + log(min_p); log(0) = -inf keeps everything.
-    dropped = sorted_logits < sorted_logits[:, :1] + torch.log(min_p)
+    dropped = sorted_logits < sorted_logits[:, :1] + torch.log(_column([r.params.min_p for r in rows], logits))
     ranks = torch.arange(vocab, device=device).unsqueeze(0)
-    top_k = column([min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in rows])
+    top_k = _long([min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in rows], device).unsqueeze(1)
     probs = sorted_logits.masked_fill(dropped | (ranks >= top_k), float("-inf")).softmax(dim=-1)
     # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-    top_p = column([r.params.top_p for r in rows]).to(probs.dtype)
-    probs = probs.masked_fill((probs.cumsum(dim=-1) - probs) >= top_p, 0.0)
+    probs = probs.masked_fill((probs.cumsum(dim=-1) - probs) >= _column([r.params.top_p for r in rows], probs), 0.0)
     cdf = probs.double().cumsum(dim=-1)
-    seeds = torch.tensor([_signed(r.seed & _MASK64) for r in rows], dtype=torch.long, device=device)
-    positions = torch.tensor([r.position for r in rows], dtype=torch.long, device=device)
-    draws = uniforms(seeds, positions)
+    seeds = _long([_signed(r.seed & _MASK64) for r in rows], device)
+    draws = uniforms(seeds, _long([r.position for r in rows], device))
     index = torch.searchsorted(cdf, (draws * cdf[:, -1]).unsqueeze(1), right=True).clamp(max=vocab - 1)
     return sorted_ids.gather(1, index).squeeze(1)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch._dynamo.decorators import mark_unbacked
 
+from ..transfer import to_device
 from .layer import LayerAttention
 
 logger = logging.getLogger(__name__)
@@ -39,12 +40,12 @@ class DecodePairs:
     def to(self, device: torch.device) -> DecodePairs:
         if self.seq.device == device:
             return self
-        return DecodePairs(*(tensor.to(device) for tensor in (self.seq, self.block, self.visible, self.table)))
+        return DecodePairs(*(to_device(tensor, device) for tensor in (self.seq, self.block, self.visible, self.table)))
 
     @classmethod
     def from_tables(cls, blocks: torch.Tensor, lengths: torch.Tensor, visible: torch.Tensor) -> DecodePairs:
         """``blocks`` ``[B, W]`` padded block tables, ``lengths`` ``[B]`` their real lengths, ``visible``
-        ``[B, W * block_size]``."""
+        ``[B, W * block_size]``, all on the host."""
         batch, width = blocks.shape
         real = torch.arange(width, device=blocks.device).unsqueeze(0) < lengths.unsqueeze(1)
         count = int(lengths.sum())

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..transfer import to_device
 from .decode import DecodeKernel, DecodePairs
 from .kernels import attend, causal_mask
 from .layer import LayerAttention
@@ -35,12 +36,10 @@ class _Decodes:
     """Packed row of each decode; ``None`` when the step is all decodes, in order."""
     blocks: torch.Tensor
     """``[decodes, width]`` block table of each decode's visible context (padded with block 0)."""
-    lengths: torch.Tensor
-    """``[decodes]`` real length of each table."""
     visible: torch.Tensor
     """``[decodes, width * block_size]``."""
-    pairs: DecodePairs | None = None
-    """The kernel's layout of the same, built on first use."""
+    pairs: DecodePairs | None
+    """The compiled kernel's layout of the same (when the backend has the kernel)."""
 
 
 @dataclass(slots=True)
@@ -83,7 +82,9 @@ class GatherBackend:
         value: torch.Tensor,
         layer: LayerAttention,
     ) -> torch.Tensor:
-        views: _Views = step.memo(("gather", layer.window), lambda: _build_views(step, layer.window))
+        views: _Views = step.memo(
+            ("gather", layer.window), lambda: _build_views(step, layer.window, self.decode_kernel is not None)
+        )
         k_cache, v_cache = step.cache.k[layer_index], step.cache.v[layer_index]
         device, bs = k_cache.device, step.cache.block_size  # device differs from the step's only under device_map
         q = query[0].transpose(0, 1)  # [T, H, D]
@@ -122,8 +123,7 @@ class GatherBackend:
     ) -> torch.Tensor:
         device = k_cache.device  # differs from the step's only under device_map
         if self.decode_kernel is not None:
-            if decodes.pairs is None:
-                decodes.pairs = DecodePairs.from_tables(decodes.blocks, decodes.lengths, decodes.visible)
+            assert decodes.pairs is not None
             return self.decode_kernel(q, k_cache, v_cache, decodes.pairs.to(device), layer)
         blocks = decodes.blocks.to(device)
         kd = _gather(k_cache, blocks, bs, self.buffers.get("k", blocks.numel() * bs * _row_numel(k_cache), k_cache))
@@ -149,7 +149,7 @@ def _first_visible(position: int, window: int | None) -> int:
     return 0 if window is None else max(0, position - window + 1)
 
 
-def _build_views(step: PagedStep, window: int | None) -> _Views:
+def _build_views(step: PagedStep, window: int | None, with_pairs: bool) -> _Views:
     bs, device = step.cache.block_size, step.device
     decodes = [s for s in step.seqs if s.num_tokens == 1]
     chunks = [_chunk_view(s, window, bs, device) for s in step.seqs if s.num_tokens > 1]
@@ -164,9 +164,12 @@ def _build_views(step: PagedStep, window: int | None) -> _Views:
     last = torch.tensor([s.start for s in decodes]).unsqueeze(1)
     first = torch.tensor([_first_visible(s.start, window) for s in decodes]).unsqueeze(1)
     visible = (positions >= first) & (positions <= last)
-    lengths = torch.tensor([len(table) for table in tables])
-    rows = None if len(decodes) == len(step.seqs) else torch.tensor([s.row for s in decodes]).to(device)
-    return _Views(_Decodes(rows, blocks.to(device), lengths.to(device), visible.to(device)), chunks)
+    pairs = None
+    if with_pairs:
+        lengths = torch.tensor([len(table) for table in tables])
+        pairs = DecodePairs.from_tables(blocks, lengths, visible).to(device)
+    rows = None if len(decodes) == len(step.seqs) else to_device(torch.tensor([s.row for s in decodes]), device)
+    return _Views(_Decodes(rows, to_device(blocks, device), to_device(visible, device), pairs), chunks)
 
 
 def _chunk_view(seq: SeqSlice, window: int | None, bs: int, device: torch.device) -> _Chunk:
@@ -180,4 +183,4 @@ def _chunk_view(seq: SeqSlice, window: int | None, bs: int, device: torch.device
     width = len(blocks) * bs
     if mask.shape[1] < width:  # the last block is only partly filled: its tail is not visible
         mask = torch.nn.functional.pad(mask, (0, width - mask.shape[1]))
-    return _Chunk(start, end, blocks.to(device), mask)
+    return _Chunk(start, end, to_device(blocks, device), mask)
