@@ -19,7 +19,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from batchgen.server.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams
+from batchgen.server.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams, model_runner
 from batchgen.server.engine.demo_model import build_tokenizer
 from batchgen.server.engine.errors import ModelNotSupported
 
@@ -219,3 +219,17 @@ def test_refused_at_load(model_type: str, tokenizer: Any, tmp_path: Path) -> Non
     with pytest.raises(ModelNotSupported, match=reason) as refused:
         _engine(path, tokenizer)
     assert type(AutoModelForCausalLM.from_pretrained(path)).__name__ in str(refused.value)
+
+
+def test_compiled_path(tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled path (decoder layers compiled, decodes through the compiled in-place kernel), which tiny models
+    skip by default: the same tokens and logprobs on Gemma 2 (GQA, a sliding window and attention soft-capping),
+    compiled once for chunked prefill, prefix-cache hits and n > 1, with the load-time self-check run through it.
+    test_attention.py runs every kind of layer through the compiled decode kernel."""
+    monkeypatch.setattr(model_runner, "EAGER_BELOW_PARAMETERS", 0)
+    path = _build("gemma2", ARCHITECTURES["gemma2"], tokenizer, tmp_path)
+    engine = _engine(path, tokenizer, block_size=8, max_num_batched_tokens=16)
+    _check(engine, Reference(path), n=2)
+    runner = engine.runner
+    assert runner.compiled_layers is not None, "the compiled layers fell back to eager"
+    assert runner.backend.decode_kernel.failure is None, "the decode kernel fell back to eager"

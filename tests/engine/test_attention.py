@@ -43,11 +43,10 @@ COMPILED_GATHER = make_backend("gather", torch.device("cpu"), compiled=True)
 
 def _step(
     seed: int, shapes: list[tuple[int, int]] = SHAPES
-) -> tuple[PagedStep, torch.nn.Module, KVCache, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[PagedStep, KVCache, torch.Tensor, torch.Tensor, torch.Tensor]:
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    module = torch.nn.Module()
-    cache = KVCache([module], [LayerShape(KV_HEADS, DIM, DIM, torch.float64, torch.device("cpu"))], 64, BLOCK)
+    cache = KVCache([LayerShape(KV_HEADS, DIM, DIM, torch.float64, torch.device("cpu"))], 64, BLOCK)
     free = list(range(1, 64))
     rng.shuffle(free)
     shared = [free.pop() for _ in range(2)]  # two full blocks of prefix every long-enough sequence shares
@@ -65,7 +64,7 @@ def _step(
     key = torch.randn(1, KV_HEADS, row, DIM, dtype=torch.float64)
     value = torch.randn(1, KV_HEADS, row, DIM, dtype=torch.float64)
     step = PagedStep(cache, BACKENDS["gather"](), seqs, torch.tensor(slots), torch.device("cpu"))
-    return step, module, cache, query, key, value
+    return step, cache, query, key, value
 
 
 def _reference(cache: KVCache, seq: SeqSlice, query: torch.Tensor, layer: LayerAttention) -> torch.Tensor:
@@ -84,9 +83,9 @@ def _reference(cache: KVCache, seq: SeqSlice, query: torch.Tensor, layer: LayerA
 @pytest.mark.parametrize("layer_name", sorted(LAYERS))
 def test_backend_matches_per_sequence_reference(backend: str, layer_name: str, shapes: list[tuple[int, int]]) -> None:
     layer = LAYERS[layer_name]
-    step, module, cache, query, key, value = _step(len(layer_name), shapes)
+    step, cache, query, key, value = _step(len(layer_name), shapes)
     step.backend = BACKENDS[backend]()
-    out = step.attend(module, query, key, value, layer)
+    out = step.attend(query, key, value, layer)
     for seq in step.seqs:
         expected = _reference(cache, seq, query, layer)
         torch.testing.assert_close(out[seq.row : seq.row + seq.num_tokens], expected, rtol=1e-9, atol=1e-9)

@@ -9,11 +9,12 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from .attention import ATTENTION_NAME, AttentionRefused, LayerProbe, PagedStep, active, make_backend
+from .attention import ATTENTION_NAME, PROBE_NAME, AttentionRefused, LayerProbe, PagedStep, active, make_backend
+from .compiled_layers import CompiledLayers, decoder_layers
 from .config import EngineConfig
 from .errors import ModelNotSupported
-from .inputs import InputBuffers
-from .kv_cache import KVCache, LayerShape
+from .inputs import InputBuffers, PackedInputs
+from .kv_cache import KVCache
 from .scheduler import ScheduledSeq
 from .transfer import to_device
 
@@ -43,22 +44,25 @@ class ModelRunner:
         embeddings = model.get_input_embeddings().weight
         self.device: torch.device = embeddings.device
         self.block_size = config.block_size
+        probe = self._probe_layers()
         model.set_attn_implementation(ATTENTION_NAME)
-        modules, shapes = self._probe_layers()
-        self.block_bytes = KVCache.block_bytes(shapes, self.block_size)
+        self.block_bytes = KVCache.block_bytes(probe.shapes, self.block_size)
         self.num_blocks = config.num_kv_blocks or self._blocks_that_fit(config)
-        self.cache = KVCache(modules, shapes, self.num_blocks, self.block_size)
+        self.cache = KVCache(probe.shapes, self.num_blocks, self.block_size)
         self.inputs = InputBuffers(config.max_num_batched_tokens, self.block_size, self.device)
         self.compiled = not config.enforce_eager and model.num_parameters() >= EAGER_BELOW_PARAMETERS
         self.backend = make_backend(config.attention_backend, self.device, self.compiled)
+        layers = decoder_layers(model, probe.modules) if self.compiled else []
+        self.compiled_layers = CompiledLayers(layers) if layers else None
 
     @torch.no_grad()
-    def _probe_layers(self) -> tuple[list[torch.nn.Module], list[LayerShape]]:
-        """Run a few tokens through the model with the probe as attention context (see ``attention/probe.py``)."""
+    def _probe_layers(self) -> LayerProbe:
+        """Run a few tokens through the model with the probe as attention (see ``attention/probe.py``)."""
         probe = LayerProbe()
         ids = torch.arange(8, device=self.device).unsqueeze(0)
+        self.model.set_attn_implementation(PROBE_NAME)
         try:
-            with active(probe):
+            with active(probe), torch.compiler.set_stance("force_eager"):  # layers another engine compiled
                 self.model(input_ids=ids, position_ids=ids, use_cache=False, logits_to_keep=1)
         except AttentionRefused as exc:
             raise ModelNotSupported(self.architecture, str(exc)) from None
@@ -68,7 +72,7 @@ class ModelRunner:
                 "its attention does not run through transformers' AttentionInterface, so the engine cannot give it "
                 "a paged KV cache",
             )
-        return probe.modules, probe.shapes
+        return probe
 
     def _blocks_that_fit(self, config: EngineConfig) -> int:
         if self.device.type == "cuda":
@@ -94,11 +98,21 @@ class ModelRunner:
         """Run every scheduled chunk in one packed forward; logits at ``sample_rows`` only; the last hidden state
         of every token if ``want_hidden`` (embeddings)."""
         packed = self.inputs.pack(scheduled)
+        try:
+            return self._forward(packed, sample_rows, want_hidden)
+        except Exception as exc:
+            if self.compiled_layers is None:
+                raise
+            with torch.compiler.set_stance("force_eager"):
+                output = self._forward(packed, sample_rows, want_hidden)  # a fault of the inputs raises here too
+            self.compiled_layers.revert(f"{type(exc).__name__}: {exc}")
+            self.compiled_layers = None
+            return output
+
+    def _forward(self, packed: PackedInputs, sample_rows: list[int], want_hidden: bool) -> StepOutput:
         step = PagedStep(self.cache, self.backend, packed.seqs, packed.slots, self.device)
         every_row = len(sample_rows) == packed.input_ids.shape[0]
-        keep = (
-            0 if every_row else to_device(torch.tensor(sample_rows, dtype=torch.long), self.device)
-        )  # 0: every row (HF's rule)
+        keep = 0 if every_row else to_device(torch.tensor(sample_rows, dtype=torch.long), self.device)  # 0: all
         hidden: list[torch.Tensor] = []
 
         def keep_hidden(module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -118,4 +132,6 @@ class ModelRunner:
         finally:
             if handle is not None:
                 handle.remove()
+        if step.layers_attended != len(self.cache.k):
+            raise RuntimeError(f"the forward ran {step.layers_attended} attention layers, not {len(self.cache.k)}")
         return StepOutput(hidden[0][0] if hidden else None, out.logits[0])
