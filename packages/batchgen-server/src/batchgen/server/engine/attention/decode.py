@@ -1,8 +1,8 @@
 """Decode attention that reads the paged cache in place: one new query per sequence, over its own blocks.
 
 The work is laid out by (sequence, visible block) pairs, with no padding: each pair scores its query against the
-block's keys, keeps its running maximum, and weighs the block's values, as flash-decoding does per split; the
-per-sequence softmax then combines the pairs. Written as plain tensor operations on purpose: compiled with
+block's keys, keeps its maximum, and weighs the block's values, as flash-decoding does per split; the per-sequence
+softmax then combines the pairs (a scatter of maxima, then of sums). Written as plain tensor operations on purpose: compiled with
 ``torch.compile``, inductor fuses the block lookups into the reductions, so every visible key and value is read
 once, where it lies (on CPU about 4x faster than gathering the contexts and calling SDPA, ``benchmarks/RESULTS.md``);
 on CUDA the same function becomes Triton reductions that a CUDA graph can capture (no host synchronisation).
@@ -33,26 +33,21 @@ class DecodePairs:
     """``[P]`` the cache block it reads."""
     visible: torch.Tensor
     """``[P, block_size]`` which of the block's slots the decode's query sees (causality, the window, a partly
-    filled last block)."""
-    table: torch.Tensor
-    """``[B, W]`` each decode's pairs, padded with ``P`` (no pair): the per-sequence maximum is taken over it."""
+    filled last block). Every sequence sees at least one slot; a pair that sees none adds nothing (padding)."""
 
     def to(self, device: torch.device) -> DecodePairs:
         if self.seq.device == device:
             return self
-        return DecodePairs(*(to_device(tensor, device) for tensor in (self.seq, self.block, self.visible, self.table)))
+        return DecodePairs(*(to_device(tensor, device) for tensor in (self.seq, self.block, self.visible)))
 
     @classmethod
     def from_tables(cls, blocks: torch.Tensor, lengths: torch.Tensor, visible: torch.Tensor) -> DecodePairs:
         """``blocks`` ``[B, W]`` padded block tables, ``lengths`` ``[B]`` their real lengths, ``visible``
         ``[B, W * block_size]``, all on the host."""
         batch, width = blocks.shape
-        real = torch.arange(width, device=blocks.device).unsqueeze(0) < lengths.unsqueeze(1)
-        count = int(lengths.sum())
-        table = torch.full((batch, width), count, dtype=torch.long, device=blocks.device)
-        table[real] = torch.arange(count, device=blocks.device)
-        seq = torch.arange(batch, device=blocks.device).unsqueeze(1).expand(batch, width)[real]
-        return cls(seq, blocks[real], visible.view(batch, width, -1)[real], table)
+        real = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
+        seq = torch.arange(batch).unsqueeze(1).expand(batch, width)[real]
+        return cls(seq, blocks[real], visible.view(batch, width, -1)[real])
 
 
 def paged_decode(
@@ -77,8 +72,8 @@ def paged_decode(
     scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
     scores = scores.masked_fill(~pairs.visible[:, None, None, :], float("-inf"))
     pair_max = scores.amax(dim=-1)  # [P, KVH, G]
-    no_pair = pair_max.new_full((1, *pair_max.shape[1:]), float("-inf"))
-    seq_max = torch.cat([pair_max, no_pair])[pairs.table].amax(dim=1)  # [B, KVH, G]
+    seq_max = pair_max.new_full((batch, *pair_max.shape[1:]), float("-inf"))
+    seq_max = seq_max.scatter_reduce(0, pairs.seq.view(-1, 1, 1).expand_as(pair_max), pair_max, "amax")
     if sinks is not None:
         sinks = sinks.to(seq_max.dtype).view(kv_heads, -1)
         seq_max = torch.maximum(seq_max, sinks)
@@ -117,12 +112,11 @@ class DecodeKernel:
         args = (query, k_cache, v_cache, pairs, layer.sinks, scale, layer.softcap)
         if self.failure is not None:
             return paged_decode(*args)
-        # One graph for every step: the batch, the pairs and the width are symbolic without a special case for 1
+        # One graph for every step: the batch and the number of pairs are symbolic without a special case for 1
         # (unbacked), and everything else is a constant, which keeps inductor's index arithmetic simple (1.5x
         # faster than every size symbolic).
-        for tensor in (query, pairs.seq, pairs.block, pairs.visible, pairs.table):
+        for tensor in (query, pairs.seq, pairs.block, pairs.visible):
             mark_unbacked(tensor, 0)
-        mark_unbacked(pairs.table, 1)
         try:
             return self._compiled(*args)  # type: ignore[no-any-return]
         except Exception as exc:
