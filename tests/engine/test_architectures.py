@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from graph_helpers import Rerun
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from batchgen.server.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams, model_runner
@@ -233,3 +234,13 @@ def test_compiled_path(tokenizer: Any, tmp_path: Path, monkeypatch: pytest.Monke
     runner = engine.runner
     assert runner.compiled_layers is not None, "the compiled layers fell back to eager"
     assert runner.backend.decode_kernel.failure is None, "the decode kernel fell back to eager"
+
+
+def test_cuda_graph_path(tokenizer: Any, tmp_path: Path, graphs_on_cpu: None) -> None:
+    """Decode steps through the CUDA-graph path's static inputs (``Rerun`` for the graph itself) on a
+    model whose layers alternate sliding and full attention: each window has its own static decode pairs."""
+    path = _build("gemma3_text", ARCHITECTURES["gemma3_text"], tokenizer, tmp_path)
+    engine = _engine(path, tokenizer, block_size=8, max_num_batched_tokens=16)
+    assert engine.runner.graphs is not None and engine.runner.graphs.windows == {WINDOW, None}
+    _check(engine, Reference(path), n=2)
+    assert engine.runner.graphs is not None and Rerun.replays > 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,14 +13,22 @@ from transformers import PreTrainedModel
 from .attention import ATTENTION_NAME, PROBE_NAME, AttentionRefused, LayerProbe, PagedStep, active, make_backend
 from .compiled_layers import CompiledLayers, decoder_layers
 from .config import EngineConfig
+from .cuda_graphs import CudaGraph, DecodeGraphs
 from .errors import ModelNotSupported
 from .inputs import InputBuffers, PackedInputs
 from .kv_cache import KVCache
 from .scheduler import ScheduledSeq
 from .transfer import to_device
 
+logger = logging.getLogger(__name__)
+
 EAGER_BELOW_PARAMETERS = 10_000_000
 """Smaller models run eagerly whatever the config: compiling costs seconds, and their steps gain nothing from it."""
+
+
+def uses_graphs(compiled: bool, device: torch.device, config: EngineConfig) -> bool:
+    """CUDA graphs for decode steps: on a single CUDA device, unless everything runs eagerly."""
+    return compiled and device.type == "cuda" and config.device_map is None
 
 
 @dataclass(slots=True)
@@ -48,12 +57,20 @@ class ModelRunner:
         model.set_attn_implementation(ATTENTION_NAME)
         self.block_bytes = KVCache.block_bytes(probe.shapes, self.block_size)
         self.num_blocks = config.num_kv_blocks or self._blocks_that_fit(config)
-        self.cache = KVCache(probe.shapes, self.num_blocks, self.block_size)
-        self.inputs = InputBuffers(config.max_num_batched_tokens, self.block_size, self.device)
         self.compiled = not config.enforce_eager and model.num_parameters() >= EAGER_BELOW_PARAMETERS
+        graphs = uses_graphs(self.compiled, self.device, config)
+        # With graphs, one more block than the block manager hands out: the scratch block of padding rows.
+        self.cache = KVCache(probe.shapes, self.num_blocks + graphs, self.block_size)
+        self.inputs = InputBuffers(config.max_num_batched_tokens, self.block_size, self.device)
         self.backend = make_backend(config.attention_backend, self.device, self.compiled)
         layers = decoder_layers(model, probe.modules) if self.compiled else []
         self.compiled_layers = CompiledLayers(layers) if layers else None
+        self.graphs: DecodeGraphs | None = None
+        if graphs:
+            make_graph = CudaGraph.maker()
+            self.graphs = DecodeGraphs(
+                model, self.cache, self.num_blocks, probe.windows, config.max_num_seqs, make_graph
+            )
 
     @torch.no_grad()
     def _probe_layers(self) -> LayerProbe:
@@ -96,18 +113,36 @@ class ModelRunner:
     @torch.no_grad()
     def forward(self, scheduled: list[ScheduledSeq], sample_rows: list[int], want_hidden: bool) -> StepOutput:
         """Run every scheduled chunk in one packed forward; logits at ``sample_rows`` only; the last hidden state
-        of every token if ``want_hidden`` (embeddings)."""
+        of every token if ``want_hidden`` (embeddings).
+
+        A step of decodes alone replays a CUDA graph where there are graphs; any other step runs the model, its
+        layers compiled where they are. If a graph or a compiled layer fails where the plain eager forward succeeds,
+        that fast path is turned off for good, the reason logged once; if the eager forward fails too, the fault is
+        the inputs', and the engine's own fault isolation deals with it."""
         packed = self.inputs.pack(scheduled)
+        if self.graphs is not None and packed.all_decodes and not want_hidden:
+            try:
+                return StepOutput(None, self.graphs.run(packed))
+            except Exception as exc:
+                output = self._eager_forward(packed, sample_rows, want_hidden)
+                self.graphs = None
+                logger.warning(
+                    "CUDA graphs failed, decoding without them from now on (%s: %s)", type(exc).__name__, exc
+                )
+                return output
         try:
             return self._forward(packed, sample_rows, want_hidden)
         except Exception as exc:
             if self.compiled_layers is None:
                 raise
-            with torch.compiler.set_stance("force_eager"):
-                output = self._forward(packed, sample_rows, want_hidden)  # a fault of the inputs raises here too
+            output = self._eager_forward(packed, sample_rows, want_hidden)
             self.compiled_layers.revert(f"{type(exc).__name__}: {exc}")
             self.compiled_layers = None
             return output
+
+    def _eager_forward(self, packed: PackedInputs, sample_rows: list[int], want_hidden: bool) -> StepOutput:
+        with torch.compiler.set_stance("force_eager"):
+            return self._forward(packed, sample_rows, want_hidden)
 
     def _forward(self, packed: PackedInputs, sample_rows: list[int], want_hidden: bool) -> StepOutput:
         step = PagedStep(self.cache, self.backend, packed.seqs, packed.slots, self.device)

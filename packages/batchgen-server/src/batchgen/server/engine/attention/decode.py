@@ -2,10 +2,11 @@
 
 The work is laid out by (sequence, visible block) pairs, with no padding: each pair scores its query against the
 block's keys, keeps its maximum, and weighs the block's values, as flash-decoding does per split; the per-sequence
-softmax then combines the pairs (a scatter of maxima, then of sums). Written as plain tensor operations on purpose: compiled with
-``torch.compile``, inductor fuses the block lookups into the reductions, so every visible key and value is read
-once, where it lies (on CPU about 4x faster than gathering the contexts and calling SDPA, ``benchmarks/RESULTS.md``);
-on CUDA the same function becomes Triton reductions that a CUDA graph can capture (no host synchronisation).
+softmax then combines the pairs (a scatter of maxima, then of sums). Written as plain tensor operations on purpose:
+compiled with ``torch.compile``, inductor fuses the block lookups into the reductions, so every visible key and
+value is read once, where it lies (on CPU about 4x faster than gathering the contexts and calling SDPA,
+``benchmarks/RESULTS.md``); on CUDA the same function becomes Triton reductions that a CUDA graph can capture (no
+host synchronisation).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch._dynamo.decorators import mark_unbacked
 
 from ..transfer import to_device
 from .layer import LayerAttention
+from .step import SeqSlice
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +50,28 @@ class DecodePairs:
         real = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
         seq = torch.arange(batch).unsqueeze(1).expand(batch, width)[real]
         return cls(seq, blocks[real], visible.view(batch, width, -1)[real])
+
+
+def first_visible(position: int, window: int | None) -> int:
+    """The first position a query at ``position`` sees (transformers' sliding-window rule)."""
+    return 0 if window is None else max(0, position - window + 1)
+
+
+def decode_tables(
+    decodes: list[SeqSlice], window: int | None, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """On the host: each decode's visible blocks ``[B, W]`` (padded with block 0; a window skips the blocks before
+    it), their number ``[B]``, and which of their slots the decode sees ``[B, W * block_size]``."""
+    bs = block_size
+    firsts = [first_visible(s.start, window) for s in decodes]
+    tables = [s.block_table[first // bs : s.start // bs + 1] for s, first in zip(decodes, firsts, strict=True)]
+    width = max(len(table) for table in tables)
+    blocks = torch.tensor([table + [0] * (width - len(table)) for table in tables])
+    positions = torch.tensor([first // bs * bs for first in firsts]).unsqueeze(1) + torch.arange(width * bs)
+    visible = (positions >= torch.tensor(firsts).unsqueeze(1)) & (
+        positions <= torch.tensor([s.start for s in decodes]).unsqueeze(1)
+    )
+    return blocks, torch.tensor([len(table) for table in tables]), visible
 
 
 def paged_decode(

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..transfer import to_device
-from .decode import DecodeKernel, DecodePairs
+from .decode import DecodeKernel, DecodePairs, decode_tables, first_visible
 from .kernels import attend, causal_mask
 from .layer import LayerAttention
 from .step import PagedStep, SeqSlice
@@ -145,29 +145,14 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, block_size: int, out: tor
     return gathered.view(heads, *blocks.shape[:-1], context, dim).movedim(0, -3)
 
 
-def _first_visible(position: int, window: int | None) -> int:
-    return 0 if window is None else max(0, position - window + 1)
-
-
 def _build_views(step: PagedStep, window: int | None, with_pairs: bool) -> _Views:
     bs, device = step.cache.block_size, step.device
     decodes = [s for s in step.seqs if s.num_tokens == 1]
     chunks = [_chunk_view(s, window, bs, device) for s in step.seqs if s.num_tokens > 1]
     if not decodes:
         return _Views(None, chunks)
-    first_blocks = [_first_visible(s.start, window) // bs for s in decodes]
-    tables = [s.block_table[first : s.start // bs + 1] for s, first in zip(decodes, first_blocks, strict=True)]
-    width = max(len(table) for table in tables)
-    blocks = torch.tensor([table + [0] * (width - len(table)) for table in tables])
-    # Position of each gathered slot, against each decode's visible range [first, its position].
-    positions = torch.tensor(first_blocks).unsqueeze(1) * bs + torch.arange(width * bs).unsqueeze(0)
-    last = torch.tensor([s.start for s in decodes]).unsqueeze(1)
-    first = torch.tensor([_first_visible(s.start, window) for s in decodes]).unsqueeze(1)
-    visible = (positions >= first) & (positions <= last)
-    pairs = None
-    if with_pairs:
-        lengths = torch.tensor([len(table) for table in tables])
-        pairs = DecodePairs.from_tables(blocks, lengths, visible).to(device)
+    blocks, lengths, visible = decode_tables(decodes, window, bs)
+    pairs = DecodePairs.from_tables(blocks, lengths, visible).to(device) if with_pairs else None
     rows = None if len(decodes) == len(step.seqs) else to_device(torch.tensor([s.row for s in decodes]), device)
     return _Views(_Decodes(rows, to_device(blocks, device), to_device(visible, device), pairs), chunks)
 
@@ -177,7 +162,7 @@ def _chunk_view(seq: SeqSlice, window: int | None, bs: int, device: torch.device
     if seq.start == 0:
         own = None if window is None or window >= seq.num_tokens else causal_mask(seq.num_tokens, 0, window, device)
         return _Chunk(start, end, None, own)
-    first_block = _first_visible(seq.start, window) // bs
+    first_block = first_visible(seq.start, window) // bs
     blocks = torch.tensor(seq.block_table[first_block : -(-seq.end // bs)])
     mask = causal_mask(seq.num_tokens, seq.start, window, device)[:, first_block * bs :]
     width = len(blocks) * bs
