@@ -1,8 +1,8 @@
 """The decode graphs' plumbing, on CPU: static inputs, buckets, padding rows on the scratch block, padding pairs.
 
-A CUDA graph cannot be had here, so ``Rerun`` (graph_helpers.py) stands in for one. Everything else is what runs on a GPU:
-the runner routes steps of decodes alone to the graphs, the graphs refill their static inputs, and the outputs must
-be HF's greedy tokens. test_architectures.py runs a model with windowed and full layers through them too.
+A CUDA graph cannot be had here, so ``Rerun`` (graph_helpers.py) stands in for one. Everything else is what runs on
+a GPU: the runner routes steps of decodes alone to the graphs, the graphs refill their static inputs, and the outputs
+must be HF's greedy tokens. test_architectures.py runs a model with windowed and full layers through them too.
 """
 
 from __future__ import annotations

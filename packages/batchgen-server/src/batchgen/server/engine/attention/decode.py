@@ -84,31 +84,32 @@ def paged_decode(
     softcap: float | None,
 ) -> torch.Tensor:
     """``query`` ``[B, H, D]``; caches ``[KVH, slots, D]``; ``sinks`` ``[H]`` or ``None``. Returns ``[B, H, Dv]`` in
-    the query's dtype; scores, softmax and sums in at least float32."""
+    the query's dtype. Scores, softmax and sums are in at least float32 (compiled, the casts happen as the 16-bit
+    cache is read, with no copy), so a sum over many blocks does not lose bf16 precision."""
     batch = query.shape[0]
     kv_heads, _, dim = k_cache.shape
     block_size = pairs.visible.shape[1]
-    q = query.reshape(batch, kv_heads, -1, dim)[pairs.seq]  # [P, KVH, G, D]: G query heads share a KV head
-    keys = k_cache.view(kv_heads, -1, block_size, dim)[:, pairs.block]  # [KVH, P, bs, D]
+    acc = torch.promote_types(query.dtype, torch.float32)
+    q = query.reshape(batch, kv_heads, -1, dim)[pairs.seq].to(acc)  # [P, KVH, G, D]: G query heads per KV head
+    keys = k_cache.view(kv_heads, -1, block_size, dim)[:, pairs.block].to(acc)  # [KVH, P, bs, D]
     scores = torch.einsum("pkgd,kptd->pkgt", q, keys) * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
     scores = scores.masked_fill(~pairs.visible[:, None, None, :], float("-inf"))
     pair_max = scores.amax(dim=-1)  # [P, KVH, G]
     seq_max = pair_max.new_full((batch, *pair_max.shape[1:]), float("-inf"))
     seq_max = seq_max.scatter_reduce(0, pairs.seq.view(-1, 1, 1).expand_as(pair_max), pair_max, "amax")
     if sinks is not None:
-        sinks = sinks.to(seq_max.dtype).view(kv_heads, -1)
+        sinks = sinks.to(acc).view(kv_heads, -1)
         seq_max = torch.maximum(seq_max, sinks)
     weights = torch.exp(scores - seq_max[pairs.seq].unsqueeze(-1))  # [P, KVH, G, bs]
-    values = v_cache.view(kv_heads, -1, block_size, v_cache.shape[-1])[:, pairs.block]  # [KVH, P, bs, Dv]
-    weighted = torch.einsum("pkgt,kptd->pkgd", weights.to(values.dtype), values)
+    values = v_cache.view(kv_heads, -1, block_size, v_cache.shape[-1])[:, pairs.block].to(acc)  # [KVH, P, bs, Dv]
+    weighted = torch.einsum("pkgt,kptd->pkgd", weights, values)
     total = weighted.new_zeros(batch, *weighted.shape[1:]).index_add_(0, pairs.seq, weighted)
     norm = weights.new_zeros(batch, *weights.shape[1:3]).index_add_(0, pairs.seq, weights.sum(dim=-1))
     if sinks is not None:
         norm = norm + torch.exp(sinks - seq_max)  # the sink's softmax column: mass, and no value
-    out = total / norm.unsqueeze(-1).to(total.dtype)
+    out = total / norm.unsqueeze(-1)
     return out.reshape(batch, -1, v_cache.shape[-1]).to(query.dtype)
 
 
