@@ -93,11 +93,12 @@ def make_model(size: str, device: str, dtype: torch.dtype) -> Any:
 
 
 def make_workload(
-    n: int, prompt_len: tuple[int, int], output_len: tuple[int, int], seed: int
+    n: int, prompt_len: tuple[int, int], output_len: tuple[int, int], seed: int, vocab: int = 32000
 ) -> list[tuple[list[int], int]]:
+    """``n`` prompts of random token ids and their output lengths, each length uniform in its range."""
     rng = random.Random(seed)
     return [
-        ([rng.randrange(3, 32000) for _ in range(rng.randint(*prompt_len))], rng.randint(*output_len)) for _ in range(n)
+        ([rng.randrange(3, vocab) for _ in range(rng.randint(*prompt_len))], rng.randint(*output_len)) for _ in range(n)
     ]
 
 
@@ -222,10 +223,17 @@ def run_hf_generate(model: Any, workload: list[tuple[list[int], int]], device: s
             )
         tokens += sum(o for _, o in chunk)
     sync(device)
-    return Row("HF generate (static x32)", tokens, *clock.elapsed(), "padded, runs to each batch's longest")
+    return Row(f"HF generate (static x{batch})", tokens, *clock.elapsed(), "padded, runs to each batch's longest")
 
 
-def run_hf_generate_batch(model: Any, workload: list[tuple[list[int], int]], device: str, max_batch_tokens: int) -> Row:
+def run_hf_generate_batch(
+    model: Any,
+    workload: list[tuple[list[int], int]],
+    device: str,
+    max_batch_tokens: int,
+    time_limit_s: float = float("inf"),
+) -> Row:
+    """Stops waiting after ``time_limit_s`` (the tokens of the requests finished by then count)."""
     model.set_attn_implementation("sdpa")
     config = GenerationConfig(
         do_sample=False, eos_token_id=None, pad_token_id=0, max_new_tokens=max(o for _, o in workload)
@@ -246,14 +254,17 @@ def run_hf_generate_batch(model: Any, workload: list[tuple[list[int], int]], dev
         for i, (prompt, out_len) in enumerate(workload):
             manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=out_len)
         done = 0
-        while done < len(workload):
+        while done < len(workload) and clock.elapsed()[0] < time_limit_s:
             result = manager.get_result(timeout=1)
             if result is not None and result.is_finished():
                 done += 1
                 tokens += len(result.generated_tokens)
         sync(device)
         elapsed = clock.elapsed()
-    return Row("HF generate_batch", tokens, *elapsed, "transformers continuous batching")
+    note = "transformers continuous batching" + (
+        f"; stopped after {done}/{len(workload)} requests" if done < len(workload) else ""
+    )
+    return Row("HF generate_batch", tokens, *elapsed, note)
 
 
 def print_table(title: str, rows: list[Row], baseline: Row, cpu: bool) -> None:
