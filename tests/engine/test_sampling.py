@@ -11,7 +11,7 @@ import torch
 
 from batchgen.server.engine import EngineRequest, LLMEngine, SamplingParams
 from batchgen.server.engine.detokenizer import IncrementalDetokenizer
-from batchgen.server.engine.sampler import Sampler, SampleRow, uniform, uniforms
+from batchgen.server.engine.sampler import Sampler, SampleRow, argmax_first, uniform, uniforms
 
 Run = Callable[..., Any]
 
@@ -351,3 +351,13 @@ def test_min_tokens_bans_stops_until_reached(
     late = _generate(engine, run_to_completion, prompt, max_tokens=40, min_tokens=min_tokens, stop=(stop,))
     assert late.outputs[0].text.startswith(text[:3])  # the early occurrence did not stop it
     assert late.outputs[0].finish_reason == "stop" and len(late.outputs[0].token_ids) >= min_tokens
+
+
+def test_chunked_argmax_is_argmax() -> None:
+    """The greedy choice is torch's: the first maximum of the row, ties and all (vocabularies of any width)."""
+    torch.manual_seed(0)
+    for vocab in (256, 32000, 1000):
+        logits = torch.randn(9, vocab).round(decimals=1)  # many ties
+        logits[3, :] = 0.0
+        logits[4, [7, vocab - 1]] = 50.0
+        assert torch.equal(argmax_first(logits), logits.argmax(dim=-1))
