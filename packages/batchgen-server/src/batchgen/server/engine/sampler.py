@@ -77,14 +77,6 @@ class SampleRow:
     stop_token_ids: frozenset[int] = frozenset()
     """Tokens that end the sequence (its EOS ids, ``stop_token_ids``): banned until ``min_tokens`` are generated."""
 
-    @property
-    def num_generated(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def generated_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
-
 
 class Sampler:
     """Stateless; every host value reaches the device through ``to_device`` (no synchronisation on CUDA), so the
@@ -126,7 +118,12 @@ class Sampler:
             at, tokens, biases = zip(*biased, strict=True)
             values = to_device(torch.tensor(biases, dtype=logits.dtype), device)
             logits = logits.index_put((_long(at, device), _long(tokens, device)), values, accumulate=True)
-        banned = [(i, t) for i, r in enumerate(rows) if r.num_generated < r.params.min_tokens for t in r.stop_token_ids]
+        banned = [
+            (i, token)
+            for i, r in enumerate(rows)
+            if len(r.token_ids) - r.num_prompt_tokens < r.params.min_tokens
+            for token in r.stop_token_ids
+        ]
         if banned:
             at, tokens = zip(*banned, strict=True)
             logits = logits.index_put((_long(at, device), _long(tokens, device)), _full(float("-inf"), device))
@@ -188,7 +185,8 @@ def _penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     then OpenAI's ``logit - count * frequency - (count > 0) * presence`` over the output tokens."""
     device = logits.device
     counts = torch.zeros_like(logits)
-    counts.index_put_(_flat([r.generated_ids for r in rows], device), _full(1.0, device), accumulate=True)
+    generated = [r.token_ids[r.num_prompt_tokens :] for r in rows]
+    counts.index_put_(_flat(generated, device), _full(1.0, device), accumulate=True)
     if any(r.params.repetition_penalty != 1.0 for r in rows):
         seen = (counts > 0).index_put(
             _flat([r.token_ids[: r.num_prompt_tokens] for r in rows], device), _full(True, device)
