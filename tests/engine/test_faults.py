@@ -58,10 +58,10 @@ def injected_faults(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, int]]
     scheduler_faults = {"left": 10**9}
     forward, sample, schedule = ModelRunner.forward, Sampler.__call__, Scheduler.schedule
 
-    def faulty_forward(self: ModelRunner, scheduled: list[Any], sample_rows: list[int]) -> Any:
+    def faulty_forward(self: ModelRunner, scheduled: list[Any], *args: Any) -> Any:
         if any(FORWARD_FAULT in item.seq.state.request.params.stop for item in scheduled):
             raise RuntimeError("injected forward fault")
-        return forward(self, scheduled, sample_rows)
+        return forward(self, scheduled, *args)
 
     def faulty_sample(self: Sampler, logits: Any, rows: list[Any]) -> Any:
         if any(row.params.seed == SAMPLER_FAULT_SEED for row in rows):

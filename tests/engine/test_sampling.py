@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from typing import Any
 
@@ -10,7 +11,7 @@ import torch
 
 from batchgen.server.engine import EngineRequest, LLMEngine, SamplingParams
 from batchgen.server.engine.detokenizer import IncrementalDetokenizer
-from batchgen.server.engine.sampler import Sampler, SampleRow
+from batchgen.server.engine.sampler import Sampler, SampleRow, argmax_first, uniform, uniforms
 
 Run = Callable[..., Any]
 
@@ -225,7 +226,9 @@ def test_sampling_draws_the_filtered_distribution(params: dict[str, Any], allowe
     logits = torch.tensor([2.0, 1.5, 1.0, 0.2, -0.5, -1.0], dtype=torch.float64)
     draws = 24_000
     rows = [
-        SampleRow(SamplingParams(**params), seed, position, []) for seed in range(draws // 8) for position in range(8)
+        SampleRow(SamplingParams(**params), seed, position, [], 0)
+        for seed in range(draws // 8)
+        for position in range(8)
     ]
     token_ids, _ = Sampler()(logits.expand(len(rows), -1), rows)
     probs = torch.softmax(logits / params["temperature"], dim=0)
@@ -244,20 +247,65 @@ def test_sampling_draws_the_filtered_distribution(params: dict[str, Any], allowe
     assert chi_square < [10.83, 13.82, 16.27, 18.47, 20.52][int(kept.sum()) - 2]
 
 
-@pytest.mark.parametrize("penalty", [1.3, 0.7])
-def test_repetition_penalty_follows_the_vllm_definition(
+def test_device_noise_is_the_python_hash_bit_for_bit() -> None:
+    """The sampler hashes (seed, position) on the device; it must be exactly ``uniform``, seeds above 2**63 too."""
+    rng = random.Random(0)
+    pairs = [(rng.getrandbits(64), rng.randrange(1 << 20)) for _ in range(2000)] + [(2**64 - 1, 0), (0, 0), (2**63, 7)]
+    seeds = torch.tensor([s - 2**64 if s >= 2**63 else s for s, _ in pairs], dtype=torch.long)
+    positions = torch.tensor([p for _, p in pairs], dtype=torch.long)
+    assert uniforms(seeds, positions).tolist() == [uniform(s, p) for s, p in pairs]
+
+
+def test_a_row_samples_the_same_token_whatever_shares_its_batch() -> None:
+    """Every row's token depends on its own logits, parameters, seed and position only."""
+    torch.manual_seed(0)
+    vocab = 50
+    logits = torch.randn(64, vocab, dtype=torch.float64) * 3
+    kinds = [
+        {"temperature": 0.0},
+        {"temperature": 0.9, "top_k": 5},
+        {"temperature": 1.2, "top_p": 0.7},
+        {"temperature": 1.0, "min_p": 0.2},
+        {"temperature": 1.0, "repetition_penalty": 1.3, "frequency_penalty": 0.5},
+        {"temperature": 0.7, "logit_bias": {3: 4.0}, "presence_penalty": -0.5},
+        {"temperature": 1.0, "min_tokens": 8},
+    ]
+    rows = [
+        SampleRow(
+            SamplingParams(**kinds[i % len(kinds)]), 1000 + i, 20 + i % 5, [i % vocab, 7, 7, 3], 2, frozenset({1})
+        )
+        for i in range(64)
+    ]
+    together, _ = Sampler()(logits, rows)
+    alone = [Sampler()(logits[i : i + 1], [row])[0][0] for i, row in enumerate(rows)]
+    reversed_batch, _ = Sampler()(logits.flip(0), rows[::-1])
+    assert together == alone == reversed_batch[::-1]
+
+
+def test_min_p_draws_only_tokens_near_the_likeliest() -> None:
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.2, -0.5, -1.0], dtype=torch.float64)
+    rows = [SampleRow(SamplingParams(temperature=1.0, min_p=0.3), seed, 0, [], 0) for seed in range(4000)]
+    token_ids, _ = Sampler()(logits.expand(len(rows), -1), rows)
+    probs = torch.softmax(logits, dim=0)
+    allowed = set((probs >= 0.3 * probs.max()).nonzero().flatten().tolist())
+    assert allowed == {0, 1, 2}
+    assert set(token_ids) == allowed
+
+
+@pytest.mark.parametrize("penalty", [1.5, 0.7])
+def test_repetition_penalty_follows_vllm(
     make_engine: Callable[..., LLMEngine], run_to_completion: Run, random_prompts: Run, hf_model: Any, penalty: float
 ) -> None:
-    prompt = random_prompts(1, 10, 10, seed=18)[0]
-    params = {"max_tokens": 16, "ignore_eos": True, "repetition_penalty": penalty}
+    prompt = random_prompts(1, 12, 12, seed=21)[0]
+    params = {"max_tokens": 12, "ignore_eos": True, "repetition_penalty": penalty}
     generated = _generate(make_engine(), run_to_completion, prompt, **params).outputs[0].token_ids
     for t, token in enumerate(generated):
         logits = _next_logits(hf_model, prompt + generated[:t])
         seen = torch.zeros_like(logits, dtype=torch.bool)
         seen[prompt + generated[:t]] = True
-        penalized = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
-        assert token == int(penalized.argmax())
-    plain = _generate(make_engine(), run_to_completion, prompt, max_tokens=16, ignore_eos=True).outputs[0].token_ids
+        penalised = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+        assert token == int(penalised.argmax())
+    plain = _generate(make_engine(), run_to_completion, prompt, max_tokens=12, ignore_eos=True).outputs[0].token_ids
     assert generated != plain
 
 
@@ -339,3 +387,13 @@ def test_a_stop_token_is_not_part_of_the_text(
     ).outputs[0]
     assert (stopped.finish_reason, stopped.token_ids) == ("stop", full.token_ids[: cut + 1])
     assert stopped.text == tokenizer.decode(full.token_ids[:cut])
+
+
+def test_chunked_argmax_is_argmax() -> None:
+    """The greedy choice is torch's: the first maximum of the row, ties and all (vocabularies of any width)."""
+    torch.manual_seed(0)
+    for vocab in (256, 32000, 1000):
+        logits = torch.randn(9, vocab).round(decimals=1)  # many ties
+        logits[3, :] = 0.0
+        logits[4, [7, vocab - 1]] = 50.0
+        assert torch.equal(argmax_first(logits), logits.argmax(dim=-1))

@@ -71,6 +71,11 @@ class EngineConfig:
         "gather (contexts copied into a buffer, then SDPA: the CPU default), flex (FlexAttention reading the paged "
         "cache in place: the CUDA default) or auto",
     )
+    enforce_eager: bool = setting(
+        False,
+        "run everything eagerly: no torch.compile and no CUDA graphs (models under 10M parameters, the demo model, "
+        "always run eagerly)",
+    )
     self_check: bool = setting(
         True,
         "at load, run a few tokens through the engine and through the model's own forward, and refuse the model if "

@@ -32,6 +32,7 @@ from .sampler import Sampler, SampleRow, mix64
 from .scheduler import ScheduledSeq, Scheduler
 from .self_check import self_check
 from .sequence import RequestState, Sequence, Status
+from .transfer import to_device
 
 if TYPE_CHECKING:
     from .encoder_engine import EncoderEngine
@@ -208,22 +209,31 @@ class LLMEngine:
             if seq.state.request.task == "embed" or seq.num_uncomputed > item.num_tokens:
                 continue  # nothing to sample: an embedding, or a prefill chunk short of the prompt's end
             sample_rows.append(row - 1)
-            for choice in self._choices_sampled(seq):
+            state = seq.state
+            for seed in self._choice_seeds(seq):
                 logits_rows.append(len(sample_rows) - 1)
-                rows.append(_sample_row(seq, choice))
-        output = self.runner.forward(scheduled, sample_rows)
+                rows.append(
+                    SampleRow(
+                        state.request.params, seed, len(seq), seq.token_ids, seq.num_prompt_tokens, state.stop_token_ids
+                    )
+                )
+        want_hidden = any(item.seq.state.request.task == "embed" for item in scheduled)
+        output = self.runner.forward(scheduled, sample_rows, want_hidden)
         if not rows:
             return _Computed(output.hidden, [], [])
-        logits = output.logits[torch.tensor(logits_rows, device=output.logits.device)]
+        logits = output.logits
+        if len(logits_rows) != len(sample_rows):  # a completed prompt feeds its n choices from one row
+            logits = logits[to_device(torch.tensor(logits_rows, dtype=torch.long), logits.device)]
         token_ids, logprobs = self.sampler(logits, rows)
         return _Computed(output.hidden, token_ids, logprobs)
 
-    def _choices_sampled(self, seq: Sequence) -> list[_Choice]:
-        """The choices a sampled row feeds: ``n`` of them when the prompt just completed (they fork from it)."""
+    def _choice_seeds(self, seq: Sequence) -> list[int]:
+        """The seeds of the choices a sampled row feeds: ``n`` of them when the prompt just completed (they fork from
+        it, each sampling its first token from the same logits)."""
         state = seq.state
         if seq.forked or state.request.params.n == 1:
-            return [_Choice(seq.seed, seq.generated_ids)]
-        return [_Choice(_choice_seed(state, index), []) for index in range(state.request.params.n)]
+            return [seq.seed]
+        return [_choice_seed(state, index) for index in range(state.request.params.n)]
 
     def _commit(self, scheduled: list[ScheduledSeq], computed: _Computed, finished: list[EngineResult]) -> None:
         tokens = iter(zip(computed.token_ids, computed.logprobs, strict=True))
@@ -232,16 +242,17 @@ class LLMEngine:
             start, row = row, row + item.num_tokens
             seq = item.seq
             sampled = seq.state.request.task == "generate" and seq.num_uncomputed == item.num_tokens
-            choices = [next(tokens) for _ in self._choices_sampled(seq)] if sampled else []
+            choices = [next(tokens) for _ in self._choice_seeds(seq)] if sampled else []
             try:
-                self._commit_one(item, computed.hidden[start:row], choices, finished)
+                hidden = None if computed.hidden is None else computed.hidden[start:row]
+                self._commit_one(item, hidden, choices, finished)
             except Exception as exc:  # e.g. a tokenizer that cannot decode the token: this request alone fails
                 self._fail(seq.state, exc, finished)
 
     def _commit_one(
         self,
         item: ScheduledSeq,
-        hidden: torch.Tensor,
+        hidden: torch.Tensor | None,
         choices: list[tuple[int, TokenLogprob | None]],
         finished: list[EngineResult],
     ) -> None:
@@ -250,6 +261,7 @@ class LLMEngine:
         seq.num_computed_tokens += item.num_tokens
         self.block_manager.register_full_blocks(seq, first_new_block)
         if state.request.task == "embed":
+            assert hidden is not None
             chunk_sum = hidden.float().sum(dim=0)
             state.embedding_sum = chunk_sum if state.embedding_sum is None else state.embedding_sum + chunk_sum
             if not seq.num_uncomputed:
@@ -321,6 +333,7 @@ class LLMEngine:
         if seq.logprobs is not None and logprob is not None:
             seq.logprobs.append(logprob)
         state = seq.state
+        # vLLM's rule: nothing stops a sequence shorter than min_tokens (the sampler bans its stop tokens until then).
         may_stop = seq.num_generated >= state.request.params.min_tokens
         if (may_stop and token_id in state.stop_token_ids) or (
             seq.detokenizer is not None and seq.detokenizer.add(token_id, find_stops=may_stop)
@@ -400,15 +413,9 @@ class LLMEngine:
         )
 
 
-@dataclass(frozen=True, slots=True)
-class _Choice:
-    seed: int
-    generated_ids: list[int]
-
-
 @dataclass(slots=True)
 class _Computed:
-    hidden: torch.Tensor
+    hidden: torch.Tensor | None
     token_ids: list[int]
     """One per sampled choice, in the order of the step's sequences."""
     logprobs: list[TokenLogprob | None]
@@ -420,14 +427,6 @@ def _times(state: RequestState) -> RequestTimes:
 
 def _request_ids(seqs: Iterable[Sequence]) -> list[str]:
     return list(dict.fromkeys(seq.state.request.request_id for seq in seqs))
-
-
-def _sample_row(seq: Sequence, choice: _Choice) -> SampleRow:
-    state = seq.state
-    params = state.request.params
-    prompt_ids = seq.token_ids[: seq.num_prompt_tokens] if params.repetition_penalty != 1.0 else ()
-    banned = state.stop_token_ids if len(choice.generated_ids) < params.min_tokens else frozenset()
-    return SampleRow(params, choice.seed, len(seq), choice.generated_ids, prompt_ids, banned)
 
 
 def _choice_seed(state: RequestState, index: int) -> int:

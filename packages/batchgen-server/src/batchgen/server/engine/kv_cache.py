@@ -24,12 +24,9 @@ class KVCache:
     """Per layer ``[kv_heads, num_blocks * block_size, dim]`` K and V tensors; token slot ``block * block_size +
     offset``. Head-major, so a gathered context has each head's rows contiguous (what SDPA reads fastest on CPU)."""
 
-    def __init__(
-        self, modules: list[torch.nn.Module], shapes: list[LayerShape], num_blocks: int, block_size: int
-    ) -> None:
+    def __init__(self, shapes: list[LayerShape], num_blocks: int, block_size: int) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._index = {module: i for i, module in enumerate(modules)}
         slots = num_blocks * block_size
         # Zeroed: attention may read whole blocks, and a masked-out position must hold a finite value (0 * NaN = NaN).
         self.k = [torch.zeros(s.kv_heads, slots, s.key_dim, dtype=s.dtype, device=s.device) for s in shapes]
@@ -38,9 +35,6 @@ class KVCache:
     @staticmethod
     def block_bytes(shapes: list[LayerShape], block_size: int) -> int:
         return block_size * sum(shape.bytes_per_token() for shape in shapes)
-
-    def index_of(self, module: torch.nn.Module) -> int:
-        return self._index[module]
 
     def write(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """``key``/``value`` ``[kv_heads, tokens, dim]`` go to ``slots``."""

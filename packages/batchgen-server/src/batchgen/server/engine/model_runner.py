@@ -3,26 +3,41 @@
 from __future__ import annotations
 
 import inspect
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel
 
-from .attention import ATTENTION_NAME, AttentionRefused, LayerProbe, PagedStep, SeqSlice, active, make_backend
+from .attention import ATTENTION_NAME, PROBE_NAME, AttentionRefused, LayerProbe, PagedStep, active, make_backend
+from .compiled_layers import CompiledLayers, decoder_layers
 from .config import EngineConfig
+from .cuda_graphs import CudaGraph, DecodeGraphs
 from .errors import ModelNotSupported
-from .kv_cache import KVCache, LayerShape
+from .inputs import InputBuffers, PackedInputs
+from .kv_cache import KVCache
 from .scheduler import ScheduledSeq
+from .transfer import to_device
+
+logger = logging.getLogger(__name__)
+
+EAGER_BELOW_PARAMETERS = 10_000_000
+"""Smaller models run eagerly whatever the config: compiling costs seconds, and their steps gain nothing from it."""
+
+
+def uses_graphs(compiled: bool, device: torch.device, config: EngineConfig) -> bool:
+    """CUDA graphs for decode steps: on a single CUDA device, unless everything runs eagerly."""
+    return compiled and device.type == "cuda" and config.device_map is None
 
 
 @dataclass(slots=True)
 class StepOutput:
-    hidden: torch.Tensor
-    """Last hidden state of every packed token ``[tokens, hidden]`` (for embeddings)."""
+    hidden: torch.Tensor | None
+    """Last hidden state of every packed token ``[tokens, hidden]``, when asked for (embeddings)."""
     logits: torch.Tensor
-    """Float32 logits of the sampled rows only, ``[sampled, vocab]``, as the model's own head makes them (its
-    scaling and soft-capping included)."""
+    """Logits of the sampled rows only, ``[sampled, vocab]``, in the model's dtype (the sampler makes them float32),
+    as the model's own head makes them (its scaling and soft-capping included)."""
 
 
 class ModelRunner:
@@ -38,20 +53,33 @@ class ModelRunner:
         embeddings = model.get_input_embeddings().weight
         self.device: torch.device = embeddings.device
         self.block_size = config.block_size
+        probe = self._probe_layers()
         model.set_attn_implementation(ATTENTION_NAME)
-        modules, shapes = self._probe_layers()
-        self.block_bytes = KVCache.block_bytes(shapes, self.block_size)
+        self.block_bytes = KVCache.block_bytes(probe.shapes, self.block_size)
         self.num_blocks = config.num_kv_blocks or self._blocks_that_fit(config)
-        self.cache = KVCache(modules, shapes, self.num_blocks, self.block_size)
-        self.backend = make_backend(config.attention_backend, self.device)
+        self.compiled = not config.enforce_eager and model.num_parameters() >= EAGER_BELOW_PARAMETERS
+        graphs = uses_graphs(self.compiled, self.device, config)
+        # With graphs, one more block than the block manager hands out: the scratch block of padding rows.
+        self.cache = KVCache(probe.shapes, self.num_blocks + graphs, self.block_size)
+        self.inputs = InputBuffers(config.max_num_batched_tokens, self.block_size, self.device)
+        self.backend = make_backend(config.attention_backend, self.device, self.compiled)
+        layers = decoder_layers(model, probe.modules) if self.compiled else []
+        self.compiled_layers = CompiledLayers(layers) if layers else None
+        self.graphs: DecodeGraphs | None = None
+        if graphs:
+            make_graph = CudaGraph.maker()
+            self.graphs = DecodeGraphs(
+                model, self.cache, self.num_blocks, probe.windows, config.max_num_seqs, make_graph
+            )
 
     @torch.no_grad()
-    def _probe_layers(self) -> tuple[list[torch.nn.Module], list[LayerShape]]:
-        """Run a few tokens through the model with the probe as attention context (see ``attention/probe.py``)."""
+    def _probe_layers(self) -> LayerProbe:
+        """Run a few tokens through the model with the probe as attention (see ``attention/probe.py``)."""
         probe = LayerProbe()
         ids = torch.arange(8, device=self.device).unsqueeze(0)
+        self.model.set_attn_implementation(PROBE_NAME)
         try:
-            with active(probe):
+            with active(probe), torch.compiler.set_stance("force_eager"):  # layers another engine compiled
                 self.model(input_ids=ids, position_ids=ids, use_cache=False, logits_to_keep=1)
         except AttentionRefused as exc:
             raise ModelNotSupported(self.architecture, str(exc)) from None
@@ -61,7 +89,7 @@ class ModelRunner:
                 "its attention does not run through transformers' AttentionInterface, so the engine cannot give it "
                 "a paged KV cache",
             )
-        return probe.modules, probe.shapes
+        return probe
 
     def _blocks_that_fit(self, config: EngineConfig) -> int:
         if self.device.type == "cuda":
@@ -83,26 +111,43 @@ class ModelRunner:
         self.cache.copy_block(src, dst)
 
     @torch.no_grad()
-    def forward(self, scheduled: list[ScheduledSeq], sample_rows: list[int]) -> StepOutput:
-        """Run every scheduled chunk in one packed forward; logits at ``sample_rows`` only."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seqs: list[SeqSlice] = []
-        bs = self.block_size
-        for item in scheduled:
-            seq, n = item.seq, item.num_tokens
-            start = seq.num_computed_tokens
-            table = seq.block_table
-            seqs.append(SeqSlice(len(input_ids), n, start, list(table)))
-            input_ids.extend(seq.token_ids[start : start + n])
-            positions.extend(range(start, start + n))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-        slot_mapping = torch.tensor(slots).to(self.device)
-        step = PagedStep(self.cache, self.backend, seqs, slot_mapping, self.device)
-        ids = torch.tensor(input_ids).to(self.device).unsqueeze(0)
-        pos = torch.tensor(positions).to(self.device).unsqueeze(0)
-        keep = torch.tensor(sample_rows, dtype=torch.long).to(self.device)
+    def forward(self, scheduled: list[ScheduledSeq], sample_rows: list[int], want_hidden: bool) -> StepOutput:
+        """Run every scheduled chunk in one packed forward; logits at ``sample_rows`` only; the last hidden state
+        of every token if ``want_hidden`` (embeddings).
+
+        A step of decodes alone replays a CUDA graph where there are graphs; any other step runs the model, its
+        layers compiled where they are. If a graph or a compiled layer fails where the plain eager forward succeeds,
+        that fast path is turned off for good, the reason logged once; if the eager forward fails too, the fault is
+        the inputs', and the engine's own fault isolation deals with it."""
+        packed = self.inputs.pack(scheduled)
+        if self.graphs is not None and packed.all_decodes and not want_hidden:
+            try:
+                return StepOutput(None, self.graphs.run(packed))
+            except Exception as exc:
+                output = self._eager_forward(packed, sample_rows, want_hidden)
+                self.graphs = None
+                logger.warning(
+                    "CUDA graphs failed, decoding without them from now on (%s: %s)", type(exc).__name__, exc
+                )
+                return output
+        try:
+            return self._forward(packed, sample_rows, want_hidden)
+        except Exception as exc:
+            if self.compiled_layers is None:
+                raise
+            output = self._eager_forward(packed, sample_rows, want_hidden)
+            self.compiled_layers.revert(f"{type(exc).__name__}: {exc}")
+            self.compiled_layers = None
+            return output
+
+    def _eager_forward(self, packed: PackedInputs, sample_rows: list[int], want_hidden: bool) -> StepOutput:
+        with torch.compiler.set_stance("force_eager"):
+            return self._forward(packed, sample_rows, want_hidden)
+
+    def _forward(self, packed: PackedInputs, sample_rows: list[int], want_hidden: bool) -> StepOutput:
+        step = PagedStep(self.cache, self.backend, packed.seqs, packed.slots, self.device)
+        every_row = len(sample_rows) == packed.input_ids.shape[0]
+        keep = 0 if every_row else to_device(torch.tensor(sample_rows, dtype=torch.long), self.device)  # 0: all
         hidden: list[torch.Tensor] = []
 
         def keep_hidden(module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -110,10 +155,18 @@ class ModelRunner:
 
         # The base model's output, for embeddings: the model's forward returns only the logits asked for. The hook
         # lives for this forward only (the model may be shared with other engines).
-        handle = self.model.base_model.register_forward_hook(keep_hidden)
+        handle = self.model.base_model.register_forward_hook(keep_hidden) if want_hidden else None
         try:
             with active(step):
-                out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep)
+                out = self.model(
+                    input_ids=packed.input_ids.unsqueeze(0),
+                    position_ids=packed.positions.unsqueeze(0),
+                    use_cache=False,
+                    logits_to_keep=keep,
+                )
         finally:
-            handle.remove()
-        return StepOutput(hidden[0][0], out.logits[0].float())
+            if handle is not None:
+                handle.remove()
+        if step.layers_attended != len(self.cache.k):
+            raise RuntimeError(f"the forward ran {step.layers_attended} attention layers, not {len(self.cache.k)}")
+        return StepOutput(hidden[0][0] if hidden else None, out.logits[0])

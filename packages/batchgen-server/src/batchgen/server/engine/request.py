@@ -25,7 +25,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     presence_penalty: float = 0.0
+    """OpenAI's: ``logit - (count > 0) * presence_penalty`` over the tokens generated so far."""
     frequency_penalty: float = 0.0
+    """OpenAI's: ``logit - count * frequency_penalty`` over the tokens generated so far."""
     repetition_penalty: float = 1.0
     """vLLM's: the logit of a token already in the prompt or the output is divided by it (multiplied when negative);
     ``1`` is off."""

@@ -96,7 +96,8 @@ def _reference_logprobs(engine: LLMEngine, tokens: list[int]) -> torch.Tensor:
     model.set_attn_implementation("eager")
     try:
         ids = torch.tensor([tokens], device=engine.runner.device)
-        logits = model(input_ids=ids, use_cache=False).logits[0].float()
+        with torch.compiler.set_stance("force_eager"):  # the engine's compiled layers are not the reference
+            logits = model(input_ids=ids, use_cache=False).logits[0].float()
     finally:
         model.set_attn_implementation(ATTENTION_NAME)
     return torch.log_softmax(logits, dim=-1)

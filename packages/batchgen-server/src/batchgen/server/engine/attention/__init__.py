@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from transformers import AttentionInterface
 
+from .decode import DecodeKernel
 from .flex import FlexBackend
 from .gather import GatherBackend
 from .layer import AttentionRefused, LayerAttention
@@ -21,6 +22,8 @@ from .probe import LayerProbe
 from .step import AttentionBackend, PagedStep, SeqSlice, active, current
 
 ATTENTION_NAME = "batchgen_paged"
+PROBE_NAME = "batchgen_probe"
+"""The load-time probe's attention (``probe.py``): a plain forward that records every layer."""
 
 
 def paged_attention(
@@ -33,28 +36,66 @@ def paged_attention(
 ) -> tuple[torch.Tensor, None]:
     """``query`` is ``[1, heads, tokens, head_dim]``, ``key``/``value`` ``[1, kv_heads, tokens, head_dim]``; returns
     ``[1, tokens, heads, head_dim]`` as transformers' attention functions do."""
-    step = current()
-    if step is None:
-        raise RuntimeError(f"{ATTENTION_NAME} attention runs only inside the batchgen engine's forward")
     layer = LayerAttention.of(module, attention_mask, kwargs)
-    return step.attend(module, query, key, value, layer).unsqueeze(0), None
+    out = torch.ops.batchgen.paged_attention(query, key, value, layer.scale, layer.window, layer.softcap, layer.sinks)
+    return out.unsqueeze(0), None
 
 
-def make_backend(name: str, device: torch.device) -> AttentionBackend:
-    """``auto``: ``flex`` (compiled) on CUDA, ``gather`` elsewhere."""
+@torch.library.custom_op("batchgen::paged_attention", mutates_args=())
+def _paged_attention_op(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float | None,
+    window: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """One layer's attention in the current step (its cache write included). An operator, so that a compiled decoder
+    layer keeps it as one opaque call: what it does depends on the step, which is Python the compiler must not see."""
+    step = current()
+    if not isinstance(step, PagedStep):
+        raise RuntimeError(f"{ATTENTION_NAME} attention runs only inside the batchgen engine's forward")
+    return step.attend(query, key, value, LayerAttention(scale, window, softcap, sinks))
+
+
+@_paged_attention_op.register_fake
+def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *layer: Any) -> torch.Tensor:
+    return query.new_empty(query.shape[2], query.shape[1], value.shape[3])
+
+
+def probe_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    probe = current()
+    if not isinstance(probe, LayerProbe):
+        raise RuntimeError(f"{PROBE_NAME} attention runs only inside the batchgen engine's probe")
+    return probe.attend(module, query, key, value, LayerAttention.of(module, attention_mask, kwargs)).unsqueeze(0), None
+
+
+def make_backend(name: str, device: torch.device, compiled: bool) -> AttentionBackend:
+    """``auto``: ``flex`` on CUDA, ``gather`` elsewhere. ``compiled``: gather's decodes read the cache in place
+    through a compiled kernel; flex is compiled on CUDA (on CPU it is a dense reference, for the tests)."""
     if name == "auto":
         name = "flex" if device.type == "cuda" else "gather"
     if name == "gather":
-        return GatherBackend()
+        return GatherBackend(DecodeKernel() if compiled else None)
     if name == "flex":
-        return FlexBackend(compiled=device.type == "cuda")
+        return FlexBackend(compiled=compiled and device.type == "cuda")
     raise ValueError(f"unknown attention backend {name!r}; choose auto, gather or flex")
 
 
 AttentionInterface.register(ATTENTION_NAME, paged_attention)
+AttentionInterface.register(PROBE_NAME, probe_attention)
 
 __all__ = [
     "ATTENTION_NAME",
+    "PROBE_NAME",
     "AttentionBackend",
     "AttentionRefused",
     "LayerProbe",

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
+from ..transfer import to_device
 from .layer import LayerAttention
 from .step import PagedStep
 
@@ -87,14 +88,14 @@ def _softcap(cap: float) -> Callable[..., torch.Tensor]:
 
 
 def _layout(step: PagedStep) -> _Layout:
+    """Built on the host and moved without a wait (only the physical-to-logical map, which is as wide as the cache,
+    is made on the device)."""
     device, num_blocks = step.device, step.cache.num_blocks
     width = max(len(s.block_table) for s in step.seqs)
-    tables = torch.tensor([s.block_table + [-1] * (width - len(s.block_table)) for s in step.seqs], device=device)
-    counts = torch.tensor([s.num_tokens for s in step.seqs], device=device)
-    starts = torch.tensor([s.start for s in step.seqs], device=device)
-    query_seq = torch.repeat_interleave(torch.arange(len(step.seqs), device=device), counts)
-    first_row = torch.cumsum(counts, 0) - counts
-    query_pos = torch.arange(int(counts.sum()), device=device) - first_row[query_seq] + starts[query_seq]
+    tables = torch.tensor([s.block_table + [-1] * (width - len(s.block_table)) for s in step.seqs])
+    query_seq = torch.tensor([i for i, s in enumerate(step.seqs) for _ in range(s.num_tokens)])
+    query_pos = torch.tensor([p for s in step.seqs for p in range(s.start, s.end)])
+    tables, query_seq, query_pos = (to_device(t, device) for t in (tables, query_seq, query_pos))
     logical = torch.arange(width, device=device).expand_as(tables)
     physical_to_logical = torch.full((len(step.seqs), num_blocks + 1), -1, dtype=torch.long, device=device)
     physical_to_logical.scatter_(1, torch.where(tables >= 0, tables, num_blocks), logical)

@@ -1,9 +1,9 @@
-"""The gather backend: each sequence's visible context is copied block by block out of the cache into a reused
-buffer, then attended with SDPA. On CPU in eager mode this is the fastest choice (no compilation, the copies are
-cheap next to the matmuls); any device runs it.
+"""The gather backend: the CPU path (any device runs it).
 
-All decodes of a step attend in one batched call (contexts padded to the longest, masked); each prefill chunk in its
-own call, against its own new keys alone when it starts the sequence, else against its cached context.
+Decodes attend in one batched call: compiled, through ``decode.py``'s kernel, which reads the cache in place;
+eagerly, each decode's context is copied block by block into buffers reused across layers and steps (padded to the
+longest, masked) and attended with SDPA. Each prefill chunk attends in its own call, against its own new keys alone
+when it starts the sequence, else against its gathered context.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..transfer import to_device
+from .decode import DecodeKernel, DecodePairs, decode_tables, first_visible
 from .kernels import attend, causal_mask
 from .layer import LayerAttention
 from .step import PagedStep, SeqSlice
@@ -29,14 +31,22 @@ class _Chunk:
 
 
 @dataclass(slots=True)
+class _Decodes:
+    rows: torch.Tensor | None
+    """Packed row of each decode; ``None`` when the step is all decodes, in order."""
+    blocks: torch.Tensor
+    """``[decodes, width]`` block table of each decode's visible context (padded with block 0)."""
+    visible: torch.Tensor
+    """``[decodes, width * block_size]``."""
+    pairs: DecodePairs | None
+    """The compiled kernel's layout of the same (when the backend has the kernel)."""
+
+
+@dataclass(slots=True)
 class _Views:
     """What the layers of one window size read, built once per step."""
 
-    decode_rows: torch.Tensor | None
-    decode_blocks: torch.Tensor | None
-    """``[decodes, width]`` block table of each decode's visible context (padded with block 0)."""
-    decode_mask: torch.Tensor | None
-    """``[decodes, 1, 1, width * block_size]``."""
+    decodes: _Decodes | None
     chunks: list[_Chunk]
 
 
@@ -58,8 +68,10 @@ class GatherBuffers:
 
 
 class GatherBackend:
-    def __init__(self) -> None:
+    def __init__(self, decode_kernel: DecodeKernel | None) -> None:
         self.buffers = GatherBuffers()
+        self.decode_kernel = decode_kernel
+        """Compiled in-place decode attention; ``None`` gathers the decodes' contexts eagerly."""
 
     def attend(
         self,
@@ -70,18 +82,20 @@ class GatherBackend:
         value: torch.Tensor,
         layer: LayerAttention,
     ) -> torch.Tensor:
-        views: _Views = step.memo(("gather", layer.window), lambda: _build_views(step, layer.window))
+        views: _Views = step.memo(
+            ("gather", layer.window), lambda: _build_views(step, layer.window, self.decode_kernel is not None)
+        )
         k_cache, v_cache = step.cache.k[layer_index], step.cache.v[layer_index]
         device, bs = k_cache.device, step.cache.block_size  # device differs from the step's only under device_map
         q = query[0].transpose(0, 1)  # [T, H, D]
+        decodes = views.decodes
+        if decodes is not None and decodes.rows is None:  # all decodes: no rows to pick or scatter
+            return self._decode(q, k_cache, v_cache, decodes, bs, layer)
         out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
-        if views.decode_rows is not None:
-            assert views.decode_blocks is not None and views.decode_mask is not None
-            rows = views.decode_rows.to(device)
-            blocks = views.decode_blocks.to(device)
-            kd = _gather(k_cache, blocks, bs, self.buffers.get("k", blocks.numel() * bs * _row_numel(k_cache), k_cache))
-            vd = _gather(v_cache, blocks, bs, self.buffers.get("v", blocks.numel() * bs * _row_numel(v_cache), v_cache))
-            out[rows] = attend(q[rows].unsqueeze(2), kd, vd, layer, views.decode_mask.to(device)).squeeze(2)
+        if decodes is not None:
+            assert decodes.rows is not None
+            rows = decodes.rows.to(device)
+            out[rows] = self._decode(q[rows], k_cache, v_cache, decodes, bs, layer)
         for chunk in views.chunks:
             qp = query[:, :, chunk.start : chunk.end]
             if chunk.blocks is None:
@@ -98,6 +112,24 @@ class GatherBackend:
             out[chunk.start : chunk.end] = attend(qp, kp, vp, layer, mask)[0].transpose(0, 1)
         return out
 
+    def _decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        decodes: _Decodes,
+        bs: int,
+        layer: LayerAttention,
+    ) -> torch.Tensor:
+        device = k_cache.device  # differs from the step's only under device_map
+        if self.decode_kernel is not None:
+            assert decodes.pairs is not None
+            return self.decode_kernel(q, k_cache, v_cache, decodes.pairs.to(device), layer)
+        blocks = decodes.blocks.to(device)
+        kd = _gather(k_cache, blocks, bs, self.buffers.get("k", blocks.numel() * bs * _row_numel(k_cache), k_cache))
+        vd = _gather(v_cache, blocks, bs, self.buffers.get("v", blocks.numel() * bs * _row_numel(v_cache), v_cache))
+        return attend(q.unsqueeze(2), kd, vd, layer, decodes.visible[:, None, None, :].to(device)).squeeze(2)
+
 
 def _row_numel(cache: torch.Tensor) -> int:
     return cache.shape[0] * cache.shape[2]
@@ -113,27 +145,16 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, block_size: int, out: tor
     return gathered.view(heads, *blocks.shape[:-1], context, dim).movedim(0, -3)
 
 
-def _first_visible(position: int, window: int | None) -> int:
-    return 0 if window is None else max(0, position - window + 1)
-
-
-def _build_views(step: PagedStep, window: int | None) -> _Views:
+def _build_views(step: PagedStep, window: int | None, with_pairs: bool) -> _Views:
     bs, device = step.cache.block_size, step.device
     decodes = [s for s in step.seqs if s.num_tokens == 1]
     chunks = [_chunk_view(s, window, bs, device) for s in step.seqs if s.num_tokens > 1]
     if not decodes:
-        return _Views(None, None, None, chunks)
-    first_blocks = [_first_visible(s.start, window) // bs for s in decodes]
-    tables = [s.block_table[first : s.start // bs + 1] for s, first in zip(decodes, first_blocks, strict=True)]
-    width = max(len(table) for table in tables)
-    blocks = torch.tensor([table + [0] * (width - len(table)) for table in tables])
-    # Position of each gathered slot, against each decode's visible range [first, its position].
-    positions = torch.tensor(first_blocks).unsqueeze(1) * bs + torch.arange(width * bs).unsqueeze(0)
-    last = torch.tensor([s.start for s in decodes]).unsqueeze(1)
-    first = torch.tensor([_first_visible(s.start, window) for s in decodes]).unsqueeze(1)
-    mask = (positions >= first) & (positions <= last)
-    rows = torch.tensor([s.row for s in decodes])
-    return _Views(rows.to(device), blocks.to(device), mask[:, None, None, :].to(device), chunks)
+        return _Views(None, chunks)
+    blocks, lengths, visible = decode_tables(decodes, window, bs)
+    pairs = DecodePairs.from_tables(blocks, lengths, visible).to(device) if with_pairs else None
+    rows = None if len(decodes) == len(step.seqs) else to_device(torch.tensor([s.row for s in decodes]), device)
+    return _Views(_Decodes(rows, to_device(blocks, device), to_device(visible, device), pairs), chunks)
 
 
 def _chunk_view(seq: SeqSlice, window: int | None, bs: int, device: torch.device) -> _Chunk:
@@ -141,10 +162,10 @@ def _chunk_view(seq: SeqSlice, window: int | None, bs: int, device: torch.device
     if seq.start == 0:
         own = None if window is None or window >= seq.num_tokens else causal_mask(seq.num_tokens, 0, window, device)
         return _Chunk(start, end, None, own)
-    first_block = _first_visible(seq.start, window) // bs
+    first_block = first_visible(seq.start, window) // bs
     blocks = torch.tensor(seq.block_table[first_block : -(-seq.end // bs)])
     mask = causal_mask(seq.num_tokens, seq.start, window, device)[:, first_block * bs :]
     width = len(blocks) * bs
     if mask.shape[1] < width:  # the last block is only partly filled: its tail is not visible
         mask = torch.nn.functional.pad(mask, (0, width - mask.shape[1]))
-    return _Chunk(start, end, blocks.to(device), mask)
+    return _Chunk(start, end, to_device(blocks, device), mask)

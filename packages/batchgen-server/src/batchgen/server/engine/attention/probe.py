@@ -20,6 +20,8 @@ class LayerProbe:
     def __init__(self) -> None:
         self.modules: list[torch.nn.Module] = []
         self.shapes: list[LayerShape] = []
+        self.windows: set[int | None] = set()
+        """The sliding windows of the layers (``None``: full attention)."""
 
     def attend(
         self,
@@ -33,5 +35,6 @@ class LayerProbe:
             raise AttentionRefused("it runs the same attention layer more than once per forward (shared weights)")
         self.modules.append(module)
         self.shapes.append(LayerShape(key.shape[1], key.shape[3], value.shape[3], key.dtype, key.device))
+        self.windows.add(layer.window)
         mask = None if layer.window is None else causal_mask(query.shape[2], 0, layer.window, query.device)
         return attend(query, key, value, layer, mask)[0].transpose(0, 1)

@@ -1,7 +1,8 @@
 """The step the attention function serves: which forward is running, and what each of its sequences attends to.
 
 The model runner makes the step current for the duration of one forward (a thread-local, so that models whose
-layers do not pass extra keyword arguments through to attention work too); the attention function finds it there.
+layers do not pass extra keyword arguments through to attention work too, and so that a compiled layer sees none
+of it); the attention operator finds it there.
 """
 
 from __future__ import annotations
@@ -50,17 +51,6 @@ class AttentionBackend(Protocol):
         ...
 
 
-class StepContext(Protocol):
-    def attend(
-        self,
-        module: torch.nn.Module,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        layer: LayerAttention,
-    ) -> torch.Tensor: ...
-
-
 @dataclass(eq=False)
 class PagedStep:
     """One packed forward over the paged KV cache."""
@@ -71,17 +61,16 @@ class PagedStep:
     slot_mapping: torch.Tensor
     """Cache slot of each packed token."""
     device: torch.device
+    layers_attended: int = 0
+    """Layers run so far in this forward: the next one's index in the cache (layers run in the order the probe
+    found them; the runner checks that every one ran)."""
     _memo: dict[Any, Any] = field(default_factory=dict)
 
     def attend(
-        self,
-        module: torch.nn.Module,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        layer: LayerAttention,
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: LayerAttention
     ) -> torch.Tensor:
-        index = self.cache.index_of(module)
+        index = self.layers_attended
+        self.layers_attended += 1
         self.cache.write(index, self.slot_mapping, key[0], value[0])
         return self.backend.attend(self, index, query, key, value, layer)
 
@@ -96,7 +85,8 @@ _local = threading.local()
 
 
 @contextmanager
-def active(step: StepContext) -> Iterator[None]:
+def active(step: object) -> Iterator[None]:
+    """Make ``step`` (a ``PagedStep``, or the probe) what the attention functions of this thread serve."""
     previous = getattr(_local, "step", None)
     _local.step = step
     try:
@@ -105,5 +95,5 @@ def active(step: StepContext) -> Iterator[None]:
         _local.step = previous
 
 
-def current() -> StepContext | None:
+def current() -> object:
     return getattr(_local, "step", None)

@@ -1,0 +1,383 @@
+"""The engine on a GPU in one command: throughput, decode against the bandwidth roofline, time to first token.
+
+    python benchmarks/gpu_suite.py                        # CUDA: the whole suite, within 8 minutes on an H200
+    python benchmarks/gpu_suite.py --device cpu --quick   # the same tables on CPU, on small shapes (how it is checked)
+
+Needs only torch and transformers (the engine imports nothing else): no download, no install. Models: random weights
+in the shapes of Qwen2.5-0.5B and Llama-3.2-1B, built in code, bf16 on CUDA (``--quick``: the same architectures,
+shrunk, float32 on CPU). For each model:
+
+- **Throughput** on the nano-vllm workload (256 requests, prompts and outputs uniform in 100-1,024 tokens, random
+  ids, ignore_eos): the engine (its second run, on other prompts of the same lengths: graphs are captured and layers
+  compiled in the first), HF ``generate()`` on static batches (padded, each runs to its longest output) and
+  transformers' ``generate_batch`` (continuous batching; stopped after ``--hf-time-limit-s``). Output tokens/s.
+- **Decode** tokens/s at batch 1, 64 and 256 (512-token contexts), with CUDA graphs and with ``enforce_eager``, and
+  as a fraction of the bandwidth roofline: each decode step reads every weight once (the embedding table only as the
+  tied LM head) and every sequence's K/V, so tokens/s <= batch x bandwidth / bytes per step, with the bandwidth
+  measured here (a device-to-device copy).
+- **Time to first token** of one 1,024-token prompt on an idle engine, and HF ``generate(max_new_tokens=1)``.
+
+Everything past ``--budget-s`` (default 7.5 minutes) is skipped with a note, so the command always ends in time.
+Targets on an H200 (issue 14): >= 3x HF static ``generate()``, >= 60% of the roofline at batch 64 for the 1B shape,
+graphs >= 2x eager at batch 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_throughput import Clock, Row, make_workload, run_hf_generate, run_hf_generate_batch, sync
+
+from batchgen.server.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams
+from batchgen.server.engine.demo_model import build_tokenizer
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "Qwen2.5-0.5B": {
+        "model_type": "qwen2",
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+        "rope_theta": 1_000_000.0,
+    },
+    "Llama-3.2-1B": {
+        "model_type": "llama",
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "vocab_size": 128256,
+        "tie_word_embeddings": True,
+        "rope_theta": 500_000.0,
+    },
+}
+QUICK = {"head_dim": 16, "intermediate_size": 1024, "num_hidden_layers": 4, "vocab_size": 32000}
+"""``--quick``: each shape shrunk to heads of 16 and 4 layers (head counts and the architecture kept), 10-25M
+parameters: above the size under which the engine runs eagerly, so the compiled path runs."""
+
+
+@dataclass
+class Settings:
+    requests: int
+    prompt_len: tuple[int, int]
+    output_len: tuple[int, int]
+    decode_batches: tuple[int, ...]
+    decode_context: int
+    decode_steps: int
+    ttft_prompt: int
+
+
+FULL = Settings(256, (100, 1024), (100, 1024), (1, 64, 256), 512, 64, 1024)
+SMALL = Settings(16, (16, 64), (16, 64), (1, 4, 16), 64, 16, 64)
+
+
+class Budget:
+    def __init__(self, seconds: float) -> None:
+        self.deadline = time.monotonic() + seconds
+
+    def left(self) -> bool:
+        return time.monotonic() < self.deadline
+
+
+def build(shape: str, quick: bool, device: str, dtype: torch.dtype) -> Any:
+    sizes = {**SHAPES[shape], **(QUICK if quick else {})}
+    if quick:
+        sizes["hidden_size"] = sizes["num_attention_heads"] * sizes["head_dim"]
+    config = AutoConfig.for_model(**sizes, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.generation_config.eos_token_id = None  # every request runs to its length (ignore_eos)
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def bandwidth(device: str) -> float:
+    """Bytes per second a device-to-device copy moves (read plus write), best of 5."""
+    size = 2**30 if device.startswith("cuda") else 2**28
+    source = torch.empty(size, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    best = float("inf")
+    for _ in range(5):
+        sync(device)
+        start = time.perf_counter()
+        target.copy_(source)
+        sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size / best
+
+
+def engine_config(args: argparse.Namespace, eager: bool) -> EngineConfig:
+    """On CUDA the cache takes half the free memory (the HF rows need room too); on CPU 0.25 GiB with ``--quick``."""
+    return EngineConfig(
+        device=args.device,
+        dtype=args.dtype,
+        max_num_seqs=256,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=4096,
+        enforce_eager=eager,
+        gpu_memory_utilization=0.5,
+        cpu_kv_cache_gib=0.25 if args.quick else 4.0,
+    )
+
+
+def serve(engine: LLMEngine, workload: list[tuple[list[int], int]], tag: str) -> tuple[int, float]:
+    """Output tokens and wall seconds to finish ``workload``."""
+    for i, (prompt, length) in enumerate(workload):
+        engine.add_request(EngineRequest(f"{tag}{i}", prompt, SamplingParams(max_tokens=length, ignore_eos=True)))
+    device = str(engine.runner.device)
+    sync(device)
+    start, tokens = time.perf_counter(), 0
+    while engine.has_unfinished_requests():
+        tokens += sum(result.completion_tokens for result in engine.step())
+    sync(device)
+    return tokens, time.perf_counter() - start
+
+
+def decode_rate(engine: LLMEngine, batch: int, context: int, steps: int, vocab: int) -> float:
+    """Tokens/s of steps where ``batch`` sequences of ``context`` tokens each decode one token."""
+    rng = random.Random(batch)
+    for i in range(batch):
+        prompt = [rng.randrange(3, vocab) for _ in range(context)]
+        params = SamplingParams(max_tokens=steps + 4, ignore_eos=True)
+        engine.add_request(EngineRequest(f"d{i}", prompt, params, group="d"))
+    scheduler = engine.scheduler
+    while scheduler.waiting or any(seq.num_uncomputed > 1 for seq in scheduler.running):
+        engine.step()  # prefills, then the first tokens
+    for _ in range(2):
+        engine.step()  # the first decode steps of this shape (a graph capture)
+    device = str(engine.runner.device)
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync(device)
+    rate = batch * steps / (time.perf_counter() - start)
+    engine.abort_group("d")
+    return rate
+
+
+def step_bytes(engine: LLMEngine, batch: int, context: int) -> int:
+    """What one decode step must read: every weight (the input embeddings only if they are not the tied LM head,
+    and then only ``batch`` rows), and every sequence's K/V."""
+    model = engine.runner.model
+    embeddings = model.get_input_embeddings().weight
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if model.get_output_embeddings().weight is not embeddings:
+        weights -= embeddings.numel() * embeddings.element_size()
+    kv = engine.runner.block_bytes // engine.config.block_size * batch * context
+    return weights + kv
+
+
+def time_to_first_token(engine: LLMEngine, prompt_len: int, vocab: int) -> float:
+    """Median seconds from adding one request to its first token, on an idle engine (5 new prompts)."""
+    times = []
+    for trial in range(5):
+        rng = random.Random(100 + trial)
+        prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]
+        engine.add_request(EngineRequest(f"t{trial}", prompt, SamplingParams(max_tokens=1, ignore_eos=True)))
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def hf_time_to_first_token(model: Any, prompt_len: int, vocab: int, device: str) -> float:
+    model.set_attn_implementation("sdpa")
+    times = []
+    for trial in range(5):
+        rng = random.Random(100 + trial)
+        ids = torch.tensor([[rng.randrange(3, vocab) for _ in range(prompt_len)]], device=device)
+        sync(device)
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False)
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def release(device: str) -> None:
+    """Give back what a released engine held (its KV cache, its graphs' memory)."""
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def suite(shape: str, args: argparse.Namespace, settings: Settings, budget: Budget, bw: float) -> list[str]:
+    """Every measurement of one model shape, as markdown lines."""
+    device = args.device
+    model = build(shape, args.quick, device, getattr(torch, args.dtype))
+    vocab = model.config.vocab_size
+    tokenizer = build_tokenizer()
+    lines = [f"## {shape} shape ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, {args.dtype})"]
+    workload = make_workload(settings.requests, settings.prompt_len, settings.output_len, seed=1, vocab=vocab)
+    warm = make_workload(settings.requests, settings.prompt_len, settings.output_len, seed=2, vocab=vocab)
+    rows: list[Row] = []
+    decode: dict[tuple[int, bool], float] = {}
+    ttft: dict[str, float] = {}
+    bytes_per_step: dict[int, int] = {}
+    skipped: list[str] = []
+
+    def measure(name: str, fn: Callable[[], object]) -> None:
+        if budget.left():
+            fn()
+        else:
+            skipped.append(name)
+
+    def decode_at(engine: LLMEngine, batch: int, eager: bool) -> None:
+        decode[(batch, eager)] = decode_rate(engine, batch, settings.decode_context, settings.decode_steps, vocab)
+
+    def engine_measurements() -> None:
+        clock = Clock()
+        engine = LLMEngine(model, tokenizer, engine_config(args, eager=False), shape)
+
+        def throughput() -> None:
+            serve(engine, warm, "w")  # compiles the layers and captures the graphs this workload needs
+            tokens, seconds = serve(engine, workload, "r")
+            rows.append(
+                Row("batchgen engine", tokens, seconds, seconds, "second run (compiled, captured in the first)")
+            )
+
+        measure("engine throughput", throughput)
+        for batch in settings.decode_batches:
+            measure(f"decode at batch {batch}", lambda batch=batch: decode_at(engine, batch, eager=False))
+        measure("engine TTFT", lambda: ttft.update(engine=time_to_first_token(engine, settings.ttft_prompt, vocab)))
+        bytes_per_step.update({b: step_bytes(engine, b, settings.decode_context) for b in settings.decode_batches})
+        lines.append(f"engine built, compiled, warmed up and measured in {clock.elapsed()[0]:.0f} s")
+
+    def eager_measurements() -> None:
+        engine = LLMEngine(model, tokenizer, engine_config(args, eager=True), shape)
+        batch = settings.decode_batches[0]
+        measure(f"enforce_eager decode at batch {batch}", lambda: decode_at(engine, batch, eager=True))
+
+    for measurements in (engine_measurements, eager_measurements):
+        measurements()
+        release(device)  # the engine and its KV cache go with the function's frame
+    with torch.compiler.set_stance("force_eager"):  # the engine compiled the model's layers in place
+        measure("HF generate", lambda: rows.append(run_hf_generate(model, workload, device, args.hf_batch)))
+        limit, budget_tokens = args.hf_time_limit_s, args.max_num_batched_tokens
+        measure(
+            "HF generate_batch",
+            lambda: rows.append(run_hf_generate_batch(model, workload, device, budget_tokens, limit)),
+        )
+        measure("HF TTFT", lambda: ttft.update(hf=hf_time_to_first_token(model, settings.ttft_prompt, vocab, device)))
+    lines += _throughput_table(rows, settings) + _decode_table(decode, bytes_per_step, bw, settings)
+    lines += _ttft_table(ttft, settings)
+    if skipped:
+        lines += ["", f"Skipped (past the {args.budget_s:.0f} s budget): {', '.join(skipped)}"]
+    return lines
+
+
+def _throughput_table(rows: list[Row], settings: Settings) -> list[str]:
+    if not rows:
+        return []
+    lines = [
+        "",
+        f"### Throughput: {settings.requests} requests, prompts {settings.prompt_len[0]}-{settings.prompt_len[1]}, "
+        f"outputs {settings.output_len[0]}-{settings.output_len[1]} tokens",
+        "",
+        "| system | output tokens | seconds | tokens/s | engine / system | note |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    for row in rows:
+        ratio = rows[0].tokens_per_second(False) / row.tokens_per_second(False)
+        lines.append(
+            f"| {row.name} | {row.output_tokens} | {row.seconds:.1f} | {row.tokens_per_second(False):,.0f} "
+            f"| {ratio:.2f}x | {row.note} |"
+        )
+    return lines
+
+
+def _decode_table(
+    decode: dict[tuple[int, bool], float], bytes_per_step: dict[int, int], bw: float, settings: Settings
+) -> list[str]:
+    if not decode:
+        return []
+    lines = [
+        "",
+        f"### Decode: {settings.decode_context}-token contexts; bandwidth {bw / 1e9:,.0f} GB/s (a measured copy)",
+        "",
+        "| batch | tokens/s | enforce_eager tokens/s | default / eager | roofline tokens/s | of roofline |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for batch in settings.decode_batches:
+        rate, eager_rate = decode.get((batch, False)), decode.get((batch, True))
+        roofline = batch * bw / bytes_per_step[batch] if batch in bytes_per_step else None
+        cells = [str(batch), _num(rate), _num(eager_rate), f"{rate / eager_rate:.2f}x" if rate and eager_rate else ""]
+        cells += [_num(roofline), f"{rate / roofline:.0%}" if rate and roofline else ""]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _ttft_table(ttft: dict[str, float], settings: Settings) -> list[str]:
+    if not ttft:
+        return []
+    return [
+        "",
+        f"### Time to first token: one {settings.ttft_prompt}-token prompt on an idle engine (median of 5)",
+        "",
+        "| engine ms | HF generate ms |",
+        "|---:|---:|",
+        f"| {_ms(ttft.get('engine'))} | {_ms(ttft.get('hf'))} |",
+    ]
+
+
+def _num(value: float | None) -> str:
+    return "" if value is None else f"{value:,.0f}"
+
+
+def _ms(value: float | None) -> str:
+    return "" if value is None else f"{value * 1000:,.1f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--quick", action="store_true", help="small shapes and workloads (for CPU)")
+    parser.add_argument("--models", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--hf-batch", type=int, default=256, help="HF generate()'s static batch size")
+    parser.add_argument("--hf-time-limit-s", type=float, default=30.0, help="generate_batch stops after this")
+    parser.add_argument("--budget-s", type=float, default=450.0, help="later measurements are skipped")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    args = parser.parse_args()
+    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.set_grad_enabled(False)
+    budget = Budget(args.budget_s)
+    settings = SMALL if args.quick else FULL
+    if args.quick:
+        args.hf_batch = min(args.hf_batch, settings.requests)
+    cuda = args.device.startswith("cuda")
+    machine = torch.cuda.get_device_name(args.device) if cuda else f"CPU, {torch.get_num_threads()} threads"
+    bw = bandwidth(args.device)
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    print(f"# batchgen GPU suite: {machine}; torch {torch.__version__}; {when}", flush=True)
+    for shape in args.models:
+        print("\n".join(["", *suite(shape, args, settings, budget, bw)]), flush=True)
+
+
+if __name__ == "__main__":
+    main()

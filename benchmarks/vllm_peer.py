@@ -1,0 +1,71 @@
+"""vLLM on the benchmark's model and workload, in vLLM's own virtualenv: the peer row of engine_throughput.py.
+
+    VENV/bin/python benchmarks/vllm_peer.py MODEL_DIR WORKLOAD_JSON OUT_JSON --threads 1 [--eager] [--device cpu]
+
+Runs vLLM in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so process CPU time counts all of its work, on
+``--threads`` threads, with the engine's batching limits; greedy, ignore_eos, each request's own output length. Writes
+wall and CPU seconds of the timed run (after an 8-request warm-up, as for the engine) and every request's tokens.
+This file imports nothing of batchgen: vLLM and batchgen do not share an environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model_dir")
+    parser.add_argument("workload")
+    parser.add_argument("out")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--eager", action="store_true", help="enforce_eager: no torch.compile, no graphs")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if args.device == "cpu":
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0" if args.threads == 1 else "all")
+        os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    torch.set_num_threads(args.threads)
+    with open(args.workload) as f:
+        workload = json.load(f)
+    llm = LLM(
+        model=args.model_dir,
+        dtype=args.dtype,
+        enforce_eager=args.eager,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=256,
+        max_model_len=args.max_model_len,
+        seed=0,
+    )
+    prompts = [TokensPrompt(prompt_token_ids=prompt) for prompt, _ in workload]
+    params = [SamplingParams(max_tokens=length, ignore_eos=True, temperature=0.0) for _, length in workload]
+    llm.generate(prompts[:8], params[:8], use_tqdm=False)  # warm-up (and compilation), as for the engine
+    wall, cpu = time.perf_counter(), time.process_time()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    tokens = [list(output.outputs[0].token_ids) for output in outputs]
+    with open(args.out, "w") as f:
+        json.dump({"wall": wall, "cpu": cpu, "tokens": tokens, "version": _version()}, f)
+
+
+def _version() -> str:
+    import vllm
+
+    return str(vllm.__version__)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Decode attention that reads the paged cache in place: one new query per sequence, over its own blocks.
+
+The work is laid out by (sequence, visible block) pairs, with no padding: each pair scores its query against the
+block's keys, keeps its maximum, and weighs the block's values, as flash-decoding does per split; the per-sequence
+softmax then combines the pairs (a scatter of maxima, then of sums). Written as plain tensor operations on purpose:
+compiled with ``torch.compile``, inductor fuses the block lookups into the reductions, so every visible key and
+value is read once, where it lies (on CPU about 4x faster than gathering the contexts and calling SDPA,
+``benchmarks/RESULTS.md``); on CUDA the same function becomes Triton reductions that a CUDA graph can capture (no
+host synchronisation).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch._dynamo.decorators import mark_unbacked
+
+from ..transfer import to_device
+from .layer import LayerAttention
+from .step import SeqSlice
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodePairs:
+    """The (sequence, block) pairs of a step's decodes, for one window size."""
+
+    seq: torch.Tensor
+    """``[P]`` which decode each pair belongs to (non-decreasing)."""
+    block: torch.Tensor
+    """``[P]`` the cache block it reads."""
+    visible: torch.Tensor
+    """``[P, block_size]`` which of the block's slots the decode's query sees (causality, the window, a partly
+    filled last block). Every sequence sees at least one slot; a pair that sees none adds nothing (padding)."""
+
+    def to(self, device: torch.device) -> DecodePairs:
+        if self.seq.device == device:
+            return self
+        return DecodePairs(*(to_device(tensor, device) for tensor in (self.seq, self.block, self.visible)))
+
+    @classmethod
+    def from_tables(cls, blocks: torch.Tensor, lengths: torch.Tensor, visible: torch.Tensor) -> DecodePairs:
+        """``blocks`` ``[B, W]`` padded block tables, ``lengths`` ``[B]`` their real lengths, ``visible``
+        ``[B, W * block_size]``, all on the host."""
+        batch, width = blocks.shape
+        real = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
+        seq = torch.arange(batch).unsqueeze(1).expand(batch, width)[real]
+        return cls(seq, blocks[real], visible.view(batch, width, -1)[real])
+
+
+def first_visible(position: int, window: int | None) -> int:
+    """The first position a query at ``position`` sees (transformers' sliding-window rule)."""
+    return 0 if window is None else max(0, position - window + 1)
+
+
+def decode_tables(
+    decodes: list[SeqSlice], window: int | None, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """On the host: each decode's visible blocks ``[B, W]`` (padded with block 0; a window skips the blocks before
+    it), their number ``[B]``, and which of their slots the decode sees ``[B, W * block_size]``."""
+    bs = block_size
+    firsts = [first_visible(s.start, window) for s in decodes]
+    tables = [s.block_table[first // bs : s.start // bs + 1] for s, first in zip(decodes, firsts, strict=True)]
+    width = max(len(table) for table in tables)
+    blocks = torch.tensor([table + [0] * (width - len(table)) for table in tables])
+    positions = torch.tensor([first // bs * bs for first in firsts]).unsqueeze(1) + torch.arange(width * bs)
+    visible = (positions >= torch.tensor(firsts).unsqueeze(1)) & (
+        positions <= torch.tensor([s.start for s in decodes]).unsqueeze(1)
+    )
+    return blocks, torch.tensor([len(table) for table in tables]), visible
+
+
+def paged_decode(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pairs: DecodePairs,
+    sinks: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """``query`` ``[B, H, D]``; caches ``[KVH, slots, D]``; ``sinks`` ``[H]`` or ``None``. Returns ``[B, H, Dv]`` in
+    the query's dtype. Scores, softmax and sums are in at least float32 (compiled, the casts happen as the 16-bit
+    cache is read, with no copy), so a sum over many blocks does not lose bf16 precision."""
+    batch = query.shape[0]
+    kv_heads, _, dim = k_cache.shape
+    block_size = pairs.visible.shape[1]
+    acc = torch.promote_types(query.dtype, torch.float32)
+    q = query.reshape(batch, kv_heads, -1, dim)[pairs.seq].to(acc)  # [P, KVH, G, D]: G query heads per KV head
+    keys = k_cache.view(kv_heads, -1, block_size, dim)[:, pairs.block].to(acc)  # [KVH, P, bs, D]
+    scores = torch.einsum("pkgd,kptd->pkgt", q, keys) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~pairs.visible[:, None, None, :], float("-inf"))
+    pair_max = scores.amax(dim=-1)  # [P, KVH, G]
+    seq_max = pair_max.new_full((batch, *pair_max.shape[1:]), float("-inf"))
+    seq_max = seq_max.scatter_reduce(0, pairs.seq.view(-1, 1, 1).expand_as(pair_max), pair_max, "amax")
+    if sinks is not None:
+        sinks = sinks.to(acc).view(kv_heads, -1)
+        seq_max = torch.maximum(seq_max, sinks)
+    weights = torch.exp(scores - seq_max[pairs.seq].unsqueeze(-1))  # [P, KVH, G, bs]
+    values = v_cache.view(kv_heads, -1, block_size, v_cache.shape[-1])[:, pairs.block].to(acc)  # [KVH, P, bs, Dv]
+    weighted = torch.einsum("pkgt,kptd->pkgd", weights, values)
+    total = weighted.new_zeros(batch, *weighted.shape[1:]).index_add_(0, pairs.seq, weighted)
+    norm = weights.new_zeros(batch, *weights.shape[1:3]).index_add_(0, pairs.seq, weights.sum(dim=-1))
+    if sinks is not None:
+        norm = norm + torch.exp(sinks - seq_max)  # the sink's softmax column: mass, and no value
+    out = total / norm.unsqueeze(-1)
+    return out.reshape(batch, -1, v_cache.shape[-1]).to(query.dtype)
+
+
+class DecodeKernel:
+    """``paged_decode`` compiled with ``torch.compile`` (dynamic in the batch and the number of pairs, every head
+    count and size a constant). If compiling fails, or the compiled call fails where the plain one succeeds, the
+    kernel says why once in the log and runs eagerly from then on."""
+
+    def __init__(self) -> None:
+        self._compiled: Any = torch.compile(paged_decode, dynamic=False)
+        self.failure: str | None = None
+
+    def __call__(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        pairs: DecodePairs,
+        layer: LayerAttention,
+    ) -> torch.Tensor:
+        scale = layer.scale if layer.scale is not None else query.shape[-1] ** -0.5
+        # The model's layout of the queries varies with the step's shape (a size-1 dimension takes any stride); the
+        # graph wants one, so these are canonical strides (a copy only when the layout is not contiguous).
+        query = query.reshape(-1).view(query.shape)
+        args = (query, k_cache, v_cache, pairs, layer.sinks, scale, layer.softcap)
+        if self.failure is not None:
+            return paged_decode(*args)
+        # One graph for every step: the batch and the number of pairs are symbolic without a special case for 1
+        # (unbacked), and everything else is a constant, which keeps inductor's index arithmetic simple (1.5x
+        # faster than every size symbolic).
+        for tensor in (query, pairs.seq, pairs.block, pairs.visible):
+            mark_unbacked(tensor, 0)
+        try:
+            return self._compiled(*args)  # type: ignore[no-any-return]
+        except Exception as exc:
+            out = paged_decode(*args)  # a fault of the inputs raises here too, and is the caller's
+            self.failure = f"{type(exc).__name__}: {exc}"
+            logger.warning("compiled decode attention failed, running it eagerly from now on (%s)", self.failure)
+            return out

@@ -1,0 +1,60 @@
+"""A scheduled step as the model's inputs: one packed row of token ids, positions and cache slots.
+
+They are written into one host array allocated once (numpy views, no Python lists of every token), and reach the
+device in one transfer, which does not block the host on CUDA (``to_device``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .attention import SeqSlice
+from .scheduler import ScheduledSeq
+from .transfer import to_device
+
+
+@dataclass(frozen=True, slots=True)
+class PackedInputs:
+    input_ids: torch.Tensor
+    """``[tokens]`` on the device, as are the two below."""
+    positions: torch.Tensor
+    slots: torch.Tensor
+    """Cache slot of each token: ``block * block_size + offset``."""
+    seqs: list[SeqSlice]
+
+    @property
+    def all_decodes(self) -> bool:
+        return all(seq.num_tokens == 1 for seq in self.seqs)
+
+
+class InputBuffers:
+    def __init__(self, capacity: int, block_size: int, device: torch.device) -> None:
+        self._host = np.zeros((3, capacity), dtype=np.int64)
+        self.block_size = block_size
+        self.device = device
+
+    def pack(self, scheduled: list[ScheduledSeq]) -> PackedInputs:
+        total = sum(item.num_tokens for item in scheduled)
+        if total > self._host.shape[1]:
+            self._host = np.zeros((3, total), dtype=np.int64)
+        ids, positions, slots = self._host
+        bs = self.block_size
+        seqs: list[SeqSlice] = []
+        row = 0
+        for item in scheduled:
+            seq, n = item.seq, item.num_tokens
+            start, table = seq.num_computed_tokens, seq.block_table
+            seqs.append(SeqSlice(row, n, start, list(table)))
+            if n == 1:  # a decode: scalars are cheaper than numpy calls
+                ids[row], positions[row], slots[row] = seq.token_ids[start], start, table[start // bs] * bs + start % bs
+            else:
+                span = np.arange(start, start + n)
+                ids[row : row + n] = seq.token_ids[start : start + n]
+                positions[row : row + n] = span
+                slots[row : row + n] = np.asarray(table)[span // bs] * bs + span % bs
+            row += n
+        packed = to_device(torch.from_numpy(self._host[:, :row]), self.device)
+        return PackedInputs(packed[0], packed[1], packed[2], seqs)

@@ -1,0 +1,46 @@
+"""The decode graphs' plumbing, on CPU: static inputs, buckets, padding rows on the scratch block, padding pairs.
+
+A CUDA graph cannot be had here, so ``Rerun`` (graph_helpers.py) stands in for one. Everything else is what runs on
+a GPU: the runner routes steps of decodes alone to the graphs, the graphs refill their static inputs, and the outputs
+must be HF's greedy tokens. test_architectures.py runs a model with windowed and full layers through them too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from graph_helpers import Rerun
+
+from batchgen.server.engine import EngineRequest, LLMEngine, SamplingParams
+from batchgen.server.engine.cuda_graphs import batch_buckets
+
+
+def test_batch_buckets() -> None:
+    assert batch_buckets(256)[:6] == [1, 2, 4, 8, 16, 32] and batch_buckets(256)[-1] == 256
+    assert batch_buckets(5) == [1, 2, 4, 5]
+    assert batch_buckets(1000)[-2:] == [960, 1000]
+
+
+def test_decode_steps_replay_graphs_and_match_hf(
+    graphs_on_cpu: None,
+    make_engine: Callable[..., LLMEngine],
+    run_to_completion: Callable[..., Any],
+    random_prompts: Callable[..., list[list[int]]],
+    hf_greedy: Callable[[list[int], int], list[int]],
+) -> None:
+    engine = make_engine(block_size=4, max_num_seqs=24)
+    runner = engine.runner
+    assert runner.graphs is not None and runner.cache.num_blocks == runner.num_blocks + 1  # the scratch block
+    prompts = random_prompts(21, 2, 40, seed=30)  # batches shrink as they finish: buckets 24, 16, 8, 4, 2, 1
+    lengths = [3 + i % 17 for i in range(len(prompts))]
+    requests = [
+        EngineRequest(f"r{i}", p, SamplingParams(max_tokens=n, ignore_eos=True))
+        for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))
+    ]
+    results = run_to_completion(engine, requests)
+    for i, (prompt, n) in enumerate(zip(prompts, lengths, strict=True)):
+        assert results[f"r{i}"].outputs[0].token_ids == hf_greedy(prompt, n), f"prompt {i}"
+    assert runner.graphs is not None, "no fallback to eager"
+    buckets = {batch for batch, _ in runner.graphs._graphs}
+    assert Rerun.replays > 10 and {1, 2, 4, 8, 16, 24} <= buckets
