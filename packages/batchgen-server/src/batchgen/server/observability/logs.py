@@ -8,7 +8,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 if TYPE_CHECKING:  # serve imports this module before torch is needed
     from ..engine.engine import EngineStats
@@ -39,7 +39,7 @@ class StderrHandler(logging.StreamHandler):
         super().__init__(sys.stderr)
 
     @property  # type: ignore[override]
-    def stream(self):  # noqa: ANN201
+    def stream(self) -> TextIO:
         return sys.stderr
 
     @stream.setter
