@@ -270,6 +270,8 @@ def test_a_model_that_cannot_load_is_one_line(
     assert cli.main(args) == 1
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(f"batchgen-server: {message}")
+
+
 def test_compiled_path(tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The compiled path (decoder layers compiled, decodes through the compiled in-place kernel), which tiny models
     skip by default: the same tokens and logprobs on Gemma 2 (GQA, a sliding window and attention soft-capping),
