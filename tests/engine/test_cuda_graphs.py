@@ -44,3 +44,45 @@ def test_decode_steps_replay_graphs_and_match_hf(
     assert runner.graphs is not None, "no fallback to eager"
     buckets = {batch for batch, _ in runner.graphs._graphs}
     assert Rerun.replays > 10 and {1, 2, 4, 8, 16, 24} <= buckets
+
+
+def test_a_one_token_prefill_chunk_keeps_its_step_off_the_graphs(
+    graphs_on_cpu: None,
+    make_engine: Callable[..., LLMEngine],
+    run_to_completion: Callable[..., Any],
+    random_prompts: Callable[..., list[list[int]]],
+) -> None:
+    """A graph returns logits for every row, so a step of one-token items that is not all sampled (a prompt's
+    1-token chunk beside decodes: a budget of 3 tokens makes them) must run eagerly; sampled tokens and logprobs
+    are those of the same requests run with a budget that never cuts a prompt."""
+    prompts = random_prompts(6, 5, 12, seed=31)
+
+    def requests() -> list[EngineRequest]:
+        params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=1.0, seed=7, logprobs=True, top_logprobs=2)
+        return [EngineRequest(f"r{i}", p, params) for i, p in enumerate(prompts)]
+
+    engine = make_engine(block_size=4, max_num_seqs=8, max_num_batched_tokens=3)
+    mixed_steps, failures = [], []
+    forward, compute = engine.runner.forward, engine._compute
+
+    def spy_forward(scheduled: list[Any], sample_rows: list[int], want_hidden: bool) -> Any:
+        if all(item.num_tokens == 1 for item in scheduled) and len(sample_rows) < len(scheduled):
+            mixed_steps.append(len(scheduled))
+        return forward(scheduled, sample_rows, want_hidden)
+
+    def spy_compute(scheduled: list[Any]) -> Any:
+        try:
+            return compute(scheduled)
+        except Exception as exc:
+            failures.append(exc)
+            raise
+
+    engine.runner.forward, engine._compute = spy_forward, spy_compute  # type: ignore[method-assign]
+    chunked = run_to_completion(engine, requests())
+    whole = run_to_completion(make_engine(block_size=4, max_num_seqs=8), requests())
+    assert mixed_steps and Rerun.replays > 0  # both kinds of step happened
+    assert failures == []
+    for request_id, result in whole.items():
+        assert chunked[request_id].outputs[0].token_ids == result.outputs[0].token_ids
+        got, want = chunked[request_id].outputs[0].logprobs, result.outputs[0].logprobs
+        assert [lp.token_id for lp in got] == [lp.token_id for lp in want]

@@ -68,8 +68,9 @@ class EngineConfig:
     seed: int = setting(0, "seed of the sampled requests that set none")
     attention_backend: str = setting(
         "auto",
-        "gather (contexts copied into a buffer, then SDPA: the CPU default), flex (FlexAttention reading the paged "
-        "cache in place: the CUDA default) or auto",
+        "gather (decodes read the paged cache in place through a compiled kernel, or eagerly from gathered copies; "
+        "prefill chunks through SDPA: the CPU default), flex (FlexAttention reading the paged cache in place: the "
+        "CUDA default) or auto",
     )
     enforce_eager: bool = setting(
         False,

@@ -56,5 +56,6 @@ class InputBuffers:
                 positions[row : row + n] = span
                 slots[row : row + n] = np.asarray(table)[span // bs] * bs + span % bs
             row += n
-        packed = to_device(torch.from_numpy(self._host[:, :row]), self.device)
+        # Contiguous, so that pinning and a non-blocking copy need no pageable staging copy first.
+        packed = to_device(torch.from_numpy(np.ascontiguousarray(self._host[:, :row])), self.device)
         return PackedInputs(packed[0], packed[1], packed[2], seqs)

@@ -54,7 +54,6 @@ class ModelRunner:
         self.device: torch.device = embeddings.device
         self.block_size = config.block_size
         probe = self._probe_layers()
-        model.set_attn_implementation(ATTENTION_NAME)
         self.block_bytes = KVCache.block_bytes(probe.shapes, self.block_size)
         self.num_blocks = config.num_kv_blocks or self._blocks_that_fit(config)
         self.compiled = not config.enforce_eager and model.num_parameters() >= EAGER_BELOW_PARAMETERS
@@ -83,6 +82,8 @@ class ModelRunner:
                 self.model(input_ids=ids, position_ids=ids, use_cache=False, logits_to_keep=1)
         except AttentionRefused as exc:
             raise ModelNotSupported(self.architecture, str(exc)) from None
+        finally:  # never left on the model (other engines may share it)
+            self.model.set_attn_implementation(ATTENTION_NAME)
         if not probe.modules:
             raise ModelNotSupported(
                 self.architecture,
@@ -115,12 +116,15 @@ class ModelRunner:
         """Run every scheduled chunk in one packed forward; logits at ``sample_rows`` only; the last hidden state
         of every token if ``want_hidden`` (embeddings).
 
-        A step of decodes alone replays a CUDA graph where there are graphs; any other step runs the model, its
-        layers compiled where they are. If a graph or a compiled layer fails where the plain eager forward succeeds,
-        that fast path is turned off for good, the reason logged once; if the eager forward fails too, the fault is
-        the inputs', and the engine's own fault isolation deals with it."""
+        A step of decodes alone, each sampled, replays a CUDA graph where there are graphs and a bucket holds it
+        (n > 1 forks may outgrow the largest); any other step runs the model, its layers compiled where they are. If
+        a graph or a compiled layer fails where the plain eager forward succeeds, that fast path is turned off for
+        good, the reason logged once; if the eager forward fails too, the fault is the inputs', and the engine's own
+        fault isolation deals with it."""
         packed = self.inputs.pack(scheduled)
-        if self.graphs is not None and packed.all_decodes and not want_hidden:
+        # A graph returns every row's logits: only for steps where every row is sampled (not a 1-token prefill chunk).
+        graphed = packed.all_decodes and not want_hidden and len(sample_rows) == len(packed.seqs)
+        if self.graphs is not None and graphed and len(packed.seqs) <= self.graphs.buckets[-1]:
             try:
                 return StepOutput(None, self.graphs.run(packed))
             except Exception as exc:

@@ -103,7 +103,7 @@ class Sampler:
         top_ids_list = host[len(rows) + len(wanted) * (1 + k) :]
         logprobs: list[TokenLogprob | None] = [None] * len(rows)
         for j, i in enumerate(wanted):
-            first, n = j * k, rows[i].params.top_logprobs
+            first, n = j * k, min(rows[i].params.top_logprobs, k)
             top = tuple(zip(map(int, top_ids_list[first : first + n]), top_lp_list[first : first + n], strict=True))
             logprobs[i] = TokenLogprob(token_ids[i], chosen_list[j], top)
         return token_ids, logprobs

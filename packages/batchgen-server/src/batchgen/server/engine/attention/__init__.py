@@ -1,10 +1,11 @@
 """batchgen's attention, registered with transformers' ``AttentionInterface`` as ``batchgen_paged``.
 
-The engine runs the model on one packed row of tokens (every scheduled sequence's new tokens back to back, no
-padding). For each layer, the registered function writes the new keys and values into the paged KV cache, then lets
-the step's backend attend each sequence's new queries over its own cached context: ``gather`` (contexts copied into
-a buffer, then SDPA: the CPU path) or ``flex`` (FlexAttention reading the cache in place: the GPU path). Both honour
-everything the layer asks for (``layer.py``); anything else refuses the model at load (``probe.py``).
+The engine runs the model on one packed row of tokens (every scheduled sequence's new tokens back to back, no padding).
+For each layer, the registered function writes the new keys and values into the paged KV cache, then lets the step's
+backend attend each sequence's new queries over its own cached context: ``gather`` (decodes read the cache in place
+through a compiled kernel, prefill chunks gathered for SDPA: the CPU path) or ``flex`` (FlexAttention reading the cache
+in place: the GPU path). Both honour everything the layer asks for (``layer.py``); anything else refuses the model at
+load (``probe.py``).
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def _paged_attention_op(
     step = current()
     if not isinstance(step, PagedStep):
         raise RuntimeError(f"{ATTENTION_NAME} attention runs only inside the batchgen engine's forward")
-    return step.attend(query, key, value, LayerAttention(scale, window, softcap, sinks))
+    # Contiguous, as the fake below declares it (compiled layers check the strides of what it returns).
+    return step.attend(query, key, value, LayerAttention(scale, window, softcap, sinks)).contiguous()
 
 
 @_paged_attention_op.register_fake

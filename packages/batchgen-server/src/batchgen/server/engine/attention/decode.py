@@ -30,7 +30,7 @@ class DecodePairs:
     """The (sequence, block) pairs of a step's decodes, for one window size."""
 
     seq: torch.Tensor
-    """``[P]`` which decode each pair belongs to (non-decreasing)."""
+    """``[P]`` which decode each pair belongs to (a graph's padding pairs come last, on decode 0)."""
     block: torch.Tensor
     """``[P]`` the cache block it reads."""
     visible: torch.Tensor
