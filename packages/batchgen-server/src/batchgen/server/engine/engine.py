@@ -32,7 +32,7 @@ from .sampler import Sampler, SampleRow, mix64
 from .scheduler import ScheduledSeq, Scheduler
 from .self_check import self_check
 from .sequence import RequestState, Sequence, Status
-from .transfer import to_device
+from .transfer import indices
 
 if TYPE_CHECKING:
     from .encoder_engine import EncoderEngine
@@ -223,7 +223,7 @@ class LLMEngine:
             return _Computed(output.hidden, [], [])
         logits = output.logits
         if len(logits_rows) != len(sample_rows):  # a completed prompt feeds its n choices from one row
-            logits = logits[to_device(torch.tensor(logits_rows, dtype=torch.long), logits.device)]
+            logits = logits[indices(logits_rows, logits.device)]
         token_ids, logprobs = self.sampler(logits, rows)
         return _Computed(output.hidden, token_ids, logprobs)
 

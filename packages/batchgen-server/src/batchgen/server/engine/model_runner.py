@@ -18,7 +18,7 @@ from .errors import ModelNotSupported
 from .inputs import InputBuffers, PackedInputs
 from .kv_cache import KVCache
 from .scheduler import ScheduledSeq
-from .transfer import to_device
+from .transfer import indices
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ class ModelRunner:
     def _forward(self, packed: PackedInputs, sample_rows: list[int], want_hidden: bool) -> StepOutput:
         step = PagedStep(self.cache, self.backend, packed.seqs, packed.slots, self.device)
         every_row = len(sample_rows) == packed.input_ids.shape[0]
-        keep = 0 if every_row else to_device(torch.tensor(sample_rows, dtype=torch.long), self.device)  # 0: all
+        keep = 0 if every_row else indices(sample_rows, self.device)  # 0: all
         hidden: list[torch.Tensor] = []
 
         def keep_hidden(module: torch.nn.Module, args: Any, output: Any) -> None:

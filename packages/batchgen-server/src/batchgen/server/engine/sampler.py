@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .request import SamplingParams, TokenLogprob
-from .transfer import to_device
+from .transfer import indices, to_device
 
 _MASK64 = 2**64 - 1
 _GOLDEN, _MUL1, _MUL2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
@@ -91,7 +91,7 @@ class Sampler:
         if not wanted:
             return chosen.tolist(), [None] * len(rows)  # the step's one transfer to the host
         k = min(max(rows[i].params.top_logprobs for i in wanted), logits.shape[1])
-        index = _long(wanted, logits.device)
+        index = indices(wanted, logits.device)
         log_probs = torch.log_softmax(logits[index], dim=-1)
         chosen_lp = log_probs.gather(1, chosen[index].unsqueeze(1))
         top_lp, top_ids = log_probs.topk(k, dim=-1)
@@ -117,7 +117,7 @@ class Sampler:
         if biased:
             at, tokens, biases = zip(*biased, strict=True)
             values = to_device(torch.tensor(biases, dtype=logits.dtype), device)
-            logits = logits.index_put((_long(at, device), _long(tokens, device)), values, accumulate=True)
+            logits = logits.index_put((indices(at, device), indices(tokens, device)), values, accumulate=True)
         banned = [
             (i, token)
             for i, r in enumerate(rows)
@@ -126,10 +126,10 @@ class Sampler:
         ]
         if banned:
             at, tokens = zip(*banned, strict=True)
-            logits = logits.index_put((_long(at, device), _long(tokens, device)), _full(float("-inf"), device))
+            logits = logits.index_put((indices(at, device), indices(tokens, device)), _full(float("-inf"), device))
         penalised = [i for i, r in enumerate(rows) if _has_penalties(r.params)]
         if penalised:
-            index = _long(penalised, device)
+            index = indices(penalised, device)
             logits = logits.index_put((index,), _penalties(logits[index], [rows[i] for i in penalised]))
         return logits
 
@@ -141,7 +141,7 @@ class Sampler:
             return argmax_first(logits)
         if len(sampled) == len(rows):
             return _sample(logits, rows)
-        index = _long(sampled, logits.device)
+        index = indices(sampled, logits.device)
         return argmax_first(logits).index_put((index,), _sample(logits[index], [rows[i] for i in sampled]))
 
 
@@ -155,10 +155,6 @@ def argmax_first(logits: torch.Tensor, chunk: int = 128) -> torch.Tensor:
     chunks = logits.view(rows, -1, chunk)
     best = chunks.amax(dim=-1).argmax(dim=-1)
     return best * chunk + chunks[torch.arange(rows, device=logits.device), best].argmax(dim=-1)
-
-
-def _long(values: Sequence[int], device: torch.device) -> torch.Tensor:
-    return to_device(torch.tensor(values, dtype=torch.long), device)
 
 
 def _column(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
@@ -177,7 +173,7 @@ def _has_penalties(params: SamplingParams) -> bool:
 def _flat(lists: Sequence[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Row index and token id of every element of ``lists``, as two flat tensors."""
     row_ids = [row for row, ids in enumerate(lists) for _ in range(len(ids))]
-    return _long(row_ids, device), _long([token for ids in lists for token in ids], device)
+    return indices(row_ids, device), indices([token for ids in lists for token in ids], device)
 
 
 def _penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -207,12 +203,12 @@ def _sample(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     # p < min_p * p_max  <=>  logit < max logit + log(min_p); log(0) = -inf keeps everything.
     dropped = sorted_logits < sorted_logits[:, :1] + torch.log(_column([r.params.min_p for r in rows], logits))
     ranks = torch.arange(vocab, device=device).unsqueeze(0)
-    top_k = _long([min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in rows], device).unsqueeze(1)
+    top_k = indices([min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in rows], device).unsqueeze(1)
     probs = sorted_logits.masked_fill(dropped | (ranks >= top_k), float("-inf")).softmax(dim=-1)
     # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
     probs = probs.masked_fill((probs.cumsum(dim=-1) - probs) >= _column([r.params.top_p for r in rows], probs), 0.0)
     cdf = probs.double().cumsum(dim=-1)
-    seeds = _long([_signed(r.seed & _MASK64) for r in rows], device)
-    draws = uniforms(seeds, _long([r.position for r in rows], device))
+    seeds = indices([_signed(r.seed & _MASK64) for r in rows], device)
+    draws = uniforms(seeds, indices([r.position for r in rows], device))
     index = torch.searchsorted(cdf, (draws * cdf[:, -1]).unsqueeze(1), right=True).clamp(max=vocab - 1)
     return sorted_ids.gather(1, index).squeeze(1)

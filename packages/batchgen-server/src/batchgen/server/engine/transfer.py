@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
@@ -12,3 +14,8 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda" or tensor.device.type != "cpu":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def indices(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Host integers as a ``long`` index tensor on ``device``, through ``to_device``."""
+    return to_device(torch.tensor(values, dtype=torch.long), device)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..transfer import to_device
+from ..transfer import indices, to_device
 from .decode import DecodeKernel, DecodePairs, decode_tables, first_visible
 from .kernels import attend, causal_mask
 from .layer import LayerAttention
@@ -153,7 +153,7 @@ def _build_views(step: PagedStep, window: int | None, with_pairs: bool) -> _View
         return _Views(None, chunks)
     blocks, lengths, visible = decode_tables(decodes, window, bs)
     pairs = DecodePairs.from_tables(blocks, lengths, visible).to(device) if with_pairs else None
-    rows = None if len(decodes) == len(step.seqs) else to_device(torch.tensor([s.row for s in decodes]), device)
+    rows = None if len(decodes) == len(step.seqs) else indices([s.row for s in decodes], device)
     return _Views(_Decodes(rows, to_device(blocks, device), to_device(visible, device), pairs), chunks)
 
 
