@@ -24,6 +24,7 @@ from batchgen.server import cli
 from batchgen.server.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams, model_runner
 from batchgen.server.engine.demo_model import build_tokenizer
 from batchgen.server.engine.errors import ModelNotSupported
+from batchgen.server.engine.fast_forward import PrepackedLinear
 
 WINDOW = 12
 """Sliding windows this small matter on the prompts below (up to 60 tokens, block size 8 or 16)."""
@@ -272,18 +273,49 @@ def test_a_model_that_cannot_load_is_one_line(
     assert line.startswith(f"batchgen-server: {message}")
 
 
-def test_compiled_path(tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The compiled path (decoder layers compiled, decodes through the compiled in-place kernel), which tiny models
-    skip by default: the same tokens and logprobs on Gemma 2 (GQA, a sliding window and attention soft-capping),
-    compiled once for chunked prefill, prefix-cache hits and n > 1, with the load-time self-check run through it.
-    test_attention.py runs every kind of layer through the compiled decode kernel."""
-    monkeypatch.setattr(model_runner, "EAGER_BELOW_PARAMETERS", 0)
-    path = _build("gemma2", ARCHITECTURES["gemma2"], tokenizer, tmp_path)
-    engine = _engine(path, tokenizer, block_size=8, max_num_batched_tokens=16)
-    _check(engine, Reference(path), n=2)
+@pytest.fixture(scope="module")
+def compiled_gemma2(tokenizer: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LLMEngine, Reference]]:
+    """An engine on the fast path, which tiny models skip by default, on Gemma 2 (GQA, a sliding window, attention
+    soft-capping, a tied head with a final soft-cap)."""
+    path = _build("gemma2", ARCHITECTURES["gemma2"], tokenizer, tmp_path_factory.mktemp("gemma2-compiled"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(model_runner, "EAGER_BELOW_PARAMETERS", 0)
+        yield _engine(path, tokenizer, block_size=8, max_num_batched_tokens=16), Reference(path)
+
+
+def test_compiled_path(compiled_gemma2: tuple[LLMEngine, Reference]) -> None:
+    """The fast path (decoder layers compiled, the head on a prepacked weight, decodes through the compiled in-place
+    kernel): the same tokens and logprobs, compiled once for chunked prefill, prefix-cache hits and n > 1, with the
+    load-time self-check run through it. test_attention.py runs every kind of layer through the compiled decode
+    kernel."""
+    engine, reference = compiled_gemma2
+    _check(engine, reference, n=2)
     runner = engine.runner
-    assert runner.compiled_layers is not None, "the compiled layers fell back to eager"
+    assert runner.fast is not None, "the fast forward fell back to eager"
+    head = runner.model.get_output_embeddings()
+    assert isinstance(runner.fast.forwards[head], PrepackedLinear) and head.forward is runner.fast.forwards[head]
+    assert sum(1 for module in runner.fast.forwards if module is not head) == SIZES["num_hidden_layers"]
     assert runner.backend.decode_kernel.failure is None, "the decode kernel fell back to eager"
+
+
+def test_a_failing_fast_forward_falls_back_to_eager_for_good(
+    compiled_gemma2: tuple[LLMEngine, Reference], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A fast forward that fails where the model's own succeeds costs no request: the step runs eagerly, and the
+    model's own forwards stay from then on."""
+    engine, reference = compiled_gemma2
+    fast = engine.runner.fast
+    assert fast is not None
+    head = engine.runner.model.get_output_embeddings()
+
+    def broken(hidden: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("injected")
+
+    head.forward = fast.forwards[head] = broken
+    _check(engine, reference)
+    assert engine.runner.fast is None
+    assert all("forward" not in vars(module) for module in fast.forwards)
+    assert "RuntimeError: injected" in caplog.text
 
 
 def test_cuda_graph_path(tokenizer: Any, tmp_path: Path, graphs_on_cpu: None) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,10 +12,10 @@ import torch
 from transformers import PreTrainedModel
 
 from .attention import ATTENTION_NAME, PROBE_NAME, AttentionRefused, LayerProbe, PagedStep, active, make_backend
-from .compiled_layers import CompiledLayers, decoder_layers
 from .config import EngineConfig
 from .cuda_graphs import CudaGraph, DecodeGraphs
 from .errors import ModelNotSupported
+from .fast_forward import FastForward
 from .inputs import InputBuffers, PackedInputs
 from .kv_cache import KVCache
 from .scheduler import ScheduledSeq
@@ -62,8 +63,7 @@ class ModelRunner:
         self.cache = KVCache(probe.shapes, self.num_blocks + graphs, self.block_size)
         self.inputs = InputBuffers(config.max_num_batched_tokens, self.block_size, self.device)
         self.backend = make_backend(config.attention_backend, self.device, self.compiled)
-        layers = decoder_layers(model, probe.modules) if self.compiled else []
-        self.compiled_layers = CompiledLayers(layers) if layers else None
+        self.fast = FastForward(model, probe.modules) if self.compiled else None
         self.graphs: DecodeGraphs | None = None
         if graphs:
             make_graph = CudaGraph.maker()
@@ -118,7 +118,7 @@ class ModelRunner:
 
         A step of decodes alone, each sampled, replays a CUDA graph where there are graphs and a bucket holds it
         (n > 1 forks may outgrow the largest); any other step runs the model, its layers compiled where they are. If
-        a graph or a compiled layer fails where the plain eager forward succeeds, that fast path is turned off for
+        a graph or the fast forward fails where the plain eager forward succeeds, that fast path is turned off for
         good, the reason logged once; if the eager forward fails too, the fault is the inputs', and the engine's own
         fault isolation deals with it."""
         packed = self.inputs.pack(scheduled)
@@ -137,15 +137,15 @@ class ModelRunner:
         try:
             return self._forward(packed, sample_rows, want_hidden)
         except Exception as exc:
-            if self.compiled_layers is None:
+            if self.fast is None:
                 raise
             output = self._eager_forward(packed, sample_rows, want_hidden)
-            self.compiled_layers.revert(f"{type(exc).__name__}: {exc}")
-            self.compiled_layers = None
+            self.fast.revert(f"{type(exc).__name__}: {exc}")
+            self.fast = None
             return output
 
     def _eager_forward(self, packed: PackedInputs, sample_rows: list[int], want_hidden: bool) -> StepOutput:
-        with torch.compiler.set_stance("force_eager"):
+        with torch.compiler.set_stance("force_eager"), self.fast.off() if self.fast else nullcontext():
             return self._forward(packed, sample_rows, want_hidden)
 
     def _forward(self, packed: PackedInputs, sample_rows: list[int], want_hidden: bool) -> StepOutput:
