@@ -169,7 +169,13 @@ def run_vllm(
         workload_path.write_text(json.dumps(workload))
         command = [str(python), str(Path(__file__).with_name("vllm_peer.py")), str(model_dir), str(workload_path)]
         command += [str(out_path), "--threads", str(args.threads), "--device", args.device, "--dtype", args.dtype]
-        command += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)] + (["--eager"] if eager else [])
+        command += [
+            "--max-num-batched-tokens",
+            str(args.max_num_batched_tokens),
+            "--kv-cache-gib",
+            str(args.kv_cache_gib),
+        ]
+        command += ["--eager"] if eager else []
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
         env.pop("PYTHONPATH", None)  # vLLM's own packages only
         done = subprocess.run(command, env=env, capture_output=True, text=True)
@@ -298,7 +304,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="engine and vLLM runs each, alternating (the best)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--kv-blocks", type=int, default=4096, help="engine KV blocks of 16 tokens (fixed, so every run gets the same)"
+        "--kv-cache-gib",
+        type=int,
+        default=4,
+        help="KV cache memory on CPU, the engine's and vLLM's alike (on CUDA, each fills the free memory)",
     )
     parser.add_argument(
         "--threads",
@@ -321,7 +330,7 @@ def main() -> None:
     config = EngineConfig(
         device=args.device,
         dtype=args.dtype,
-        num_kv_blocks=args.kv_blocks,
+        cpu_kv_cache_gib=args.kv_cache_gib,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=256,
     )

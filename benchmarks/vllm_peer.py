@@ -27,10 +27,11 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
     parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--kv-cache-gib", type=int, default=4, help="KV cache memory on CPU")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if args.device == "cpu":
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_cache_gib)
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0" if args.threads == 1 else "all")
         os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
 
