@@ -123,25 +123,30 @@ class ModelRunner:
         fault isolation deals with it."""
         packed = self.inputs.pack(scheduled)
         # A graph returns every row's logits: only for steps where every row is sampled (not a 1-token prefill chunk).
-        graphed = packed.all_decodes and not want_hidden and len(sample_rows) == len(packed.seqs)
-        if self.graphs is not None and graphed and len(packed.seqs) <= self.graphs.buckets[-1]:
-            try:
-                return StepOutput(None, self.graphs.run(packed))
-            except Exception as exc:
-                output = self._eager_forward(packed, sample_rows, want_hidden)
-                self.graphs = None
-                logger.warning(
-                    "CUDA graphs failed, decoding without them from now on (%s: %s)", type(exc).__name__, exc
-                )
-                return output
+        graphed = (
+            self.graphs is not None
+            and packed.all_decodes
+            and not want_hidden
+            and len(sample_rows) == len(packed.seqs)
+            and len(packed.seqs) <= self.graphs.buckets[-1]
+        )
+        if not graphed and self.fast is None:
+            return self._forward(packed, sample_rows, want_hidden)  # eager already: no fallback
         try:
+            if graphed:
+                assert self.graphs is not None
+                return StepOutput(None, self.graphs.run(packed))
             return self._forward(packed, sample_rows, want_hidden)
         except Exception as exc:
-            if self.fast is None:
-                raise
-            output = self._eager_forward(packed, sample_rows, want_hidden)
-            self.fast.revert(f"{type(exc).__name__}: {exc}")
-            self.fast = None
+            output = self._eager_forward(packed, sample_rows, want_hidden)  # a fault of the inputs raises here too
+            reason = f"{type(exc).__name__}: {exc}"
+            if graphed:
+                self.graphs = None
+                logger.warning("CUDA graphs failed, decoding without them from now on (%s)", reason)
+            else:
+                assert self.fast is not None
+                self.fast.revert(reason)
+                self.fast = None
             return output
 
     def _eager_forward(self, packed: PackedInputs, sample_rows: list[int], want_hidden: bool) -> StepOutput:
