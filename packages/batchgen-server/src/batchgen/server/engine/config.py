@@ -69,8 +69,8 @@ class EngineConfig:
     attention_backend: str = setting(
         "auto",
         "gather (decodes read the paged cache in place through a compiled kernel, or eagerly from gathered copies; "
-        "prefill chunks through SDPA: the CPU default), flex (FlexAttention reading the paged cache in place: the "
-        "CUDA default) or auto",
+        "prefill chunks through SDPA), flex (FlexAttention reading the paged cache in place, compiled on CUDA) or "
+        "auto (gather)",
     )
     enforce_eager: bool = setting(
         False,

@@ -119,6 +119,11 @@ class DecodeGraphs:
         self._graphs: dict[tuple[int, int], _Bucket] = {}
         self.device = cache.k[0].device
 
+    @property
+    def captured(self) -> int:
+        """Graphs captured so far."""
+        return len(self._graphs)
+
     def run(self, packed: PackedInputs) -> torch.Tensor:
         """The logits ``[decodes, vocab]`` of a step of decodes alone."""
         batch = len(packed.seqs)

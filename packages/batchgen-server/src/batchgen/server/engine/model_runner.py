@@ -11,7 +11,16 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from .attention import ATTENTION_NAME, PROBE_NAME, AttentionRefused, LayerProbe, PagedStep, active, make_backend
+from .attention import (
+    ATTENTION_NAME,
+    PROBE_NAME,
+    AttentionBackend,
+    AttentionRefused,
+    LayerProbe,
+    PagedStep,
+    active,
+    make_backend,
+)
 from .config import EngineConfig
 from .cuda_graphs import CudaGraph, DecodeGraphs
 from .errors import ModelNotSupported
@@ -62,7 +71,12 @@ class ModelRunner:
         # With graphs, one more block than the block manager hands out: the scratch block of padding rows.
         self.cache = KVCache(probe.shapes, self.num_blocks + graphs, self.block_size)
         self.inputs = InputBuffers(config.max_num_batched_tokens, self.block_size, self.device)
-        self.backend = make_backend(config.attention_backend, self.device, self.compiled)
+        # The eager retry's attention: what any device runs without compiling (eager flex is a dense reference over
+        # the whole cache, far too large for a real one).
+        self.eager_backend = make_backend("gather", self.device, compiled=False)
+        self.backend = self.eager_backend
+        if self.compiled or config.attention_backend == "flex":
+            self.backend = make_backend(config.attention_backend, self.device, self.compiled)
         self.fast = FastForward(model, probe.modules) if self.compiled else None
         self.graphs: DecodeGraphs | None = None
         if graphs:
@@ -130,7 +144,7 @@ class ModelRunner:
             and len(sample_rows) == len(packed.seqs)
             and len(packed.seqs) <= self.graphs.buckets[-1]
         )
-        if not graphed and self.fast is None:
+        if not graphed and self.backend is self.eager_backend and self.fast is None:
             return self._forward(packed, sample_rows, want_hidden)  # eager already: no fallback
         try:
             if graphed:
@@ -144,17 +158,24 @@ class ModelRunner:
                 self.graphs = None
                 logger.warning("CUDA graphs failed, decoding without them from now on (%s)", reason)
             else:
-                assert self.fast is not None
-                self.fast.revert(reason)
-                self.fast = None
+                if self.fast is not None:
+                    self.fast.revert(reason)
+                    self.fast = None
+                self.backend = self.eager_backend
             return output
 
     def _eager_forward(self, packed: PackedInputs, sample_rows: list[int], want_hidden: bool) -> StepOutput:
         with torch.compiler.set_stance("force_eager"), self.fast.off() if self.fast else nullcontext():
-            return self._forward(packed, sample_rows, want_hidden)
+            return self._forward(packed, sample_rows, want_hidden, self.eager_backend)
 
-    def _forward(self, packed: PackedInputs, sample_rows: list[int], want_hidden: bool) -> StepOutput:
-        step = PagedStep(self.cache, self.backend, packed.seqs, packed.slots, self.device)
+    def _forward(
+        self,
+        packed: PackedInputs,
+        sample_rows: list[int],
+        want_hidden: bool,
+        backend: AttentionBackend | None = None,
+    ) -> StepOutput:
+        step = PagedStep(self.cache, backend or self.backend, packed.seqs, packed.slots, self.device)
         every_row = len(sample_rows) == packed.input_ids.shape[0]
         keep = 0 if every_row else indices(sample_rows, self.device)  # 0: all
         hidden: list[torch.Tensor] = []
