@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import os
 import platform
@@ -246,8 +247,10 @@ def run_hf_generate_batch(
     tokens = 0
     # Size its cache like ours (room for every request at once) rather than from memory, which on CPU is all RAM.
     page = 256
+    # The page size's name changed (``block_size`` in transformers 5.17, the GPU machine's; ``page_size`` later).
+    size_name = "page_size" if "page_size" in inspect.signature(ContinuousBatchingConfig).parameters else "block_size"
     cb_config = ContinuousBatchingConfig(
-        page_size=page,
+        **{size_name: page},
         num_blocks=sum(-(-(len(p) + o) // page) for p, o in workload),
         max_batch_tokens=max_batch_tokens,
     )

@@ -17,6 +17,11 @@ shrunk, float32 on CPU). For each model:
   measured here (a device-to-device copy).
 - **Time to first token** of one 1,024-token prompt on an idle engine, and HF ``generate(max_new_tokens=1)``.
 
+First, **exactness on this device**: the greedy tokens of 16 prompts through the engine with every fast path on
+(compiled layers, the compiled decode kernel, CUDA graphs), once per attention backend, against HF ``generate()``
+one prompt at a time, in float32 with TF32 off, on the first shape shrunk as ``--quick`` shrinks it; and which fast
+paths were still on at the end (each falls back to eager on a failure, which would show here as ``off``).
+
 Everything past ``--budget-s`` (default 7.5 minutes) is skipped with a note, so the command always ends in time.
 Targets on an H200 (issue 14): >= 3x HF static ``generate()``, >= 60% of the roofline at batch 64 for the 1B shape,
 graphs >= 2x eager at batch 1.
@@ -26,10 +31,12 @@ from __future__ import annotations
 
 import argparse
 import gc
+import logging
 import random
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,6 +96,9 @@ FULL = Settings(256, (100, 1024), (100, 1024), (1, 64, 256), 512, 64, 1024)
 SMALL = Settings(16, (16, 64), (16, 64), (1, 4, 16), 64, 16, 64)
 
 
+EXACT_TOKENS = 32
+
+
 class Budget:
     def __init__(self, seconds: float) -> None:
         self.deadline = time.monotonic() + seconds
@@ -135,6 +145,7 @@ def engine_config(args: argparse.Namespace, eager: bool) -> EngineConfig:
         max_model_len=4096,
         enforce_eager=eager,
         gpu_memory_utilization=0.5,
+        attention_backend=args.attention_backend,
         cpu_kv_cache_gib=0.25 if args.quick else 4.0,
     )
 
@@ -221,6 +232,72 @@ def release(device: str) -> None:
     gc.collect()
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
+
+
+def exactness(shape: str, args: argparse.Namespace) -> list[str]:
+    """The engine's greedy tokens against HF ``generate()``'s, per attention backend, as markdown lines."""
+    device = args.device
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    model = build(shape, True, device, torch.float32)
+    vocab = model.config.vocab_size
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(8, 80))] for _ in range(16)]
+    model.set_attn_implementation("sdpa")
+    reference = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt], device=device)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=EXACT_TOKENS, do_sample=False)
+        reference.append(out[0, len(prompt) :].tolist())
+    lines = [
+        "",
+        f"### Exactness on this device: {shape} shrunk, float32, 16 prompts x {EXACT_TOKENS} greedy tokens vs HF",
+        "",
+        "| attention | identical sequences | identical tokens | fast paths still on | seconds |",
+        "|---|---:|---:|---|---:|",
+    ]
+    for backend in ("gather", "flex"):
+        clock = Clock()
+        try:
+            config = EngineConfig(
+                device=device,
+                dtype="float32",
+                attention_backend=backend,
+                max_num_seqs=16,
+                max_num_batched_tokens=256,
+                num_kv_blocks=1024,
+            )
+            engine = LLMEngine(model, build_tokenizer(), config, shape)
+            params = SamplingParams(max_tokens=EXACT_TOKENS, ignore_eos=True)
+            for i, prompt in enumerate(prompts):
+                engine.add_request(EngineRequest(f"x{i}", prompt, params))
+            results = {}
+            while engine.has_unfinished_requests():
+                results.update((result.request_id, result) for result in engine.step())
+            outputs = [results[f"x{i}"].outputs[0].token_ids for i in range(len(prompts))]
+            same = sum(out == ref for out, ref in zip(outputs, reference, strict=True))
+            tokens = sum(
+                a == b for out, ref in zip(outputs, reference, strict=True) for a, b in zip(out, ref, strict=False)
+            )
+            cells = [f"{same}/{len(prompts)}", f"{tokens}/{len(prompts) * EXACT_TOKENS}", _fast_paths(engine)]
+        except Exception as exc:  # a backend that cannot run here is a finding, not the end of the suite
+            cells = ["", "", f"failed: {type(exc).__name__}: {str(exc)[:300]}"]
+        lines.append(f"| {backend} | " + " | ".join(cells) + f" | {clock.elapsed()[0]:.0f} |")
+        release(device)
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    return lines
+
+
+def _fast_paths(engine: LLMEngine) -> str:
+    runner = engine.runner
+    kernel = getattr(runner.backend, "decode_kernel", None)
+    states = {
+        "layers": runner.fast is not None,
+        "compiled attention": runner.backend is not runner.eager_backend and not (kernel and kernel.failure),
+    }
+    if runner.device.type == "cuda":
+        states["CUDA graphs"] = runner.graphs is not None and runner.graphs.captured > 0
+    return ", ".join(f"{name} {'on' if on else 'off'}" for name, on in states.items())
 
 
 def suite(shape: str, args: argparse.Namespace, settings: Settings, budget: Budget, bw: float) -> list[str]:
@@ -361,7 +438,10 @@ def main() -> None:
     parser.add_argument("--hf-time-limit-s", type=float, default=30.0, help="generate_batch stops after this")
     parser.add_argument("--budget-s", type=float, default=450.0, help="later measurements are skipped")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--attention-backend", default="auto", help="the engine's, for the measurements")
+    parser.add_argument("--no-exactness", action="store_true", help="skip the exactness check")
     args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)  # a fast path falling back says so
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -375,8 +455,14 @@ def main() -> None:
     bw = bandwidth(args.device)
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     print(f"# batchgen GPU suite: {machine}; torch {torch.__version__}; {when}", flush=True)
+    if not args.no_exactness:
+        print("\n".join(exactness(args.models[0], args)), flush=True)
     for shape in args.models:
-        print("\n".join(["", *suite(shape, args, settings, budget, bw)]), flush=True)
+        try:
+            print("\n".join(["", *suite(shape, args, settings, budget, bw)]), flush=True)
+        except Exception:  # one shape's failure is a finding; the next shape still runs
+            print(f"\n## {shape} shape: failed\n\n```\n{traceback.format_exc()}```", flush=True)
+            release(args.device)
 
 
 if __name__ == "__main__":
