@@ -49,6 +49,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_throughput import Clock, Row, make_workload, run_hf_generate, run_hf_generate_batch, sync
 
 from batchgen.server.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams
+from batchgen.server.engine.attention import SeqSlice
+from batchgen.server.engine.attention.decode import DecodeKernel, DecodePairs, decode_tables, paged_decode
+from batchgen.server.engine.attention.gather import GatherBackend, _Decodes
+from batchgen.server.engine.attention.layer import LayerAttention
 from batchgen.server.engine.demo_model import build_tokenizer
 
 SHAPES: dict[str, dict[str, Any]] = {
@@ -234,6 +238,84 @@ def release(device: str) -> None:
         torch.cuda.empty_cache()
 
 
+def kernels(shape: str, args: argparse.Namespace) -> list[str]:
+    """One layer's decode attention, by implementation, at the decode batches: time and the share of the bandwidth
+    that reading every visible key and value once would take."""
+    device, dtype = args.device, getattr(torch, args.dtype)
+    sizes = {**SHAPES[shape], **(QUICK if args.quick else {})}
+    heads, kv_heads = sizes["num_attention_heads"], sizes["num_key_value_heads"]
+    dim = sizes.get("head_dim") or sizes["hidden_size"] // heads
+    settings = SMALL if args.quick else FULL
+    bs, context = 16, settings.decode_context
+    layer = LayerAttention(None, None, None, None)
+    compiled = DecodeKernel()
+    variants: dict[str, Callable[..., torch.Tensor]] = {
+        "DecodeKernel (the engine's)": lambda q, k, v, pairs, _: compiled(q, k, v, pairs, layer),
+        "paged_decode, eager": lambda q, k, v, pairs, _: paged_decode(q, k, v, pairs, None, dim**-0.5, None),
+        "gather + SDPA (eager fallback)": lambda q, k, v, pairs, tables: GatherBackend(None)._decode(
+            q, k, v, tables, bs, layer
+        ),
+    }
+    bw = bandwidth(device)
+    lines = [
+        "",
+        f"### Decode attention, one layer of {shape} ({heads} heads, {kv_heads} KV heads, dim {dim}, {args.dtype}), "
+        f"{context}-token contexts",
+        "",
+        "| batch | implementation | us | of bandwidth |",
+        "|---:|---|---:|---:|",
+    ]
+    for batch in settings.decode_batches:
+        blocks = batch * (context // bs + 1)
+        k = torch.randn(kv_heads, blocks * bs, dim, device=device, dtype=dtype)
+        v = torch.randn_like(k)
+        order = torch.randperm(blocks).view(batch, -1).tolist()
+        seqs = [SeqSlice(i, 1, context, order[i]) for i in range(batch)]
+        tables = decode_tables(seqs, None, bs)
+        pairs = DecodePairs.from_tables(*tables).to(torch.device(device))
+        views = _Decodes(None, tables[0].to(device), tables[2].to(device), None)
+        q = torch.randn(batch, heads, dim, device=device, dtype=dtype)
+        read = 2 * batch * (context + 1) * kv_heads * dim * k.element_size()
+        for name, fn in variants.items():
+            try:
+                seconds = _median_time(lambda fn=fn, args=(q, k, v, pairs, views): fn(*args), device)
+                lines.append(f"| {batch} | {name} | {seconds * 1e6:,.0f} | {read / seconds / bw:.0%} |")
+            except Exception as exc:
+                lines.append(f"| {batch} | {name} | failed: {type(exc).__name__}: {str(exc)[:200]} | |")
+        del k, v
+        release(device)
+    return lines
+
+
+def _median_time(fn: Callable[[], object], device: str, repeats: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def profile_decode(engine: LLMEngine, settings: Settings, vocab: int) -> list[str]:
+    """Where a decode step's time goes at the middle decode batch: the top device kernels and host calls."""
+    batch = settings.decode_batches[len(settings.decode_batches) // 2]
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if engine.runner.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        decode_rate(engine, batch, settings.decode_context, 8, vocab)
+    averages = prof.key_averages()
+    lines = ["", f"### Profile: decode at batch {batch} (prefill included)", "", "```"]
+    if engine.runner.device.type == "cuda":
+        lines.append(averages.table(sort_by="self_cuda_time_total", row_limit=18, max_name_column_width=60))
+    lines.append(averages.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
+    return [*lines, "```"]
+
+
 def exactness(shape: str, args: argparse.Namespace) -> list[str]:
     """The engine's greedy tokens against HF ``generate()``'s, per attention backend, as markdown lines."""
     device = args.device
@@ -316,6 +398,8 @@ def suite(shape: str, args: argparse.Namespace, settings: Settings, budget: Budg
     skipped: list[str] = []
 
     def measure(name: str, fn: Callable[[], object]) -> None:
+        if any(name.startswith(prefix) for prefix in args.skip):
+            return
         if budget.left():
             fn()
         else:
@@ -339,6 +423,8 @@ def suite(shape: str, args: argparse.Namespace, settings: Settings, budget: Budg
         for batch in settings.decode_batches:
             measure(f"decode at batch {batch}", lambda batch=batch: decode_at(engine, batch, eager=False))
         measure("engine TTFT", lambda: ttft.update(engine=time_to_first_token(engine, settings.ttft_prompt, vocab)))
+        if args.profile:
+            measure("profile", lambda: lines.extend(profile_decode(engine, settings, vocab)))
         bytes_per_step.update({b: step_bytes(engine, b, settings.decode_context) for b in settings.decode_batches})
         lines.append(f"engine built, compiled, warmed up and measured in {clock.elapsed()[0]:.0f} s")
 
@@ -440,6 +526,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--attention-backend", default="auto", help="the engine's, for the measurements")
     parser.add_argument("--no-exactness", action="store_true", help="skip the exactness check")
+    parser.add_argument("--skip", nargs="*", default=[], help="measurements to skip, by the start of their name")
+    parser.add_argument("--kernels", action="store_true", help="time decode attention kernels alone first")
+    parser.add_argument("--profile", action="store_true", help="profile decode steps (torch.profiler)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)  # a fast path falling back says so
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
@@ -455,6 +544,8 @@ def main() -> None:
     bw = bandwidth(args.device)
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     print(f"# batchgen GPU suite: {machine}; torch {torch.__version__}; {when}", flush=True)
+    if args.kernels:
+        print("\n".join(kernels(args.models[0], args)), flush=True)
     if not args.no_exactness:
         print("\n".join(exactness(args.models[0], args)), flush=True)
     for shape in args.models:

@@ -86,37 +86,68 @@ def paged_decode(
     """``query`` ``[B, H, D]``; caches ``[KVH, slots, D]``; ``sinks`` ``[H]`` or ``None``. Returns ``[B, H, Dv]`` in
     the query's dtype. Scores, softmax and sums are in at least float32 (compiled, the casts happen as the 16-bit
     cache is read, with no copy), so a sum over many blocks does not lose bf16 precision."""
+    partials = pair_partials(query, k_cache, v_cache, pairs, scale, softcap)
+    return combine(*partials, pairs.seq, query, sinks)
+
+
+def pair_partials(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pairs: DecodePairs,
+    scale: float,
+    softcap: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per pair and query head: the maximum visible score ``[P, KVH, G]`` (``-inf`` for a pair that sees nothing),
+    the sum of ``exp(score - maximum)`` ``[P, KVH, G]`` and those weights times the block's values
+    ``[P, KVH, G, Dv]`` (G query heads per KV head), in at least float32."""
     batch = query.shape[0]
     kv_heads, _, dim = k_cache.shape
     block_size = pairs.visible.shape[1]
     acc = torch.promote_types(query.dtype, torch.float32)
-    q = query.reshape(batch, kv_heads, -1, dim)[pairs.seq].to(acc)  # [P, KVH, G, D]: G query heads per KV head
+    q = query.reshape(batch, kv_heads, -1, dim)[pairs.seq].to(acc)  # [P, KVH, G, D]
     keys = k_cache.view(kv_heads, -1, block_size, dim)[:, pairs.block].to(acc)  # [KVH, P, bs, D]
     scores = torch.einsum("pkgd,kptd->pkgt", q, keys) * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~pairs.visible[:, None, None, :], float("-inf"))
-    pair_max = scores.amax(dim=-1)  # [P, KVH, G]
-    seq_max = pair_max.new_full((batch, *pair_max.shape[1:]), float("-inf"))
-    seq_max = seq_max.scatter_reduce(0, pairs.seq.view(-1, 1, 1).expand_as(pair_max), pair_max, "amax")
-    if sinks is not None:
-        sinks = sinks.to(acc).view(kv_heads, -1)
-        seq_max = torch.maximum(seq_max, sinks)
-    weights = torch.exp(scores - seq_max[pairs.seq].unsqueeze(-1))  # [P, KVH, G, bs]
+    best = scores.amax(dim=-1)  # [P, KVH, G]
+    weights = torch.exp(scores - best.masked_fill(best == float("-inf"), 0).unsqueeze(-1))  # [P, KVH, G, bs]
     values = v_cache.view(kv_heads, -1, block_size, v_cache.shape[-1])[:, pairs.block].to(acc)  # [KVH, P, bs, Dv]
-    weighted = torch.einsum("pkgt,kptd->pkgd", weights, values)
-    total = weighted.new_zeros(batch, *weighted.shape[1:]).index_add_(0, pairs.seq, weighted)
-    norm = weights.new_zeros(batch, *weights.shape[1:3]).index_add_(0, pairs.seq, weights.sum(dim=-1))
+    return best, weights.sum(dim=-1), torch.einsum("pkgt,kptd->pkgd", weights, values)
+
+
+def combine(
+    best: torch.Tensor,
+    total: torch.Tensor,
+    weighted: torch.Tensor,
+    seq: torch.Tensor,
+    query: torch.Tensor,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """Each sequence's softmax from its pairs' partials (``pair_partials``): rescaled to the sequence's maximum and
+    summed (flash-decoding's combine); a sink is one more softmax column that carries no value. ``[B, H, Dv]`` in
+    the query's dtype."""
+    batch = query.shape[0]
+    kv_heads = best.shape[1]
+    seq_max = best.new_full((batch, *best.shape[1:]), float("-inf"))
+    seq_max = seq_max.scatter_reduce(0, seq.view(-1, 1, 1).expand_as(best), best, "amax")
     if sinks is not None:
-        norm = norm + torch.exp(sinks - seq_max)  # the sink's softmax column: mass, and no value
-    out = total / norm.unsqueeze(-1)
-    return out.reshape(batch, -1, v_cache.shape[-1]).to(query.dtype)
+        sinks = sinks.to(best.dtype).view(kv_heads, -1)
+        seq_max = torch.maximum(seq_max, sinks)
+    scale = torch.exp(best - seq_max[seq])  # [P, KVH, G]; 0 for a pair that sees nothing
+    out = weighted.new_zeros(batch, *weighted.shape[1:]).index_add_(0, seq, weighted * scale.unsqueeze(-1))
+    norm = total.new_zeros(batch, *total.shape[1:]).index_add_(0, seq, total * scale)
+    if sinks is not None:
+        norm = norm + torch.exp(sinks - seq_max)
+    return (out / norm.unsqueeze(-1)).reshape(batch, -1, weighted.shape[-1]).to(query.dtype)
 
 
 class DecodeKernel:
-    """``paged_decode`` compiled with ``torch.compile`` (dynamic in the batch and the number of pairs, every head
-    count and size a constant). If compiling fails, or the compiled call fails where the plain one succeeds, the
-    kernel says why once in the log and runs eagerly from then on."""
+    """``paged_decode``, fast: on CUDA its per-pair stage as a Triton kernel (``triton_decode.py``), elsewhere the
+    whole function compiled with ``torch.compile`` (dynamic in the batch and the number of pairs, every head count and
+    size a constant). If the fast version fails where the plain one succeeds, the kernel says why once in the log
+    and runs eagerly from then on."""
 
     def __init__(self) -> None:
         self._compiled: Any = torch.compile(paged_decode, dynamic=False)
@@ -137,15 +168,34 @@ class DecodeKernel:
         args = (query, k_cache, v_cache, pairs, layer.sinks, scale, layer.softcap)
         if self.failure is not None:
             return paged_decode(*args)
-        # One graph for every step: the batch and the number of pairs are symbolic without a special case for 1
-        # (unbacked), and everything else is a constant, which keeps inductor's index arithmetic simple (1.5x
-        # faster than every size symbolic).
-        for tensor in (query, pairs.seq, pairs.block, pairs.visible):
-            mark_unbacked(tensor, 0)
         try:
-            return self._compiled(*args)  # type: ignore[no-any-return]
+            return self._fast(*args)
         except Exception as exc:
             out = paged_decode(*args)  # a fault of the inputs raises here too, and is the caller's
             self.failure = f"{type(exc).__name__}: {exc}"
             logger.warning("compiled decode attention failed, running it eagerly from now on (%s)", self.failure)
             return out
+
+    def _fast(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        pairs: DecodePairs,
+        sinks: torch.Tensor | None,
+        scale: float,
+        softcap: float | None,
+    ) -> torch.Tensor:
+        if query.device.type == "cuda":
+            from .triton_decode import pair_partials as triton_pair_partials  # Triton ships with CUDA builds only
+
+            partials = triton_pair_partials(
+                query, k_cache, v_cache, pairs.seq, pairs.block, pairs.visible, scale, softcap
+            )
+            return combine(*partials, pairs.seq, query, sinks)
+        # One graph for every step: the batch and the number of pairs are symbolic without a special case for 1
+        # (unbacked), and everything else is a constant, which keeps inductor's index arithmetic simple (1.5x
+        # faster than every size symbolic).
+        for tensor in (query, pairs.seq, pairs.block, pairs.visible):
+            mark_unbacked(tensor, 0)
+        return self._compiled(query, k_cache, v_cache, pairs, sinks, scale, softcap)  # type: ignore[no-any-return]
