@@ -161,7 +161,10 @@ class DecodeGraphs:
         visible = torch.zeros(size, static.visible.shape[1], dtype=torch.bool)
         visible[:count] = pairs.visible
         visible[count : count + padding, 0] = True
-        for target, source in zip((static.seq, static.block, static.visible), (seq, block, visible), strict=True):
+        offsets = torch.cat([pairs.offsets, count + torch.arange(1, padding + 1)])
+        for target, source in zip(
+            (static.seq, static.block, static.visible, static.offsets), (seq, block, visible, offsets), strict=True
+        ):
             target.copy_(source.pin_memory() if self.device.type == "cuda" else source, non_blocking=True)
 
     def _capture(self, bucket: int, size: int) -> _Bucket:
@@ -173,6 +176,7 @@ class DecodeGraphs:
                 torch.zeros(size, dtype=torch.long, device=device),
                 torch.full((size,), self.scratch_block, dtype=torch.long, device=device),
                 torch.zeros(size, bs, dtype=torch.bool, device=device),
+                torch.arange(bucket + 1, device=device),
             )
             for window in self.windows
         }

@@ -36,11 +36,15 @@ class DecodePairs:
     visible: torch.Tensor
     """``[P, block_size]`` which of the block's slots the decode's query sees (causality, the window, a partly
     filled last block). Every sequence sees at least one slot; a pair that sees none adds nothing (padding)."""
+    offsets: torch.Tensor
+    """``[B + 1]``: decode ``i``'s pairs are ``offsets[i]:offsets[i + 1]`` (pairs come grouped by decode, in order;
+    a graph's padding pairs after ``offsets[-1]``)."""
 
     def to(self, device: torch.device) -> DecodePairs:
         if self.seq.device == device:
             return self
-        return DecodePairs(*(to_device(tensor, device) for tensor in (self.seq, self.block, self.visible)))
+        tensors = (self.seq, self.block, self.visible, self.offsets)
+        return DecodePairs(*(to_device(tensor, device) for tensor in tensors))
 
     @classmethod
     def from_tables(cls, blocks: torch.Tensor, lengths: torch.Tensor, visible: torch.Tensor) -> DecodePairs:
@@ -49,7 +53,8 @@ class DecodePairs:
         batch, width = blocks.shape
         real = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
         seq = torch.arange(batch).unsqueeze(1).expand(batch, width)[real]
-        return cls(seq, blocks[real], visible.view(batch, width, -1)[real])
+        offsets = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
+        return cls(seq, blocks[real], visible.view(batch, width, -1)[real], offsets)
 
 
 def first_visible(position: int, window: int | None) -> int:
@@ -186,16 +191,17 @@ class DecodeKernel:
         scale: float,
         softcap: float | None,
     ) -> torch.Tensor:
-        if query.device.type == "cuda":
-            from .triton_decode import pair_partials as triton_pair_partials  # Triton ships with CUDA builds only
+        if query.device.type == "cuda" and query.dtype != torch.float64:  # it accumulates in float32
+            from .triton_decode import split_partials, splits_for  # Triton ships with CUDA builds only
 
-            partials = triton_pair_partials(
-                query, k_cache, v_cache, pairs.seq, pairs.block, pairs.visible, scale, softcap
+            splits = splits_for(query.shape[0], k_cache.shape[0], query.device)
+            *partials, owner = split_partials(
+                query, k_cache, v_cache, pairs.block, pairs.visible, pairs.offsets, scale, softcap, splits
             )
-            return combine(*partials, pairs.seq, query, sinks)
+            return combine(*partials, owner, query, sinks)
         # One graph for every step: the batch and the number of pairs are symbolic without a special case for 1
         # (unbacked), and everything else is a constant, which keeps inductor's index arithmetic simple (1.5x
         # faster than every size symbolic).
-        for tensor in (query, pairs.seq, pairs.block, pairs.visible):
+        for tensor in (query, pairs.seq, pairs.block, pairs.visible, pairs.offsets):
             mark_unbacked(tensor, 0)
         return self._compiled(query, k_cache, v_cache, pairs, sinks, scale, softcap)  # type: ignore[no-any-return]

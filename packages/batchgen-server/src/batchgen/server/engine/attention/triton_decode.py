@@ -1,10 +1,14 @@
-"""The decode kernel's per-pair stage as a Triton kernel: the CUDA path of ``decode.py``.
+"""The decode kernel's CUDA path: a Triton kernel that walks each sequence's blocks with an online softmax.
 
-Compiled by inductor, the plain-tensor version of this stage ran 4 ms a layer on an H200 for 256 decodes of 512
-tokens (a 50th of the memory roofline). Here one program takes one (sequence, block) pair and one KV head (and up to
-``GROUP_BLOCK`` of the query heads that share it): it reads the block's keys and values once, where they lie, and
-writes the pair's maximum, sum and weighted values, which ``decode.combine`` turns into each sequence's softmax.
-No tensor cores: at one query per sequence the stage is bound by reading the cache, not by arithmetic.
+One program takes one sequence, one KV head (with the query heads that share it, at most ``GROUP_BLOCK`` of them)
+and one split of the sequence's (sequence, block) pairs: it reads each visible block's keys and values once, where
+they lie, and keeps a running maximum, sum and weighted values. Splits (flash-decoding's) keep the chip busy when
+few sequences decode; their partials are combined by ``decode.combine``, as pairs are on the other paths. No tensor
+cores: with one query per sequence the work is bound by reading the cache, not by arithmetic.
+
+Measured on an H200 (``benchmarks/RESULTS.md``): the first version, one program per pair, took 241 us of device time
+a layer for 64 decodes of 512 tokens, plus a combine over every pair's partials; walking the blocks in one program
+writes partials per split only.
 """
 
 from __future__ import annotations
@@ -15,16 +19,17 @@ import triton.language as tl
 
 GROUP_BLOCK = 16
 """Query heads per program at most (an MQA layer's many heads per KV head take several programs)."""
+MAX_SPLITS = 16
 
 
 @triton.jit
-def _pair_kernel(
+def _split_kernel(
     query,
     k_cache,
     v_cache,
-    pair_seq,
     pair_block,
     visible,
+    offsets,
     out_max,
     out_sum,
     out_acc,
@@ -33,9 +38,11 @@ def _pair_kernel(
     q_stride_b,
     k_stride_h,
     v_stride_h,
+    SPLITS,
     KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_P2: tl.constexpr,
+    GROUP_TILES: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCK_P2: tl.constexpr,
     DIM: tl.constexpr,
@@ -44,67 +51,84 @@ def _pair_kernel(
     VDIM_P2: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
 ):
-    pair = tl.program_id(0)
-    head = tl.program_id(1)
-    g = tl.program_id(2) * GROUP_P2 + tl.arange(0, GROUP_P2)
+    seq = tl.program_id(0)
+    head = tl.program_id(1) // GROUP_TILES
+    g = (tl.program_id(1) % GROUP_TILES) * GROUP_P2 + tl.arange(0, GROUP_P2)
+    split = tl.program_id(2)
     d = tl.arange(0, DIM_P2)
     dv = tl.arange(0, VDIM_P2)
     t = tl.arange(0, BLOCK_P2)
     g_ok, d_ok, dv_ok, t_ok = g < GROUP, d < DIM, dv < VDIM, t < BLOCK
-    seq = tl.load(pair_seq + pair).to(tl.int64)
-    slots = tl.load(pair_block + pair).to(tl.int64) * BLOCK + t  # [BLOCK]
 
-    q_rows = query + seq * q_stride_b + (head * GROUP + g)[:, None] * DIM + d[None, :]
+    first = tl.load(offsets + seq)
+    last = tl.load(offsets + seq + 1)
+    per_split = tl.cdiv(last - first, SPLITS)
+    start = first + split * per_split
+    stop = tl.minimum(last, start + per_split)
+
+    q_rows = query + seq.to(tl.int64) * q_stride_b + (head * GROUP + g)[:, None] * DIM + d[None, :]
     q = tl.load(q_rows, mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # [G, D]
-    k_rows = k_cache + head * k_stride_h + slots[:, None] * DIM + d[None, :]
-    k = tl.load(k_rows, mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # [BLOCK, D]
-    scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G, BLOCK]
-    if HAS_SOFTCAP:
-        scores = (2.0 / (1.0 + tl.exp(-2.0 * scores / softcap)) - 1.0) * softcap  # tanh, which tl lacks
-    seen = tl.load(visible + pair * BLOCK + t, mask=t_ok, other=0) != 0
-    scores = tl.where(seen[None, :], scores, float("-inf"))
-    best = tl.max(scores, axis=1)  # [G]; -inf for a pair that sees nothing (a graph's padding)
-    weights = tl.exp(scores - tl.where(best == float("-inf"), 0.0, best)[:, None])
-    v_rows = v_cache + head * v_stride_h + slots[:, None] * VDIM + dv[None, :]
-    v = tl.load(v_rows, mask=t_ok[:, None] & dv_ok[None, :], other=0.0).to(tl.float32)  # [BLOCK, Dv]
-    acc = tl.sum(weights[:, :, None] * v[None, :, :], axis=1)  # [G, Dv]
+    best = tl.full([GROUP_P2], float("-inf"), tl.float32)
+    total = tl.zeros([GROUP_P2], tl.float32)
+    acc = tl.zeros([GROUP_P2, VDIM_P2], tl.float32)
+    for pair in range(start, stop):
+        slots = tl.load(pair_block + pair).to(tl.int64) * BLOCK + t  # [BLOCK]
+        k_rows = k_cache + head * k_stride_h + slots[:, None] * DIM + d[None, :]
+        k = tl.load(k_rows, mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # [BLOCK, D]
+        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G, BLOCK]
+        if HAS_SOFTCAP:
+            scores = (2.0 / (1.0 + tl.exp(-2.0 * scores / softcap)) - 1.0) * softcap  # tanh, which tl lacks
+        seen = tl.load(visible + pair * BLOCK + t, mask=t_ok, other=0) != 0
+        scores = tl.where(seen[None, :], scores, float("-inf"))
+        new_best = tl.maximum(best, tl.max(scores, axis=1))
+        base = tl.where(new_best == float("-inf"), 0.0, new_best)  # nothing seen yet: no rescaling to do
+        rescale = tl.exp(best - base)
+        weights = tl.exp(scores - base[:, None])
+        v_rows = v_cache + head * v_stride_h + slots[:, None] * VDIM + dv[None, :]
+        v = tl.load(v_rows, mask=t_ok[:, None] & dv_ok[None, :], other=0.0).to(tl.float32)  # [BLOCK, Dv]
+        total = total * rescale + tl.sum(weights, axis=1)
+        acc = acc * rescale[:, None] + tl.sum(weights[:, :, None] * v[None, :, :], axis=1)
+        best = new_best
 
-    row = (pair * KV_HEADS + head) * GROUP + g
+    row = ((seq * SPLITS + split) * KV_HEADS + head) * GROUP + g
     tl.store(out_max + row, best, mask=g_ok)
-    tl.store(out_sum + row, tl.sum(weights, axis=1), mask=g_ok)
+    tl.store(out_sum + row, total, mask=g_ok)
     tl.store(out_acc + row[:, None] * VDIM + dv[None, :], acc, mask=g_ok[:, None] & dv_ok[None, :])
 
 
-def pair_partials(
+def split_partials(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    seq: torch.Tensor,
     block: torch.Tensor,
     visible: torch.Tensor,
+    offsets: torch.Tensor,
     scale: float,
     softcap: float | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``query`` ``[B, H, D]`` (contiguous), caches ``[KVH, slots, D]``; per pair and query head, float32: the
-    maximum score ``[P, KVH, G]``, the sum of ``exp(score - maximum)`` ``[P, KVH, G]`` and those weights times the
-    values ``[P, KVH, G, Dv]``, as ``decode.pair_partials`` computes them."""
+    splits: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``query`` ``[B, H, D]`` (contiguous), caches ``[KVH, slots, D]``, the pairs' blocks and visible slots, and
+    ``offsets`` ``[B + 1]`` (sequence ``i``'s pairs are ``offsets[i]:offsets[i + 1]``). Per split of each sequence,
+    as ``decode.pair_partials`` gives them per pair: the maximum score ``[B * splits, KVH, G]``, the sum and the
+    weighted values, float32, and which sequence each split belongs to."""
+    batch = query.shape[0]
     kv_heads, _, dim = k_cache.shape
     vdim = v_cache.shape[-1]
     group = query.shape[1] // kv_heads
-    pairs, block_size = visible.shape
-    out_max = query.new_empty(pairs, kv_heads, group, dtype=torch.float32)
+    block_size = visible.shape[1]
+    out_max = query.new_empty(batch * splits, kv_heads, group, dtype=torch.float32)
     out_sum = torch.empty_like(out_max)
-    out_acc = query.new_empty(pairs, kv_heads, group, vdim, dtype=torch.float32)
+    out_acc = query.new_empty(batch * splits, kv_heads, group, vdim, dtype=torch.float32)
     group_p2 = min(triton.next_power_of_2(group), GROUP_BLOCK)
-    grid = (pairs, kv_heads, triton.cdiv(group, group_p2))
-    if pairs:
-        _pair_kernel[grid](
+    tiles = triton.cdiv(group, group_p2)
+    if batch:
+        _split_kernel[(batch, kv_heads * tiles, splits)](
             query,
             k_cache,
             v_cache,
-            seq,
             block,
             visible.view(torch.uint8),
+            offsets,
             out_max,
             out_sum,
             out_acc,
@@ -113,9 +137,11 @@ def pair_partials(
             query.stride(0),
             k_cache.stride(0),
             v_cache.stride(0),
+            splits,
             KV_HEADS=kv_heads,
             GROUP=group,
             GROUP_P2=group_p2,
+            GROUP_TILES=tiles,
             BLOCK=block_size,
             BLOCK_P2=triton.next_power_of_2(block_size),
             DIM=dim,
@@ -124,4 +150,11 @@ def pair_partials(
             VDIM_P2=triton.next_power_of_2(vdim),
             HAS_SOFTCAP=softcap is not None,
         )
-    return out_max, out_sum, out_acc
+    owner = torch.arange(batch, device=query.device).repeat_interleave(splits)
+    return out_max, out_sum, out_acc, owner
+
+
+def splits_for(batch: int, kv_heads: int, device: torch.device) -> int:
+    """Enough programs for about four per multiprocessor, whatever the batch (a graph's bucket fixes it)."""
+    programs = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(MAX_SPLITS, -(-programs // max(1, batch * kv_heads))))
