@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
+import numpy as np
 import torch
 from torch._dynamo.decorators import mark_unbacked
 
@@ -66,17 +68,28 @@ def decode_tables(
     decodes: list[SeqSlice], window: int | None, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """On the host: each decode's visible blocks ``[B, W]`` (padded with block 0; a window skips the blocks before
-    it), their number ``[B]``, and which of their slots the decode sees ``[B, W * block_size]``."""
+    it), their number ``[B]``, and which of their slots the decode sees ``[B, W * block_size]``. One Python pass
+    over the decodes (a slice of each block table); the rest is batched (this runs every step, for every decode)."""
     bs = block_size
-    firsts = [first_visible(s.start, window) for s in decodes]
-    tables = [s.block_table[first // bs : s.start // bs + 1] for s, first in zip(decodes, firsts, strict=True)]
-    width = max(len(table) for table in tables)
-    blocks = torch.tensor([table + [0] * (width - len(table)) for table in tables])
-    positions = torch.tensor([first // bs * bs for first in firsts]).unsqueeze(1) + torch.arange(width * bs)
-    visible = (positions >= torch.tensor(firsts).unsqueeze(1)) & (
-        positions <= torch.tensor([s.start for s in decodes]).unsqueeze(1)
-    )
-    return blocks, torch.tensor([len(table) for table in tables]), visible
+    starts = torch.tensor([s.start for s in decodes])
+    firsts = starts if window is None else (starts - window + 1).clamp(min=0)
+    if window is None:
+        firsts = torch.zeros_like(starts)
+    first_blocks = firsts // bs
+    lengths = starts // bs - first_blocks + 1
+    tables = [
+        s.block_table[first : first + n]
+        for s, first, n in zip(decodes, first_blocks.tolist(), lengths.tolist(), strict=True)
+    ]
+    width = int(lengths.max())
+    real = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
+    blocks = torch.zeros(len(decodes), width, dtype=torch.long)
+    # numpy reads a long list of ints about 6x faster than torch.tensor does (1.6 ms for 8k: batch 256 x 33 blocks)
+    flat = np.fromiter(chain.from_iterable(tables), dtype=np.int64, count=int(lengths.sum()))
+    blocks[real] = torch.from_numpy(flat)
+    positions = (first_blocks * bs).unsqueeze(1) + torch.arange(width * bs)
+    visible = (positions >= firsts.unsqueeze(1)) & (positions <= starts.unsqueeze(1))
+    return blocks, lengths, visible
 
 
 def paged_decode(
