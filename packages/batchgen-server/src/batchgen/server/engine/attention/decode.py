@@ -72,9 +72,7 @@ def decode_tables(
     over the decodes (a slice of each block table); the rest is batched (this runs every step, for every decode)."""
     bs = block_size
     starts = torch.tensor([s.start for s in decodes])
-    firsts = starts if window is None else (starts - window + 1).clamp(min=0)
-    if window is None:
-        firsts = torch.zeros_like(starts)
+    firsts = torch.zeros_like(starts) if window is None else (starts - window + 1).clamp(min=0)  # first_visible
     first_blocks = firsts // bs
     lengths = starts // bs - first_blocks + 1
     tables = [
