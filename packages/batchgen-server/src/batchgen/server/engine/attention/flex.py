@@ -1,5 +1,7 @@
 """The flex backend: FlexAttention reads every sequence's context in place from the paged cache, with no copy, in
-one call per layer for the whole packed step (prefill chunks and decodes together). The GPU path.
+one call per layer for the whole packed step (prefill chunks and decodes together). An option (``gather`` is the
+default): on an H200 with torch 2.11 it does not compile, FlexAttention having no kernel configuration for 16-token
+query and KV blocks (``NoValidChoicesError``), so the engine falls back to eager ``gather`` for good.
 
 The keys are the whole cache, one long row of slots; the block mask lists, for each group of ``Q_BLOCK`` packed
 queries, only the cache blocks their sequences can see, so the kernel visits nothing else. Inside those blocks the
