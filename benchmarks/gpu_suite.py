@@ -23,6 +23,9 @@ one prompt at a time, in float32 with TF32 off, on the first shape shrunk as ``-
 paths were still on at the end (each falls back to eager on a failure, which would show here as ``off``).
 
 Everything past ``--budget-s`` (default 7.5 minutes) is skipped with a note, so the command always ends in time.
+To find where a step's time goes: ``--kernels`` first times one layer's decode attention by implementation against
+the bandwidth, ``--profile`` prints ``torch.profiler``'s top device kernels and host calls of decode steps, and
+``--skip "HF generate"`` leaves out what an earlier run measured (HF ``generate()`` takes about 2 minutes there).
 Targets on an H200 (issue 14): >= 3x HF static ``generate()``, >= 60% of the roofline at batch 64 for the 1B shape,
 graphs >= 2x eager at batch 1.
 """
