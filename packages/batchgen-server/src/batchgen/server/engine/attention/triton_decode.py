@@ -13,6 +13,8 @@ writes partials per split only.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import triton
 import triton.language as tl
@@ -53,6 +55,7 @@ def _split_kernel(
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1) // GROUP_TILES
+    head_k = head.to(tl.int64)  # times a head's stride in the cache: past 2**31 elements on a large cache
     g = (tl.program_id(1) % GROUP_TILES) * GROUP_P2 + tl.arange(0, GROUP_P2)
     split = tl.program_id(2)
     d = tl.arange(0, DIM_P2)
@@ -73,7 +76,7 @@ def _split_kernel(
     acc = tl.zeros([GROUP_P2, VDIM_P2], tl.float32)
     for pair in range(start, stop):
         slots = tl.load(pair_block + pair).to(tl.int64) * BLOCK + t  # [BLOCK]
-        k_rows = k_cache + head * k_stride_h + slots[:, None] * DIM + d[None, :]
+        k_rows = k_cache + head_k * k_stride_h + slots[:, None] * DIM + d[None, :]
         k = tl.load(k_rows, mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # [BLOCK, D]
         scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G, BLOCK]
         if HAS_SOFTCAP:
@@ -84,7 +87,7 @@ def _split_kernel(
         base = tl.where(new_best == float("-inf"), 0.0, new_best)  # nothing seen yet: no rescaling to do
         rescale = tl.exp(best - base)
         weights = tl.exp(scores - base[:, None])
-        v_rows = v_cache + head * v_stride_h + slots[:, None] * VDIM + dv[None, :]
+        v_rows = v_cache + head_k * v_stride_h + slots[:, None] * VDIM + dv[None, :]
         v = tl.load(v_rows, mask=t_ok[:, None] & dv_ok[None, :], other=0.0).to(tl.float32)  # [BLOCK, Dv]
         total = total * rescale + tl.sum(weights, axis=1)
         acc = acc * rescale[:, None] + tl.sum(weights[:, :, None] * v[None, :, :], axis=1)
@@ -119,37 +122,45 @@ def split_partials(
     out_max = query.new_empty(batch * splits, kv_heads, group, dtype=torch.float32)
     out_sum = torch.empty_like(out_max)
     out_acc = query.new_empty(batch * splits, kv_heads, group, vdim, dtype=torch.float32)
+    # The kernel's addressing assumes contiguous rows (the cache's and the queries' own layout).
+    assert k_cache.stride(1) == dim and v_cache.stride(1) == vdim and query.stride(1) == dim
     group_p2 = min(triton.next_power_of_2(group), GROUP_BLOCK)
     tiles = triton.cdiv(group, group_p2)
+    dim_p2, block_p2 = triton.next_power_of_2(max(dim, vdim)), triton.next_power_of_2(block_size)
+    # The [group, block, dim] products spill at four warps from 16k elements (ptxas, sm_90): eight hold them.
+    warps = 8 if group_p2 * block_p2 * dim_p2 >= 16384 else 4
     if batch:
-        _split_kernel[(batch, kv_heads * tiles, splits)](
-            query,
-            k_cache,
-            v_cache,
-            block,
-            visible.view(torch.uint8),
-            offsets,
-            out_max,
-            out_sum,
-            out_acc,
-            scale,
-            softcap or 1.0,
-            query.stride(0),
-            k_cache.stride(0),
-            v_cache.stride(0),
-            splits,
-            KV_HEADS=kv_heads,
-            GROUP=group,
-            GROUP_P2=group_p2,
-            GROUP_TILES=tiles,
-            BLOCK=block_size,
-            BLOCK_P2=triton.next_power_of_2(block_size),
-            DIM=dim,
-            DIM_P2=triton.next_power_of_2(dim),
-            VDIM=vdim,
-            VDIM_P2=triton.next_power_of_2(vdim),
-            HAS_SOFTCAP=softcap is not None,
-        )
+        # Triton launches on the current device, not the tensors' (CPU tensors: Triton's interpreter)
+        with torch.cuda.device(query.device) if query.is_cuda else nullcontext():
+            _split_kernel[(batch, kv_heads * tiles, splits)](
+                query,
+                k_cache,
+                v_cache,
+                block,
+                visible.view(torch.uint8),
+                offsets,
+                out_max,
+                out_sum,
+                out_acc,
+                scale,
+                softcap or 1.0,
+                query.stride(0),
+                k_cache.stride(0),
+                v_cache.stride(0),
+                splits,
+                KV_HEADS=kv_heads,
+                GROUP=group,
+                GROUP_P2=group_p2,
+                GROUP_TILES=tiles,
+                BLOCK=block_size,
+                BLOCK_P2=block_p2,
+                DIM=dim,
+                DIM_P2=triton.next_power_of_2(dim),
+                VDIM=vdim,
+                VDIM_P2=triton.next_power_of_2(vdim),
+                HAS_SOFTCAP=softcap is not None,
+                num_warps=warps,
+            )
     owner = torch.arange(batch, device=query.device).repeat_interleave(splits)
     return out_max, out_sum, out_acc, owner
 
