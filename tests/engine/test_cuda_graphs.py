@@ -13,6 +13,7 @@ from typing import Any
 from graph_helpers import Rerun
 
 from batchgen.server.engine import EngineRequest, LLMEngine, SamplingParams
+from batchgen.server.engine.attention.decode import DecodePairs
 from batchgen.server.engine.cuda_graphs import batch_buckets
 
 
@@ -44,6 +45,20 @@ def test_decode_steps_replay_graphs_and_match_hf(
     assert runner.graphs is not None, "no fallback to eager"
     buckets = {batch for batch, _ in runner.graphs._graphs}
     assert Rerun.replays > 10 and {1, 2, 4, 8, 16, 24} <= buckets
+    for (bucket, _), graph in runner.graphs._graphs.items():
+        for pairs in graph.pairs.values():
+            _assert_rows_own_their_pairs(pairs, bucket)
+
+
+def _assert_rows_own_their_pairs(pairs: DecodePairs, rows: int) -> None:
+    """As the last replay left a graph's static pairs: row ``i``'s pairs are ``offsets[i]:offsets[i + 1]`` (what the
+    CUDA kernel walks), each range non-empty and seeing something, and nothing after the last range is visible."""
+    offsets = pairs.offsets.tolist()
+    assert len(offsets) == rows + 1 and offsets[0] == 0
+    for row in range(rows):
+        low, high = offsets[row], offsets[row + 1]
+        assert high > low and (pairs.seq[low:high] == row).all() and pairs.visible[low:high].any(), f"row {row}"
+    assert not pairs.visible[offsets[-1] :].any()
 
 
 def test_a_one_token_prefill_chunk_keeps_its_step_off_the_graphs(
