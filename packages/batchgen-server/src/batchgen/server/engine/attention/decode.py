@@ -160,7 +160,7 @@ def combine(
 
 
 class DecodeKernel:
-    """``paged_decode``, fast: on CUDA its per-pair stage as a Triton kernel (``triton_decode.py``), elsewhere the
+    """``paged_decode``, fast: on CUDA its partials from a Triton kernel (``triton_decode.py``), elsewhere the
     whole function compiled with ``torch.compile`` (dynamic in the batch and the number of pairs, every head count and
     size a constant). If the fast version fails where the plain one succeeds, the kernel says why once in the log
     and runs eagerly from then on."""
