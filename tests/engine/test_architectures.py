@@ -203,6 +203,25 @@ def test_chunked_prefill_small_blocks_and_n(architecture: tuple[Path, Reference]
     _check(_engine(path, tokenizer, block_size=8, max_num_batched_tokens=16), reference, n=2)
 
 
+def test_the_compiled_path(
+    architecture: tuple[Path, Reference], tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fast path, which tiny models skip by default (decoder layers compiled, the head on a prepacked weight,
+    decodes through the compiled in-place kernel), on every architecture: the same tokens and logprobs, compiled once
+    for chunked prefill, prefix-cache hits and n > 1 (the load-time self-check runs through it too), with no
+    fallback. test_attention.py runs every kind of layer through the compiled decode kernel."""
+    path, reference = architecture
+    monkeypatch.setattr(model_runner, "EAGER_BELOW_PARAMETERS", 0)
+    engine = _engine(path, tokenizer, block_size=8, max_num_batched_tokens=16)
+    _check(engine, reference, n=2)
+    runner = engine.runner
+    assert runner.fast is not None, "the fast forward fell back to eager"
+    head = runner.model.get_output_embeddings()
+    assert isinstance(runner.fast.forwards[head], PrepackedLinear) and head.forward is runner.fast.forwards[head]
+    assert sum(1 for module in runner.fast.forwards if module is not head) == SIZES["num_hidden_layers"]
+    assert runner.backend.decode_kernel.failure is None, "the decode kernel fell back to eager"
+
+
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 @pytest.mark.parametrize("model_type", ["gemma2", "gpt_oss"])
 def test_flex_backend(model_type: str, tokenizer: Any, tmp_path: Path) -> None:
@@ -276,26 +295,11 @@ def test_a_model_that_cannot_load_is_one_line(
 @pytest.fixture(scope="module")
 def compiled_gemma2(tokenizer: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LLMEngine, Reference]]:
     """An engine on the fast path, which tiny models skip by default, on Gemma 2 (GQA, a sliding window, attention
-    soft-capping, a tied head with a final soft-cap)."""
+    soft-capping, a final soft-cap)."""
     path = _build("gemma2", ARCHITECTURES["gemma2"], tokenizer, tmp_path_factory.mktemp("gemma2-compiled"))
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(model_runner, "EAGER_BELOW_PARAMETERS", 0)
         yield _engine(path, tokenizer, block_size=8, max_num_batched_tokens=16), Reference(path)
-
-
-def test_compiled_path(compiled_gemma2: tuple[LLMEngine, Reference]) -> None:
-    """The fast path (decoder layers compiled, the head on a prepacked weight, decodes through the compiled in-place
-    kernel): the same tokens and logprobs, compiled once for chunked prefill, prefix-cache hits and n > 1, with the
-    load-time self-check run through it. test_attention.py runs every kind of layer through the compiled decode
-    kernel."""
-    engine, reference = compiled_gemma2
-    _check(engine, reference, n=2)
-    runner = engine.runner
-    assert runner.fast is not None, "the fast forward fell back to eager"
-    head = runner.model.get_output_embeddings()
-    assert isinstance(runner.fast.forwards[head], PrepackedLinear) and head.forward is runner.fast.forwards[head]
-    assert sum(1 for module in runner.fast.forwards if module is not head) == SIZES["num_hidden_layers"]
-    assert runner.backend.decode_kernel.failure is None, "the decode kernel fell back to eager"
 
 
 def test_a_failing_fast_forward_falls_back_to_eager_for_good(
