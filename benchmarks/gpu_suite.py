@@ -24,7 +24,8 @@ paths were still on at the end (each falls back to eager on a failure, which wou
 
 Everything past ``--budget-s`` (default 7.5 minutes) is skipped with a note, so the command always ends in time.
 To find where a step's time goes: ``--kernels`` first times one layer's decode attention by implementation against
-the bandwidth, ``--profile`` prints ``torch.profiler``'s top device kernels and host calls of decode steps, and
+the bandwidth (``--kernels-only`` stops there: ``--device cpu --kernels-only`` compares the CPU kernels at the real
+shapes), ``--profile`` prints ``torch.profiler``'s top device kernels and host calls of decode steps, and
 ``--skip "HF generate"`` leaves out what an earlier run measured (HF ``generate()`` takes about 2 minutes there).
 Targets on an H200 (issue 14): >= 3x HF static ``generate()``, >= 60% of the roofline at batch 64 for the 1B shape,
 graphs >= 2x eager at batch 1.
@@ -252,8 +253,10 @@ def kernels(shape: str, args: argparse.Namespace) -> list[str]:
     bs, context = 16, settings.decode_context
     layer = LayerAttention(None, None, None, None)
     compiled = DecodeKernel()
+    inductor = torch.compile(paged_decode, dynamic=False)  # the CPU path before the C++ kernel, compiled per batch
     variants: dict[str, Callable[..., torch.Tensor]] = {
         "DecodeKernel (the engine's)": lambda q, k, v, pairs, _: compiled(q, k, v, pairs, layer),
+        "paged_decode, compiled (inductor)": lambda q, k, v, pairs, _: inductor(q, k, v, pairs, None, dim**-0.5, None),
         "paged_decode, eager": lambda q, k, v, pairs, _: paged_decode(q, k, v, pairs, None, dim**-0.5, None),
         "gather + SDPA (eager fallback)": lambda q, k, v, pairs, tables: GatherBackend(None)._decode(
             q, k, v, tables, bs, layer
@@ -531,6 +534,7 @@ def main() -> None:
     parser.add_argument("--no-exactness", action="store_true", help="skip the exactness check")
     parser.add_argument("--skip", nargs="*", default=[], help="measurements to skip, by the start of their name")
     parser.add_argument("--kernels", action="store_true", help="time decode attention kernels alone first")
+    parser.add_argument("--kernels-only", action="store_true", help="time decode attention kernels, and stop")
     parser.add_argument("--profile", action="store_true", help="profile decode steps (torch.profiler)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)  # a fast path falling back says so
@@ -547,8 +551,11 @@ def main() -> None:
     bw = bandwidth(args.device)
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     print(f"# batchgen GPU suite: {machine}; torch {torch.__version__}; {when}", flush=True)
-    if args.kernels:
-        print("\n".join(kernels(args.models[0], args)), flush=True)
+    if args.kernels or args.kernels_only:
+        for shape in args.models:
+            print("\n".join(kernels(shape, args)), flush=True)
+    if args.kernels_only:
+        return
     if not args.no_exactness:
         print("\n".join(exactness(args.models[0], args)), flush=True)
     for shape in args.models:

@@ -3,19 +3,21 @@
 A step mixes decodes, prefills from position 0 and prefill chunks that continue a cached context, over block tables
 that share prefix blocks; layers ask for sliding windows, soft-caps and sinks. Every backend (gather eager, gather
 with the compiled in-place decode kernel, flex) must give what attending each sequence's queries over its own
-contiguous context gives.
+contiguous context gives. The compiled gather's decodes run the C++ kernel, which reads float32 and bfloat16 caches.
 """
 
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
 from torch.nn.attention.flex_attention import create_mask
 
-from batchgen.server.engine.attention import PagedStep, SeqSlice, make_backend
+from batchgen.server.engine.attention import PagedStep, SeqSlice, cpu_decode, decode, make_backend
 from batchgen.server.engine.attention.flex import Q_BLOCK, _block_mask
+from batchgen.server.engine.attention.gather import GatherBackend
 from batchgen.server.engine.attention.kernels import attend, causal_mask
 from batchgen.server.engine.attention.layer import LayerAttention
 from batchgen.server.engine.kv_cache import KVCache, LayerShape
@@ -39,14 +41,21 @@ BACKENDS = {
 }
 COMPILED_GATHER = make_backend("gather", torch.device("cpu"), compiled=True)
 """One for the module, so that each kind of layer is compiled once."""
+PRECISION = {"gather-compiled": (torch.float32, 1e-5)}
+"""The dtype a backend runs in here (and the tolerance against the float64 reference) if not float64 and 1e-9."""
 
 
 def _step(
-    seed: int, shapes: list[tuple[int, int]] = SHAPES
+    seed: int,
+    shapes: list[tuple[int, int]] = SHAPES,
+    dtype: torch.dtype = torch.float64,
+    heads: tuple[int, int, int] = (HEADS, KV_HEADS, DIM),
 ) -> tuple[PagedStep, KVCache, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A packed step over a cache of ``heads`` (query heads, KV heads, head size) holding random keys and values."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    cache = KVCache([LayerShape(KV_HEADS, DIM, DIM, torch.float64, torch.device("cpu"))], 64, BLOCK)
+    num_heads, kv_heads, dim = heads
+    cache = KVCache([LayerShape(kv_heads, dim, dim, dtype, torch.device("cpu"))], 64, BLOCK)
     free = list(range(1, 64))
     rng.shuffle(free)
     shared = [free.pop() for _ in range(2)]  # two full blocks of prefix every long-enough sequence shares
@@ -60,9 +69,9 @@ def _step(
         seqs.append(SeqSlice(row, n, start, table))
         slots += [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, start + n)]
         row += n
-    query = torch.randn(1, HEADS, row, DIM, dtype=torch.float64)
-    key = torch.randn(1, KV_HEADS, row, DIM, dtype=torch.float64)
-    value = torch.randn(1, KV_HEADS, row, DIM, dtype=torch.float64)
+    query = torch.randn(1, num_heads, row, dim, dtype=dtype)
+    key = torch.randn(1, kv_heads, row, dim, dtype=dtype)
+    value = torch.randn(1, kv_heads, row, dim, dtype=dtype)
     step = PagedStep(cache, BACKENDS["gather"](), seqs, torch.tensor(slots), torch.device("cpu"))
     return step, cache, query, key, value
 
@@ -71,8 +80,8 @@ def _reference(cache: KVCache, seq: SeqSlice, query: torch.Tensor, layer: LayerA
     """The sequence's queries over its whole context, contiguous, with the plain causal (+ window) mask."""
     positions = torch.arange(seq.end)
     slots = torch.tensor(seq.block_table)[positions // BLOCK] * BLOCK + positions % BLOCK
-    keys, values = cache.k[0][:, slots].unsqueeze(0), cache.v[0][:, slots].unsqueeze(0)
-    q = query[:, :, seq.row : seq.row + seq.num_tokens]
+    keys, values = cache.k[0][:, slots].unsqueeze(0).double(), cache.v[0][:, slots].unsqueeze(0).double()
+    q = query[:, :, seq.row : seq.row + seq.num_tokens].double()
     mask = causal_mask(seq.num_tokens, seq.start, layer.window, q.device)
     return attend(q, keys, values, layer, mask)[0].transpose(0, 1)
 
@@ -81,15 +90,64 @@ def _reference(cache: KVCache, seq: SeqSlice, query: torch.Tensor, layer: LayerA
 @pytest.mark.parametrize("shapes", [SHAPES, DECODES], ids=["mixed", "decodes"])
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
 @pytest.mark.parametrize("layer_name", sorted(LAYERS))
-def test_backend_matches_per_sequence_reference(backend: str, layer_name: str, shapes: list[tuple[int, int]]) -> None:
+def test_backend_matches_per_sequence_reference(
+    backend: str, layer_name: str, shapes: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
     layer = LAYERS[layer_name]
-    step, cache, query, key, value = _step(len(layer_name), shapes)
+    dtype, tolerance = PRECISION.get(backend, (torch.float64, 1e-9))
+    step, cache, query, key, value = _step(len(layer_name), shapes, dtype)
     step.backend = BACKENDS[backend]()
+    if backend == "gather-compiled":  # its decodes must run the C++ kernel, not the eager fallback
+        monkeypatch.setattr(decode, "paged_decode", _must_not_run)
     out = step.attend(query, key, value, layer)
     for seq in step.seqs:
         expected = _reference(cache, seq, query, layer)
-        torch.testing.assert_close(out[seq.row : seq.row + seq.num_tokens], expected, rtol=1e-9, atol=1e-9)
-    assert COMPILED_GATHER.decode_kernel.failure is None  # it ran compiled, not through its eager fallback
+        torch.testing.assert_close(
+            out[seq.row : seq.row + seq.num_tokens].double(), expected, rtol=tolerance, atol=tolerance
+        )
+    assert COMPILED_GATHER.decode_kernel.failure is None
+
+
+def _must_not_run(*args: object) -> None:
+    raise AssertionError("the decode attention ran eagerly")
+
+
+@pytest.mark.parametrize("layer_name", sorted(LAYERS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("heads", [(7, 1, 64), (8, 2, 20)], ids=["7-per-kv-head-dim-64", "4-per-kv-head-dim-20"])
+def test_cpu_decode_kernel(layer_name: str, dtype: torch.dtype, heads: tuple[int, int, int]) -> None:
+    """The C++ kernel against ``paged_decode`` (the plain tensor version, in float64) on the shapes its loops treat
+    apart: query heads in groups of four and one by one, a head size that is not a multiple of the vector width,
+    bfloat16 caches, a pair that sees nothing; and the same result, to the bit, on two threads as on one."""
+    layer = LAYERS[layer_name]
+    if layer.sinks is not None:
+        layer = LayerAttention(layer.scale, layer.window, None, torch.linspace(-1, 2, heads[0], dtype=torch.float64))
+    step, cache, query, key, value = _step(5, [*DECODES, (40, 1), (2, 1)], dtype, heads)
+    cache.write(0, step.slot_mapping, key[0], value[0])
+    blocks, lengths, visible = decode.decode_tables(step.seqs, layer.window, BLOCK)
+    pairs = decode.DecodePairs.from_tables(blocks, lengths, visible)
+    # A pair that sees nothing (as a CUDA graph's padding pairs), first among the second decode's.
+    at = int(pairs.offsets[1])
+    pairs = decode.DecodePairs(
+        torch.cat([pairs.seq[:at], torch.tensor([1]), pairs.seq[at:]]),
+        torch.cat([pairs.block[:at], torch.tensor([0]), pairs.block[at:]]),
+        torch.cat([pairs.visible[:at], torch.zeros(1, BLOCK, dtype=torch.bool), pairs.visible[at:]]),
+        pairs.offsets + (torch.arange(len(pairs.offsets)) > 1),
+    )
+    q = query[0].transpose(0, 1)
+    scale = layer.scale or heads[2] ** -0.5
+    k_cache, v_cache, sinks = cache.k[0], cache.v[0], layer.sinks
+    expected = decode.paged_decode(q.double(), k_cache.double(), v_cache.double(), pairs, sinks, scale, layer.softcap)
+    out = cpu_decode.paged_decode(q, k_cache, v_cache, pairs, sinks, scale, layer.softcap)
+    assert out.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # the output's own rounding to bfloat16
+    torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert torch.equal(cpu_decode.paged_decode(q, k_cache, v_cache, pairs, sinks, scale, layer.softcap), out)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("window", [None, 5, 1])
@@ -110,3 +168,25 @@ def test_flex_block_mask_lists_exactly_the_visible_blocks(window: int | None) ->
             first = 0 if window is None else max(0, position - window + 1)
             expected = {seq.block_table[p // BLOCK] * BLOCK + p % BLOCK for p in range(first, position + 1)}
             assert set(visible[seq.row + i].nonzero().flatten().tolist()) == expected
+
+
+def test_the_decode_kernel_without_a_compiler_runs_eagerly(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A CPU with no working C++ compiler (here: one that fails, and no library built before) still decodes: the
+    kernel says why once and runs ``paged_decode`` from then on."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")
+    cpu_decode.library.cache_clear()
+    try:
+        step, cache, query, key, value = _step(2, DECODES, torch.float32)
+        kernel = decode.DecodeKernel()
+        step.backend = GatherBackend(kernel)
+        out = step.attend(query, key, value, LAYERS["plain"])
+        assert kernel.failure is not None and "failed to build cpu_decode.cpp" in kernel.failure
+        assert "running it eagerly from now on" in caplog.text
+        for seq in step.seqs:
+            expected = _reference(cache, seq, query, LAYERS["plain"])
+            torch.testing.assert_close(out[seq.row : seq.row + 1].double(), expected, rtol=1e-5, atol=1e-5)
+    finally:
+        cpu_decode.library.cache_clear()  # the next test builds (or finds) the real one

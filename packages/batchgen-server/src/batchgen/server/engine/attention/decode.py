@@ -2,11 +2,10 @@
 
 The work is laid out by (sequence, visible block) pairs, with no padding: each pair scores its query against the
 block's keys, keeps its maximum, and weighs the block's values, as flash-decoding does per split; the per-sequence
-softmax then combines the pairs (a scatter of maxima, then of sums). Written as plain tensor operations on purpose:
-compiled with ``torch.compile``, inductor fuses the block lookups into the reductions, so every visible key and
-value is read once, where it lies (on CPU about 4x faster than gathering the contexts and calling SDPA,
-``benchmarks/RESULTS.md``); on CUDA the same function becomes Triton reductions that a CUDA graph can capture (no
-host synchronisation).
+softmax then combines the pairs (a scatter of maxima, then of sums). ``paged_decode`` says it in plain tensor
+operations: the reference, and the eager fallback. The fast versions read every visible key and value once, where it
+lies: on CUDA a Triton kernel computes the pairs' partials (``triton_decode.py``; no host synchronisation, so a CUDA
+graph can capture it), on CPU a C++ kernel does the whole of it (``cpu_decode.cpp``).
 """
 
 from __future__ import annotations
@@ -14,13 +13,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from itertools import chain
-from typing import Any
 
 import numpy as np
 import torch
-from torch._dynamo.decorators import mark_unbacked
 
 from ..transfer import to_device
+from . import cpu_decode
 from .layer import LayerAttention
 from .step import SeqSlice
 
@@ -160,13 +158,11 @@ def combine(
 
 
 class DecodeKernel:
-    """``paged_decode``, fast: on CUDA its partials from a Triton kernel (``triton_decode.py``), elsewhere the
-    whole function compiled with ``torch.compile`` (dynamic in the batch and the number of pairs, every head count and
-    size a constant). If the fast version fails where the plain one succeeds, the kernel says why once in the log
-    and runs eagerly from then on."""
+    """``paged_decode``, fast: on CUDA its partials from a Triton kernel (``triton_decode.py``), on CPU the C++ kernel
+    (``cpu_decode.py``, for float32 and bfloat16 caches); anything else runs it eagerly. If the fast version fails
+    where the plain one succeeds, the kernel says why once in the log and runs eagerly from then on."""
 
     def __init__(self) -> None:
-        self._compiled: Any = torch.compile(paged_decode, dynamic=False)
         self.failure: str | None = None
 
     def __call__(
@@ -178,9 +174,6 @@ class DecodeKernel:
         layer: LayerAttention,
     ) -> torch.Tensor:
         scale = layer.scale if layer.scale is not None else query.shape[-1] ** -0.5
-        # The model's layout of the queries varies with the step's shape (a size-1 dimension takes any stride); the
-        # graph wants one, so these are canonical strides (a copy only when the layout is not contiguous).
-        query = query.reshape(-1).view(query.shape)
         args = (query, k_cache, v_cache, pairs, layer.sinks, scale, layer.softcap)
         if self.failure is not None:
             return paged_decode(*args)
@@ -189,7 +182,7 @@ class DecodeKernel:
         except Exception as exc:
             out = paged_decode(*args)  # a fault of the inputs raises here too, and is the caller's
             self.failure = f"{type(exc).__name__}: {exc}"
-            logger.warning("compiled decode attention failed, running it eagerly from now on (%s)", self.failure)
+            logger.warning("the fast decode attention failed, running it eagerly from now on (%s)", self.failure)
             return out
 
     def _fast(
@@ -205,14 +198,14 @@ class DecodeKernel:
         if query.device.type == "cuda" and query.dtype != torch.float64:  # it accumulates in float32
             from .triton_decode import split_partials, splits_for  # Triton ships with CUDA builds only
 
+            # The kernel addresses rows by canonical strides, which a size-1 dimension of the model's layout need not
+            # have (a copy only when the layout is not contiguous).
+            query = query.reshape(-1).view(query.shape)
             splits = splits_for(query.shape[0], k_cache.shape[0], query.device)
             *partials, owner = split_partials(
                 query, k_cache, v_cache, pairs.block, pairs.visible, pairs.offsets, scale, softcap, splits
             )
             return combine(*partials, owner, query, sinks)
-        # One graph for every step: the batch and the number of pairs are symbolic without a special case for 1
-        # (unbacked), and everything else is a constant, which keeps inductor's index arithmetic simple (1.5x
-        # faster than every size symbolic).
-        for tensor in (query, pairs.seq, pairs.block, pairs.visible, pairs.offsets):
-            mark_unbacked(tensor, 0)
-        return self._compiled(query, k_cache, v_cache, pairs, sinks, scale, softcap)  # type: ignore[no-any-return]
+        if cpu_decode.supports(query, k_cache, v_cache):
+            return cpu_decode.paged_decode(query, k_cache, v_cache, pairs, sinks, scale, softcap)
+        return paged_decode(query, k_cache, v_cache, pairs, sinks, scale, softcap)
