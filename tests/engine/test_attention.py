@@ -50,12 +50,14 @@ def _step(
     shapes: list[tuple[int, int]] = SHAPES,
     dtype: torch.dtype = torch.float64,
     heads: tuple[int, int, int] = (HEADS, KV_HEADS, DIM),
+    block: int = BLOCK,
 ) -> tuple[PagedStep, KVCache, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A packed step over a cache of ``heads`` (query heads, KV heads, head size) holding random keys and values."""
+    """A packed step over a cache of ``heads`` (query heads, KV heads, head size) and ``block``-slot blocks holding
+    random keys and values."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     num_heads, kv_heads, dim = heads
-    cache = KVCache([LayerShape(kv_heads, dim, dim, dtype, torch.device("cpu"))], 64, BLOCK)
+    cache = KVCache([LayerShape(kv_heads, dim, dim, dtype, torch.device("cpu"))], 64, block)
     free = list(range(1, 64))
     rng.shuffle(free)
     shared = [free.pop() for _ in range(2)]  # two full blocks of prefix every long-enough sequence shares
@@ -63,11 +65,11 @@ def _step(
     cache.v[0].normal_()
     seqs, slots, row = [], [], 0
     for start, n in shapes:
-        total = -(-(start + n) // BLOCK)
-        table = shared[: min(2, start // BLOCK)]
+        total = -(-(start + n) // block)
+        table = shared[: min(2, start // block)]
         table += [free.pop() for _ in range(total - len(table))]
         seqs.append(SeqSlice(row, n, start, table))
-        slots += [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, start + n)]
+        slots += [table[p // block] * block + p % block for p in range(start, start + n)]
         row += n
     query = torch.randn(1, num_heads, row, dim, dtype=dtype)
     key = torch.randn(1, kv_heads, row, dim, dtype=dtype)
@@ -115,23 +117,24 @@ def _must_not_run(*args: object) -> None:
 @pytest.mark.parametrize("layer_name", sorted(LAYERS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("heads", [(7, 1, 64), (8, 2, 20)], ids=["7-per-kv-head-dim-64", "4-per-kv-head-dim-20"])
-def test_cpu_decode_kernel(layer_name: str, dtype: torch.dtype, heads: tuple[int, int, int]) -> None:
+@pytest.mark.parametrize("block", [BLOCK, 5])
+def test_cpu_decode_kernel(layer_name: str, dtype: torch.dtype, heads: tuple[int, int, int], block: int) -> None:
     """The C++ kernel against ``paged_decode`` (the plain tensor version, in float64) on the shapes its loops treat
-    apart: query heads in groups of four and one by one, a head size that is not a multiple of the vector width,
-    bfloat16 caches, a pair that sees nothing; and the same result, to the bit, on two threads as on one."""
+    apart: query heads in groups of four and one by one, a head size that is not a multiple of the vector width, an
+    odd block size, bfloat16 caches, a pair that sees nothing; and the same result, to the bit, on two threads."""
     layer = LAYERS[layer_name]
     if layer.sinks is not None:
         layer = LayerAttention(layer.scale, layer.window, None, torch.linspace(-1, 2, heads[0], dtype=torch.float64))
-    step, cache, query, key, value = _step(5, [*DECODES, (40, 1), (2, 1)], dtype, heads)
+    step, cache, query, key, value = _step(5, [*DECODES, (40, 1), (2, 1)], dtype, heads, block)
     cache.write(0, step.slot_mapping, key[0], value[0])
-    blocks, lengths, visible = decode.decode_tables(step.seqs, layer.window, BLOCK)
+    blocks, lengths, visible = decode.decode_tables(step.seqs, layer.window, block)
     pairs = decode.DecodePairs.from_tables(blocks, lengths, visible)
     # A pair that sees nothing (as a CUDA graph's padding pairs), first among the second decode's.
     at = int(pairs.offsets[1])
     pairs = decode.DecodePairs(
         torch.cat([pairs.seq[:at], torch.tensor([1]), pairs.seq[at:]]),
         torch.cat([pairs.block[:at], torch.tensor([0]), pairs.block[at:]]),
-        torch.cat([pairs.visible[:at], torch.zeros(1, BLOCK, dtype=torch.bool), pairs.visible[at:]]),
+        torch.cat([pairs.visible[:at], torch.zeros(1, block, dtype=torch.bool), pairs.visible[at:]]),
         pairs.offsets + (torch.arange(len(pairs.offsets)) > 1),
     )
     q = query[0].transpose(0, 1)

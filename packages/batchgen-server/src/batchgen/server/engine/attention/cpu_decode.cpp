@@ -1,9 +1,9 @@
 // Decode attention over the paged KV cache, on CPU: decode.py's paged_decode, written out as loops.
 //
 // One (decode, KV head) at a time: each of its visible blocks is read once, keys then values, straight from the
-// cache (flash-decoding's online softmax, rescaled once per block). With several query heads per KV head (GQA) the
-// scores are the cost, so a key is loaded once for four heads and exp is vectorised; with one, the memory is
-// (benchmarks/RESULTS.md). No torch headers: it builds in under a second, and Python calls it through ctypes
+// cache (flash-decoding's online softmax, rescaled once per block). The scores are computed in tiles of four query
+// heads by two keys, the softmax's bookkeeping in vectors, so that even with several query heads per KV head (GQA)
+// the cost is mostly the memory (benchmarks/RESULTS.md). No torch headers: it builds in under a second, and Python calls it through ctypes
 // (cpu_decode.py). Vectors are GCC/Clang vector extensions, so the compiler picks the instructions of the machine it
 // builds on (AVX2, AVX-512, NEON).
 
@@ -45,6 +45,17 @@ inline float scalar(const uint16_t* p) {
 
 inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof v); }
 
+inline float sum(vec v) {  // pairwise halving: log2(W) vector adds, not W scalar ones
+    typedef float half __attribute__((vector_size(W * sizeof(float) / 2)));
+    half lo, hi;
+    std::memcpy(&lo, &v, sizeof lo);
+    std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
+    lo += hi;
+    float s = 0.f;
+    for (int i = 0; i < W / 2; ++i) s += lo[i];
+    return s;
+}
+
 // exp of W floats (Cephes' expf: 2^n e^r, |r| <= ln2 / 2, within 2 ulp), exactly 0 at -inf.
 inline vec exp(vec x) {
     const vec masked = x == -INFINITY ? vec{} + 1.f : vec{};
@@ -69,21 +80,46 @@ inline vec exp(vec x) {
     return masked != 0.f ? vec{} : p * scale;
 }
 
-inline void exp_minus(float* row, int64_t n, float m) {  // row[i] = exp(row[i] - m)
+// row[i] = exp(row[i] - m); returns their sum.
+inline float exp_minus(float* row, int64_t n, float m) {
+    vec total = {};
     int64_t i = 0;
-    for (; i + W <= n; i += W) store(row + i, exp(load(row + i) - m));
-    for (; i < n; ++i) row[i] = std::exp(row[i] - m);
+    for (; i + W <= n; i += W) {
+        vec e = exp(load(row + i) - m);
+        store(row + i, e);
+        total += e;
+    }
+    float s = sum(total);
+    for (; i < n; ++i) s += row[i] = std::exp(row[i] - m);
+    return s;
 }
 
-inline float sum(vec v) {  // pairwise halving: log2(W) vector adds, not W scalar ones
-    typedef float half __attribute__((vector_size(W * sizeof(float) / 2)));
-    half lo, hi;
-    std::memcpy(&lo, &v, sizeof lo);
-    std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
-    lo += hi;
-    float s = 0.f;
-    for (int i = 0; i < W / 2; ++i) s += lo[i];
-    return s;
+// row[i] *= scale, then the soft-cap if any (softcap <= 0: none); returns the row's maximum. -inf stays -inf.
+inline float scale_and_max(float* row, int64_t n, float scale, float softcap) {
+    vec top = vec{} - INFINITY;
+    int64_t i = 0;
+    if (softcap <= 0.f) {
+        for (; i + W <= n; i += W) {
+            vec x = load(row + i) * scale;
+            store(row + i, x);
+            top = x > top ? x : top;
+        }
+    }
+    float m = -INFINITY;
+    for (int j = 0; j < W; ++j) m = top[j] > m ? top[j] : m;
+    for (; i < n; ++i) {
+        float x = row[i] * scale;
+        if (softcap > 0.f && x != -INFINITY) x = std::tanh(x / softcap) * softcap;
+        row[i] = x;
+        m = x > m ? x : m;
+    }
+    return m;
+}
+
+inline void scale_by(float* x, int64_t n, float r) {
+    int64_t i = 0;
+    for (; i + W <= n; i += W) store(x + i, load(x + i) * r);
+    for (; i < n; ++i) x[i] *= r;
 }
 
 template <typename T>
@@ -100,27 +136,37 @@ inline float dot(const float* q, const T* k, int64_t dim) {
     return s;
 }
 
-// x[g * stride] = q[g] . key for the G query heads of a KV head, four at a time: each key vector is loaded once for
-// four heads (grouped-query attention makes the scores, not the memory, the cost).
-template <typename T>
-inline void dots(const float* q, int64_t G, const T* key, int64_t dim, float* x, int64_t stride) {
-    int64_t g = 0;
-    for (; g + 4 <= G; g += 4) {
-        const float *q0 = q + g * dim, *q1 = q0 + dim, *q2 = q1 + dim, *q3 = q2 + dim;
-        vec a0 = {}, a1 = {}, a2 = {}, a3 = {};
-        int64_t d = 0;
-        for (; d + W <= dim; d += W) {
-            vec kd = load(key + d);
-            a0 += load(q0 + d) * kd, a1 += load(q1 + d) * kd, a2 += load(q2 + d) * kd, a3 += load(q3 + d) * kd;
+// x[i * stride + j] = q[i] . keys[j] for R query heads and two keys: each vector of a key is loaded once for R heads,
+// each of a query once for both keys.
+template <int R, typename T>
+inline void tile(const float* q, const T* k0, const T* k1, int64_t dim, float* x, int64_t stride) {
+    vec a[R][2] = {};
+    int64_t d = 0;
+    for (; d + W <= dim; d += W) {
+        vec c0 = load(k0 + d), c1 = load(k1 + d);
+        for (int i = 0; i < R; ++i) {
+            vec qi = load(q + i * dim + d);
+            a[i][0] += qi * c0, a[i][1] += qi * c1;
         }
-        float s0 = sum(a0), s1 = sum(a1), s2 = sum(a2), s3 = sum(a3);
-        for (; d < dim; ++d) {
-            float kd = scalar(key + d);
-            s0 += q0[d] * kd, s1 += q1[d] * kd, s2 += q2[d] * kd, s3 += q3[d] * kd;
-        }
-        x[g * stride] = s0, x[(g + 1) * stride] = s1, x[(g + 2) * stride] = s2, x[(g + 3) * stride] = s3;
     }
-    for (; g < G; ++g) x[g * stride] = dot(q + g * dim, key, dim);
+    for (int i = 0; i < R; ++i) {
+        float s0 = sum(a[i][0]), s1 = sum(a[i][1]);
+        for (int64_t e = d; e < dim; ++e) s0 += q[i * dim + e] * scalar(k0 + e), s1 += q[i * dim + e] * scalar(k1 + e);
+        x[i * stride] = s0, x[i * stride + 1] = s1;
+    }
+}
+
+// The scores of a KV head's G query heads against two keys, in tiles of four heads (with several query heads per KV
+// head, the scores and not the memory would be the cost).
+template <typename T>
+inline void dots2(const float* q, int64_t G, const T* k0, const T* k1, int64_t dim, float* x, int64_t stride) {
+    int64_t g = 0;
+    for (; g + 4 <= G; g += 4) tile<4>(q + g * dim, k0, k1, dim, x + g * stride, stride);
+    switch (G - g) {
+        case 3: tile<3>(q + g * dim, k0, k1, dim, x + g * stride, stride); break;
+        case 2: tile<2>(q + g * dim, k0, k1, dim, x + g * stride, stride); break;
+        case 1: tile<1>(q + g * dim, k0, k1, dim, x + g * stride, stride); break;
+    }
 }
 
 // acc[0:dim] += sum over the n rows t of w[t] * rows[t * stride:][0:dim] (rows not visible have w[t] == 0 and are
@@ -172,33 +218,31 @@ void attend_one(int64_t b, int64_t k, const float* query, const T* k_cache, cons
         const T* kb = keys + blocks[p] * bs * s.dim;
         const T* vb = values + blocks[p] * bs * s.vdim;
         const bool* seen = visible + p * bs;
-        for (int64_t t = 0; t < bs; ++t) {
-            if (seen[t]) {
-                dots(q, G, kb + t * s.dim, s.dim, scores + t, bs);
-                for (int64_t g = 0; g < G; ++g) {
-                    float x = scores[g * bs + t] * scale;
-                    scores[g * bs + t] = softcap > 0.f ? std::tanh(x / softcap) * softcap : x;
-                }
-            } else {
-                for (int64_t g = 0; g < G; ++g) scores[g * bs + t] = -INFINITY;
+        int64_t t = 0;
+        for (; t + 2 <= bs; t += 2) {
+            if (seen[t] || seen[t + 1]) dots2(q, G, kb + t * s.dim, kb + (t + 1) * s.dim, s.dim, scores + t, bs);
+            for (int64_t g = 0; g < G; ++g) {
+                if (!seen[t]) scores[g * bs + t] = -INFINITY;
+                if (!seen[t + 1]) scores[g * bs + t + 1] = -INFINITY;
             }
         }
+        for (; t < bs; ++t)  // an odd block size's last slot
+            for (int64_t g = 0; g < G; ++g)
+                scores[g * bs + t] = seen[t] ? dot(q + g * s.dim, kb + t * s.dim, s.dim) : -INFINITY;
         for (int64_t g = 0; g < G; ++g) {
             float* row = scores + g * bs;
-            float m = best[g];
-            for (int64_t t = 0; t < bs; ++t) m = row[t] > m ? row[t] : m;
-            if (m == -INFINITY) {  // nothing visible so far: this block weighs nothing
+            float m = scale_and_max(row, bs, scale, softcap);
+            if (m == -INFINITY && best[g] == -INFINITY) {  // nothing visible so far: this block weighs nothing
                 for (int64_t t = 0; t < bs; ++t) row[t] = 0.f;
                 continue;
             }
             if (m > best[g]) {  // rescale what came before to the new maximum
                 float r = std::exp(best[g] - m);
                 total[g] *= r;
-                for (int64_t d = 0; d < s.vdim; ++d) acc[g * s.vdim + d] *= r;
+                scale_by(acc + g * s.vdim, s.vdim, r);
                 best[g] = m;
             }
-            exp_minus(row, bs, m);  // 0 where not visible
-            for (int64_t t = 0; t < bs; ++t) total[g] += row[t];
+            total[g] += exp_minus(row, bs, best[g]);  // 0 where not visible
         }
         for (int64_t g = 0; g < G; ++g) add_weighted(acc + g * s.vdim, scores + g * bs, vb, bs, s.vdim, s.vdim);
     }
