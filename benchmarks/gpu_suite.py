@@ -18,7 +18,7 @@ shrunk, float32 on CPU). For each model:
 - **Time to first token** of one 1,024-token prompt on an idle engine, and HF ``generate(max_new_tokens=1)``.
 
 First, **exactness on this device**: the greedy tokens of 16 prompts through the engine with every fast path on
-(compiled layers, the compiled decode kernel, CUDA graphs), once per attention backend, against HF ``generate()``
+(compiled layers, the fast decode kernel, CUDA graphs), once per attention backend, against HF ``generate()``
 one prompt at a time, in float32 with TF32 off, on the first shape shrunk as ``--quick`` shrinks it; and which fast
 paths were still on at the end (each falls back to eager on a failure, which would show here as ``off``).
 

@@ -119,5 +119,5 @@ def graphs_on_cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(model_runner, "uses_graphs", lambda *args: True)
     monkeypatch.setattr(model_runner, "CudaGraph", Rerun)
     Rerun.replays = 0
-    with torch.compiler.set_stance("force_eager"):  # the plumbing, not the compiled kernel (tested elsewhere)
+    with torch.compiler.set_stance("force_eager"):  # the plumbing, not the fast kernels (tested elsewhere)
         yield

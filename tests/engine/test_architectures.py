@@ -207,9 +207,9 @@ def test_the_compiled_path(
     architecture: tuple[Path, Reference], tokenizer: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The fast path, which tiny models skip by default (decoder layers compiled, the head on a prepacked weight,
-    decodes through the compiled in-place kernel), on every architecture: the same tokens and logprobs, compiled once
+    decodes through the C++ in-place kernel), on every architecture: the same tokens and logprobs, compiled once
     for chunked prefill, prefix-cache hits and n > 1 (the load-time self-check runs through it too), with no
-    fallback. test_attention.py runs every kind of layer through the compiled decode kernel."""
+    fallback. test_attention.py runs every kind of layer through the decode kernel."""
     path, reference = architecture
     monkeypatch.setattr(model_runner, "EAGER_BELOW_PARAMETERS", 0)
     engine = _engine(path, tokenizer, block_size=8, max_num_batched_tokens=16)

@@ -2,7 +2,7 @@
 
 A step mixes decodes, prefills from position 0 and prefill chunks that continue a cached context, over block tables
 that share prefix blocks; layers ask for sliding windows, soft-caps and sinks. Every backend (gather eager, gather
-with the compiled in-place decode kernel, flex) must give what attending each sequence's queries over its own
+with the fast in-place decode kernel, flex) must give what attending each sequence's queries over its own
 contiguous context gives. The compiled gather's decodes run the C++ kernel, which reads float32 and bfloat16 caches.
 """
 

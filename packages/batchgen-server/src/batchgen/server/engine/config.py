@@ -68,7 +68,7 @@ class EngineConfig:
     seed: int = setting(0, "seed of the sampled requests that set none")
     attention_backend: str = setting(
         "auto",
-        "gather (decodes read the paged cache in place through a compiled kernel, or eagerly from gathered copies; "
+        "gather (decodes read the paged cache in place through a fast kernel, or eagerly from gathered copies; "
         "prefill chunks through SDPA), flex (FlexAttention reading the paged cache in place, compiled on CUDA) or "
         "auto (gather)",
     )

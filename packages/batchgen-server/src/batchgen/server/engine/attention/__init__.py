@@ -3,9 +3,9 @@
 The engine runs the model on one packed row of tokens (every scheduled sequence's new tokens back to back, no padding).
 For each layer, the registered function writes the new keys and values into the paged KV cache, then lets the step's
 backend attend each sequence's new queries over its own cached context: ``gather`` (decodes read the cache in place
-through a compiled kernel, prefill chunks gathered for SDPA: the default) or ``flex`` (FlexAttention reading the cache
-in place, compiled on CUDA: an option). Both honour everything the layer asks for (``layer.py``); anything else
-refuses the model at load (``probe.py``).
+through the fast decode kernel, prefill chunks gathered for SDPA: the default) or ``flex`` (FlexAttention reading
+the cache in place, compiled on CUDA: an option). Both honour everything the layer asks for (``layer.py``); anything
+else refuses the model at load (``probe.py``).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def probe_attention(
 
 
 def make_backend(name: str, device: torch.device, compiled: bool) -> AttentionBackend:
-    """``auto`` is ``gather``. ``compiled``: gather's decodes read the cache in place through a compiled kernel;
+    """``auto`` is ``gather``. ``compiled``: gather's decodes read the cache in place through the fast kernel;
     flex is compiled on CUDA (eager, it is a dense reference over the whole cache: for the tests' small caches)."""
     if name in ("auto", "gather"):
         return GatherBackend(DecodeKernel() if compiled else None)

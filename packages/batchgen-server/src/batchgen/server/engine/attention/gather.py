@@ -1,6 +1,6 @@
 """The gather backend: the CPU path (any device runs it).
 
-Decodes attend in one batched call: compiled, through ``decode.py``'s kernel, which reads the cache in place;
+Decodes attend in one batched call: on the fast path through ``decode.py``'s kernel, which reads the cache in place;
 eagerly, each decode's context is copied block by block into buffers reused across layers and steps (padded to the
 longest, masked) and attended with SDPA. Each prefill chunk attends in its own call, against its own new keys alone
 when it starts the sequence, else against its gathered context.
@@ -39,7 +39,7 @@ class _Decodes:
     visible: torch.Tensor
     """``[decodes, width * block_size]``."""
     pairs: DecodePairs | None
-    """The compiled kernel's layout of the same (when the backend has the kernel)."""
+    """The fast kernel's layout of the same (when the backend has the kernel)."""
 
 
 @dataclass(slots=True)
@@ -71,7 +71,7 @@ class GatherBackend:
     def __init__(self, decode_kernel: DecodeKernel | None) -> None:
         self.buffers = GatherBuffers()
         self.decode_kernel = decode_kernel
-        """Compiled in-place decode attention; ``None`` gathers the decodes' contexts eagerly."""
+        """The fast in-place decode attention; ``None`` gathers the decodes' contexts eagerly."""
 
     def attend(
         self,
