@@ -1,7 +1,7 @@
 """``cpu_decode.cpp``, built for this machine on first use and called through ``ctypes``.
 
 The compiled path already needs a C++ compiler on CPU (inductor generates C++), so this asks for nothing new: the
-same compiler builds a 150-line file in under a second, for the CPU it runs on (``-march=native``), and the library
+same compiler builds a 300-line file in under a second, for the CPU it runs on (``-march=native``), and the library
 is kept in a cache keyed by the source, the compiler, its flags and the CPU's features, so later processes load it.
 """
 
