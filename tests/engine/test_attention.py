@@ -57,8 +57,8 @@ def _step(
     rng = random.Random(seed)
     torch.manual_seed(seed)
     num_heads, kv_heads, dim = heads
-    cache = KVCache([LayerShape(kv_heads, dim, dim, dtype, torch.device("cpu"))], 64, block)
-    free = list(range(1, 64))
+    cache = KVCache([LayerShape(kv_heads, dim, dim, dtype, torch.device("cpu"))], 128, block)
+    free = list(range(1, 128))
     rng.shuffle(free)
     shared = [free.pop() for _ in range(2)]  # two full blocks of prefix every long-enough sequence shares
     cache.k[0].normal_()
@@ -121,11 +121,12 @@ def _must_not_run(*args: object) -> None:
 def test_cpu_decode_kernel(layer_name: str, dtype: torch.dtype, heads: tuple[int, int, int], block: int) -> None:
     """The C++ kernel against ``paged_decode`` (the plain tensor version, in float64) on the shapes its loops treat
     apart: query heads in groups of four and one by one, a head size that is not a multiple of the vector width, an
-    odd block size, bfloat16 caches, a pair that sees nothing; and the same result, to the bit, on two threads."""
+    odd block size, bfloat16 caches, a pair that sees nothing, a context of several of its chunks (128 slots); and
+    the same result, to the bit, on two threads."""
     layer = LAYERS[layer_name]
     if layer.sinks is not None:
         layer = LayerAttention(layer.scale, layer.window, None, torch.linspace(-1, 2, heads[0], dtype=torch.float64))
-    step, cache, query, key, value = _step(5, [*DECODES, (40, 1), (2, 1)], dtype, heads, block)
+    step, cache, query, key, value = _step(5, [*DECODES, (40, 1), (300, 1), (2, 1)], dtype, heads, block)
     cache.write(0, step.slot_mapping, key[0], value[0])
     blocks, lengths, visible = decode.decode_tables(step.seqs, layer.window, block)
     pairs = decode.DecodePairs.from_tables(blocks, lengths, visible)
