@@ -207,18 +207,19 @@ inline int64_t pairs_per_chunk(int64_t block_size) { return block_size >= CHUNK_
 
 // Ask for `n` bytes from `p` on into L1, a line at a time. A block is a 4 KiB page of its own in a fragmented cache,
 // where the hardware's prefetcher stops: reading the next block and this block's values while its keys are scored
-// overlaps the memory with the arithmetic (1.2-1.3x on one layer, benchmarks/RESULTS.md).
+// overlaps the memory with the arithmetic (with the chunks, 1.2-1.4x on one layer; benchmarks/RESULTS.md).
 inline void prefetch(const void* p, int64_t n) {
     for (int64_t line = 0; line < n; line += 64) __builtin_prefetch(static_cast<const char*>(p) + line, 0, 3);
 }
 
-// Decode b, KV head k: its `groups` query heads against the visible slots of pairs offsets[b]..offsets[b + 1], a chunk
-// of pairs at a time. `work` holds groups * (chunk + 2 + vdim) floats, chunk = pairs_per_chunk(block_size) * block_size.
+// Decode b, KV head k: its `groups` query heads against the visible slots of pairs offsets[b]..offsets[b + 1], a
+// chunk of pairs at a time. `work` holds groups * (width + 2 + vdim) floats, width = the chunk's slots.
 template <typename T>
 void attend_one(int64_t b, int64_t k, const float* query, const T* k_cache, const T* v_cache, const int64_t* blocks,
                 const bool* visible, const int64_t* offsets, const float* sinks, float* out, const Shape& s,
                 float scale, float softcap, float* work) {
-    const int64_t G = s.groups, bs = s.block_size, width = pairs_per_chunk(bs) * bs, last = offsets[b + 1];
+    const int64_t G = s.groups, bs = s.block_size, last = offsets[b + 1];
+    const int64_t chunk = pairs_per_chunk(bs), width = chunk * bs;
     float* scores = work;              // [G, width]
     float* best = scores + G * width;  // [G] running maximum
     float* total = best + G;           // [G] running sum of exp(score - best)
@@ -229,8 +230,8 @@ void attend_one(int64_t b, int64_t k, const float* query, const T* k_cache, cons
     const T* keys = k_cache + k * s.slots * s.dim;
     const T* values = v_cache + k * s.slots * s.vdim;
     const int64_t key_bytes = s.dim * sizeof(T), value_bytes = s.vdim * sizeof(T);
-    for (int64_t first = offsets[b]; first < last; first += width / bs) {
-        const int64_t end = first + width / bs < last ? first + width / bs : last, n = (end - first) * bs;
+    for (int64_t first = offsets[b]; first < last; first += chunk) {
+        const int64_t end = first + chunk < last ? first + chunk : last, n = (end - first) * bs;
         for (int64_t p = first; p < end; ++p) {  // the scores of the chunk's keys
             const T* kb = keys + blocks[p] * bs * s.dim;
             const T* vb = values + blocks[p] * bs * s.vdim;
