@@ -57,8 +57,9 @@ def _step(
     rng = random.Random(seed)
     torch.manual_seed(seed)
     num_heads, kv_heads, dim = heads
-    cache = KVCache([LayerShape(kv_heads, dim, dim, dtype, torch.device("cpu"))], 128, block)
-    free = list(range(1, 128))
+    num_blocks = 128
+    cache = KVCache([LayerShape(kv_heads, dim, dim, dtype, torch.device("cpu"))], num_blocks, block)
+    free = list(range(1, num_blocks))
     rng.shuffle(free)
     shared = [free.pop() for _ in range(2)]  # two full blocks of prefix every long-enough sequence shares
     cache.k[0].normal_()

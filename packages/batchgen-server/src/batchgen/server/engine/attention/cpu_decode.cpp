@@ -203,7 +203,10 @@ struct Shape {
 // rescaling per block cost as much as the reading on a fragmented cache (benchmarks/RESULTS.md).
 constexpr int64_t CHUNK_SLOTS = 128;
 
-inline int64_t pairs_per_chunk(int64_t block_size) { return block_size >= CHUNK_SLOTS ? 1 : CHUNK_SLOTS / block_size; }
+// The slots of one chunk: whole blocks, at least one.
+inline int64_t chunk_slots(int64_t block_size) {
+    return block_size >= CHUNK_SLOTS ? block_size : CHUNK_SLOTS / block_size * block_size;
+}
 
 // Ask for `n` bytes from `p` on into L1, a line at a time. A block is a 4 KiB page of its own in a fragmented cache,
 // where the hardware's prefetcher stops: reading the next block and this block's values while its keys are scored
@@ -213,13 +216,13 @@ inline void prefetch(const void* p, int64_t n) {
 }
 
 // Decode b, KV head k: its `groups` query heads against the visible slots of pairs offsets[b]..offsets[b + 1], a
-// chunk of pairs at a time. `work` holds groups * (width + 2 + vdim) floats, width = the chunk's slots.
+// chunk of pairs at a time. `work` holds groups * (chunk_slots(block_size) + 2 + vdim) floats.
 template <typename T>
 void attend_one(int64_t b, int64_t k, const float* query, const T* k_cache, const T* v_cache, const int64_t* blocks,
                 const bool* visible, const int64_t* offsets, const float* sinks, float* out, const Shape& s,
                 float scale, float softcap, float* work) {
     const int64_t G = s.groups, bs = s.block_size, last = offsets[b + 1];
-    const int64_t chunk = pairs_per_chunk(bs), width = chunk * bs;
+    const int64_t width = chunk_slots(bs), chunk = width / bs;  // slots, pairs
     float* scores = work;              // [G, width]
     float* best = scores + G * width;  // [G] running maximum
     float* total = best + G;           // [G] running sum of exp(score - best)
@@ -291,7 +294,7 @@ template <typename T>
 void attend_all(int64_t batch, const float* query, const void* k_cache, const void* v_cache, const int64_t* blocks,
                 const bool* visible, const int64_t* offsets, const float* sinks, float* out, const Shape& s,
                 float scale, float softcap, int threads) {
-    const int64_t work_size = s.groups * (pairs_per_chunk(s.block_size) * s.block_size + 2 + s.vdim);
+    const int64_t work_size = s.groups * (chunk_slots(s.block_size) + 2 + s.vdim);
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         float* work = new float[work_size];
