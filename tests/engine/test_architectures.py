@@ -24,7 +24,6 @@ from batchgen.server import cli
 from batchgen.server.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams, model_runner
 from batchgen.server.engine.demo_model import build_tokenizer
 from batchgen.server.engine.errors import ModelNotSupported
-from batchgen.server.engine.fast_forward import PrepackedLinear
 
 WINDOW = 12
 """Sliding windows this small matter on the prompts below (up to 60 tokens, block size 8 or 16)."""
@@ -206,7 +205,7 @@ def test_chunked_prefill_small_blocks_and_n(architecture: tuple[Path, Reference]
 def test_the_compiled_path(
     architecture: tuple[Path, Reference], tokenizer: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The fast path, which tiny models skip by default (decoder layers compiled, the head on a prepacked weight,
+    """The fast path, which tiny models skip by default (decoder layers compiled, the linears on packed weights,
     decodes through the C++ in-place kernel), on every architecture: the same tokens and logprobs, compiled once
     for chunked prefill, prefix-cache hits and n > 1 (the load-time self-check runs through it too), with no
     fallback. test_attention.py runs every kind of layer through the decode kernel."""
@@ -216,9 +215,10 @@ def test_the_compiled_path(
     _check(engine, reference, n=2)
     runner = engine.runner
     assert runner.fast is not None, "the fast forward fell back to eager"
-    head = runner.model.get_output_embeddings()
-    assert isinstance(runner.fast.forwards[head], PrepackedLinear) and head.forward is runner.fast.forwards[head]
-    assert sum(1 for module in runner.fast.forwards if module is not head) == SIZES["num_hidden_layers"]
+    linears = [module for module in runner.model.modules() if isinstance(module, torch.nn.Linear)]
+    assert linears and all(module.forward is runner.fast.forwards[module] for module in linears)
+    layers = [module for module in runner.fast.forwards if not isinstance(module, torch.nn.Linear)]
+    assert len(layers) == SIZES["num_hidden_layers"]
     assert runner.backend.decode_kernel.failure is None, "the decode kernel fell back to eager"
 
 

@@ -1,5 +1,6 @@
 """The model's fast path, laid over its own modules: every decoder layer's forward compiled with ``torch.compile``
-(regional compilation) and, on CPU, the output head's GEMM on a prepacked weight.
+(regional compilation) and, on CPU, the float32 linears (the layers' projections and the output head) on packed
+weights.
 
 Each replaces a module's ``forward`` with an instance attribute, so the class's own forward is one ``pop`` away: for
 an eager retry of a step, or for good once the fast path has failed where the eager one succeeds. Changing the model
@@ -10,11 +11,9 @@ kernels; the attention stays one opaque operator (``attention/__init__.py``), so
 the graph. The layers share one graph (same code, the weights are inputs), so compiling costs one layer's time, and the
 token count is dynamic. The model's own top (embeddings, final norm, head, logit scaling) stays eager.
 
-The prepacked head: the head (vocabulary x hidden) is the largest GEMM of a step, run for a few sampled rows, where
-oneDNN on a weight reordered once into its blocked layout beats ``linear`` on the plain one (as vLLM's CPU build does
-for its linears): 25-50% faster at 4-33 rows on a 32k x 384 head, 7% more tokens per CPU-second for the whole engine
-on the 35M benchmark model, same tokens (``benchmarks/RESULTS.md``). Not inside the compiled layers: inductor cannot
-lower oneDNN's opaque packed tensors, and a custom operator per projection costs what it gains.
+Packed linears (``cpu_linear.py``): a decode step's GEMMs multiply a few rows by weights that come from memory every
+step; a kernel on weights packed once reads the next panel of weights while it multiplies this one, where MKL reads
+then multiplies (``benchmarks/RESULTS.md``). In the compiled layers it is an opaque custom operator like the attention.
 """
 
 from __future__ import annotations
@@ -27,10 +26,9 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-logger = logging.getLogger(__name__)
+from . import cpu_linear
 
-PACKED_FOR_ROWS = 64
-"""The row count oneDNN chooses the head's blocked layout for (any count runs on it)."""
+logger = logging.getLogger(__name__)
 
 
 def decoder_layers(model: torch.nn.Module, attention_modules: list[torch.nn.Module]) -> list[torch.nn.Module]:
@@ -56,48 +54,20 @@ def decoder_layers(model: torch.nn.Module, attention_modules: list[torch.nn.Modu
     return layers
 
 
-class PrepackedLinear:
-    """An ``nn.Linear``'s forward through oneDNN on a copy of its weight reordered once (the weights of a served
-    model do not change). The copy is what it costs: the head's weight once more."""
-
-    def __init__(self, linear: torch.nn.Linear, packed: torch.Tensor) -> None:
-        self.bias = linear.bias
-        self.packed = packed
-
-    @classmethod
-    def of(cls, module: torch.nn.Module | None) -> PrepackedLinear | None:
-        """For a CPU ``nn.Linear`` whose dtype oneDNN packs on this CPU (float32 anywhere; 16-bit types where the CPU
-        has the instructions); ``None`` otherwise."""
-        if not isinstance(module, torch.nn.Linear) or module.weight.device.type != "cpu":
-            return None
-        supports: dict[torch.dtype, Callable[[], bool]] = {
-            torch.float32: torch.backends.mkldnn.is_available,
-            torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported,
-            torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported,
-        }
-        supported = supports.get(module.weight.dtype)
-        if supported is None or not supported():
-            return None
-        return cls(module, torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), PACKED_FOR_ROWS))
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return out
-
-
 class FastForward:
     """The fast forwards of one model, in place on its modules."""
 
     def __init__(self, model: PreTrainedModel, attention_modules: list[torch.nn.Module]) -> None:
         self.forwards: dict[torch.nn.Module, Callable[..., Any]] = {}
-        for layer in decoder_layers(model, attention_modules):
+        layers = decoder_layers(model, attention_modules)
+        for layer in layers:
             own: Callable[..., Any] = layer.forward
             self.forwards[layer] = vars(layer).get("forward") or torch.compile(own, dynamic=True)
         head = model.get_output_embeddings()
-        if head is not None:
-            packed = vars(head).get("forward") or PrepackedLinear.of(head)
-            if packed is not None:
-                self.forwards[head] = packed
+        for linear in [*(module for layer in layers for module in layer.modules()), head]:
+            forward = vars(linear).get("forward") if linear is not None else None
+            if forward or (forward := cpu_linear.forward_of(linear)):
+                self.forwards[linear] = forward
         self._install()
 
     def _install(self) -> None:
@@ -119,4 +89,4 @@ class FastForward:
 
     def revert(self, reason: str) -> None:
         self._remove()
-        logger.warning("the fast forward (compiled layers, prepacked head) failed; eager from now on (%s)", reason)
+        logger.warning("the fast forward (compiled layers, packed linears) failed; eager from now on (%s)", reason)

@@ -1,0 +1,122 @@
+"""A float32 ``nn.Linear`` on CPU through ``cpu_linear.cpp`` for the few rows of a decode step, MKL for the rest.
+
+A decode step multiplies one row per sequence by every weight matrix, so its GEMMs read far more weight than they
+compute with; the kernel multiplies a copy of the weight packed once into panels and reads the next panel while it
+multiplies this one. From 256 rows (prefill chunks) MKL is faster, so ``linear`` keeps the layer's own weight and
+calls MKL there: the cost is that copy, the linears' weights once more in memory (``benchmarks/RESULTS.md``).
+
+``batchgen::panel_linear`` is a custom operator, so a compiled layer calls it as one opaque node (inductor cannot lower
+a ``ctypes`` call), with the panels as an input like the weight: the layers still share one compiled graph.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import types
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from . import native
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_suffix(".cpp")
+ROWS = range(2, 129)
+"""The row counts the kernel takes (measured: at one row MKL's own path for a vector is faster, from 256 MKL)."""
+
+
+def supports(module: torch.nn.Module | None) -> bool:
+    return (
+        isinstance(module, torch.nn.Linear)
+        and module.weight.device.type == "cpu"
+        and module.weight.dtype == torch.float32
+        and (module.bias is None or module.bias.dtype == torch.float32)
+    )
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` (out x in) in the kernel's panels; raises ``native.Unavailable``."""
+    lib = library()
+    out_features, in_features = weight.shape
+    width = lib.batchgen_panel_width()
+    panels = torch.empty(-(-out_features // width) * width * in_features, dtype=torch.float32)
+    lib.batchgen_pack_panels(out_features, in_features, weight.detach().contiguous().data_ptr(), panels.data_ptr())
+    return panels
+
+
+# Registered with ``torch.library.Library`` rather than ``custom_op``: its wrapper costs 20 us a call, where a decode
+# step makes seven calls a layer.
+_LIBRARY = torch.library.Library("batchgen", "FRAGMENT")
+_LIBRARY.define("panel_linear(Tensor x, Tensor weight, Tensor panels, Tensor? bias) -> Tensor")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, through the panels (``pack(weight)``) for the row counts in ``ROWS``."""
+    out: torch.Tensor = torch.ops.batchgen.panel_linear(x, weight, panels, bias)
+    return out
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out_features, in_features = weight.shape
+    rows = x.numel() // in_features
+    if rows not in ROWS or x.dtype != torch.float32:
+        return torch.nn.functional.linear(x, weight, bias)
+    flat = x.reshape(rows, in_features)
+    if flat.stride(1) != 1:
+        flat = flat.contiguous()
+    out = torch.empty(rows, out_features, dtype=torch.float32)
+    library().batchgen_panel_linear(
+        rows, out_features, in_features, flat.data_ptr(), flat.stride(0), panels.data_ptr(),
+        None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return out.reshape(*x.shape[:-1], out_features)
+
+
+def _shape(x: torch.Tensor, weight: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+_LIBRARY.impl("panel_linear", _linear, "CPU")
+torch.library.register_fake("batchgen::panel_linear", _shape, lib=_LIBRARY)
+
+
+@functools.cache
+def library() -> ctypes.CDLL:
+    """The built kernel; raises ``native.Unavailable``."""
+    lib = native.load(SOURCE)
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.batchgen_panel_width.restype = ctypes.c_int
+    lib.batchgen_pack_panels.argtypes = [i64, i64, ptr, ptr]
+    lib.batchgen_pack_panels.restype = None
+    lib.batchgen_panel_linear.argtypes = [i64, i64, i64, ptr, i64, ptr, ptr, ptr, ctypes.c_int]
+    lib.batchgen_panel_linear.restype = None
+    return lib
+
+
+def forward_of(module: torch.nn.Module | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """A forward for ``module`` through the kernel, where ``supports`` holds and the kernel builds (else ``None``). The
+    panels become a buffer of the module, so a compiled layer takes them as an input, as it takes the weight, and the
+    layers keep sharing one graph."""
+    if not supports(module):
+        return None
+    assert isinstance(module, torch.nn.Linear)
+    try:
+        panels = pack(module.weight)
+    except native.Unavailable as exc:
+        _warn_once(str(exc))
+        return None
+    module.register_buffer("panels", panels, persistent=False)
+    return types.MethodType(_forward, module)
+
+
+def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return linear(x, self.weight, self.panels, self.bias)
+
+
+@functools.cache
+def _warn_once(reason: str) -> None:
+    logger.warning("the linears run on MKL alone: %s", reason)

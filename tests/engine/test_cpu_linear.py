@@ -1,0 +1,78 @@
+"""The packed linear (``cpu_linear.py``) computes what ``nn.Linear`` does, on every shape a step gives it."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from batchgen.server.engine import cpu_linear
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    "features",
+    [(1000, 96), (33, 1030), (64, 7)],
+    ids=["a head: the last panel partly filled", "k in three slices", "whole panels"],
+)
+def test_the_packed_linear_equals_the_linear(bias: bool, threads: int, features: tuple[int, int]) -> None:
+    torch.manual_seed(0)
+    out_features, in_features = features
+    linear = torch.nn.Linear(in_features, out_features, bias=bias)
+    forward = cpu_linear.forward_of(linear)
+    assert forward is not None
+    hidden = torch.randn(1, 300, in_features)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            # Decodes of every row count the kernel takes and either side of it (MKL's), the sampled rows gathered,
+            # a strided view, and none.
+            for rows in (
+                *(hidden[:, :n] for n in (0, 1, 2, 13, 64, 128, 129, 300)),
+                hidden[:, [3, 40]],
+                hidden[:, ::7],
+            ):
+                expected = linear.__class__.forward(linear, rows)
+                actual = forward(rows)
+                assert actual.shape == expected.shape and actual.dtype == expected.dtype
+                torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_packed_linear_compiles_into_a_graph() -> None:
+    """Inside a compiled layer the operator is one opaque node with a dynamic row count."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(40, 70)
+    linear.forward = cpu_linear.forward_of(linear)  # type: ignore[method-assign]
+    compiled = torch.compile(lambda x: linear(x).relu(), dynamic=True, fullgraph=True)
+    with torch.no_grad():
+        for rows in (5, 9, 200):
+            x = torch.randn(rows, 40)
+            torch.testing.assert_close(compiled(x), torch.nn.functional.linear(x, linear.weight, linear.bias).relu())
+
+
+def test_only_float32_cpu_linears_are_packed() -> None:
+    assert not cpu_linear.supports(torch.nn.Linear(8, 8).double())
+    assert not cpu_linear.supports(torch.nn.Linear(8, 8).bfloat16())
+    assert not cpu_linear.supports(torch.nn.Embedding(8, 8))
+    assert not cpu_linear.supports(None)
+    assert cpu_linear.forward_of(torch.nn.Embedding(8, 8)) is None
+
+
+def test_without_a_compiler_the_linears_keep_their_own_forward(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")
+    cpu_linear.library.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert cpu_linear.forward_of(torch.nn.Linear(8, 8)) is None
+        assert "failed to build cpu_linear.cpp" in caplog.text
+    finally:
+        cpu_linear.library.cache_clear()  # the next test builds (or finds) the real one
