@@ -2,8 +2,9 @@
 
 A decode step multiplies one row per sequence by every weight matrix, so its GEMMs read far more weight than they
 compute with; the kernel multiplies a copy of the weight packed once into panels and reads the next panel while it
-multiplies this one. From 256 rows (prefill chunks) MKL is faster, so ``linear`` keeps the layer's own weight and
-calls MKL there: the cost is that copy, the linears' weights once more in memory (``benchmarks/RESULTS.md``).
+multiplies this one. For more rows (prefill chunks, large batches) MKL is as fast or faster, so ``linear`` keeps the
+layer's own weight and calls MKL there: the cost is that copy, the linears' weights once more in memory
+(``benchmarks/RESULTS.md``).
 
 ``batchgen::panel_linear`` is a custom operator, so a compiled layer calls it as one opaque node (inductor cannot lower
 a ``ctypes`` call), with the panels as an input like the weight: the layers still share one compiled graph.
@@ -25,8 +26,9 @@ from . import native
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".cpp")
-ROWS = range(2, 129)
-"""The row counts the kernel takes (measured: at one row MKL's own path for a vector is faster, from 256 MKL)."""
+ROWS = range(2, 65)
+"""The row counts the kernel takes (``benchmarks/cpu_linear.py``: at one row MKL's path for a vector is as fast, from
+64 to 128 rows the two are level, and from there MKL is ahead)."""
 
 
 def supports(module: torch.nn.Module | None) -> bool:
