@@ -23,7 +23,7 @@ drawn from ``--output-len`` (ignore_eos, greedy). Rows, all in this process on t
 
 ``--rounds N`` runs the engine and vLLM rows N times, alternating, and reports each system's best round (every round
 and the spread in its note): on shared cores other jobs only ever slow a run down, and only ratios measured close
-together mean anything.
+together mean anything; the note also gives the engine's rounds over vLLM's run next to them, and their median.
 
 A second workload puts a 1,000-token shared system prompt before short questions and compares the engine with the
 prefix cache on and off.
@@ -39,6 +39,7 @@ import json
 import os
 import platform
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -209,6 +210,13 @@ def best_round(rounds: list[Row]) -> Row:
     return row
 
 
+def paired_ratios(engine: list[Row], peer: list[Row]) -> str:
+    """The engine's round over the peer's round next to it, round by round: on a shared machine, whose speed drifts
+    by 20% and more over minutes, their median is steadier than the ratio of the two best rounds."""
+    ratios = sorted(e.tokens_per_second(True) / p.tokens_per_second(True) for e, p in zip(engine, peer, strict=True))
+    return f"engine / this, round by round: {ratios[0]:.2f}-{ratios[-1]:.2f}x, median {statistics.median(ratios):.2f}x"
+
+
 def same_tokens(ours: list[list[int]], theirs: list[list[int]]) -> str:
     same = sum(a == b for a, b in zip(ours, theirs, strict=True))
     return f"greedy outputs identical to the engine's for {same}/{len(ours)} requests"
@@ -366,12 +374,15 @@ def main() -> None:
                 row, tokens = run_vllm(python, Path(model_dir), workload, args, eager)
                 outputs[row.name] = tokens
                 runs.setdefault(row.name, []).append(row)
-    engine_row = best_round(runs.pop("engine"))
+    engine_rounds = runs.pop("engine")
+    engine_row = best_round(engine_rounds)
     ceiling_row = ceilings[engine_row.cpu_seconds]  # the same round's
     rows = [engine_row, ceiling_row]
     for name, rounds in runs.items():
         row = best_round(rounds)
         row.note = f"{row.note}; {same_tokens(outputs['engine'], outputs[name])}"
+        if len(rounds) > 1:
+            row.note = f"{row.note}; {paired_ratios(engine_rounds, rounds)}"
         rows.append(row)
     print_table("partial", rows, engine_row, on_cpu)
     with torch.compiler.set_stance("force_eager"):  # the engine compiled the model's layers in place
