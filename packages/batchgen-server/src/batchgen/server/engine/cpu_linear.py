@@ -65,7 +65,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, panels: torch.Tensor, bias: to
 def _linear(x: torch.Tensor, weight: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     out_features, in_features = weight.shape
     rows = x.numel() // in_features
-    if rows not in ROWS or x.dtype != torch.float32:
+    if rows not in ROWS or x.dtype != torch.float32 or weight.dtype != torch.float32:
         return torch.nn.functional.linear(x, weight, bias)
     flat = x.reshape(rows, in_features)
     if flat.stride(1) != 1:
