@@ -4,8 +4,8 @@
 // step: there the time is reading the weights, and MKL (which repacks w on every call) and oneDNN leave the reads and
 // the arithmetic one after the other. Here w is packed once into panels of NR output columns, k-major, so each panel
 // is one contiguous stream; a register tile of up to MR rows by NR columns multiplies it, and while one panel is
-// multiplied the next is prefetched, so the reads overlap the arithmetic (benchmarks/cpu_linear.py: 1.2-1.9x MKL at
-// 16-32 rows; level from 64 to 128 rows, behind beyond, where the caller keeps MKL). K is cut into slices of KC so that
+// multiplied the next is prefetched, so the reads overlap the arithmetic (benchmarks/cpu_linear.py: 1.1-1.9x MKL at
+// 16-32 rows, 1.1-1.2x at 64, level or behind from 80, where the caller keeps MKL). K is cut into slices of KC so that
 // a slice of the panel and of x stay in cache across row blocks and panels (packed order: slice, panel, k, column).
 // No torch headers: it builds in under a second (native.py), and Python calls it through ctypes.
 
@@ -38,7 +38,8 @@ inline vec load(const float* p) {
 inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof v); }
 
 // out[i][0..NR) (+)= x[i] . panel for R rows over kc; starts from `init` (a row of NR) unless it accumulates. While it
-// multiplies, it prefetches its share of the next slice's lines: lines [first, first + kc * step) in 16.16 fixed point.
+// multiplies, it prefetches its share of what comes next in the packed order (the next panel's slice): lines
+// [first, first + kc * step) in 16.16 fixed point.
 template <int R>
 void tile(int64_t kc, const float* x, int64_t ldx, const float* panel, float* out, int64_t ldo, bool accumulate,
           const float* init, const char* next, int64_t first, int64_t step) {
@@ -50,7 +51,9 @@ void tile(int64_t kc, const float* x, int64_t ldx, const float* panel, float* ou
     }
     for (int64_t k = 0; k < kc; ++k) {
         const vec b0 = load(panel + k * NR), b1 = load(panel + k * NR + W);
-        if (next) __builtin_prefetch(next + ((first + k * step) >> 16) * 64, 0, 2);
+        if (next)  // every line of the share, whether a step is less than a line or more
+            for (int64_t line = (first + k * step) >> 16; line < (first + (k + 1) * step) >> 16; ++line)
+                __builtin_prefetch(next + line * 64, 0, 2);
         for (int i = 0; i < R; ++i) {
             const float a = x[i * ldx + k];
             acc[i][0] += a * b0;
@@ -94,6 +97,7 @@ extern "C" void batchgen_pack_panels(int64_t N, int64_t K, const float* w, float
 // out (M x N, rows N apart) = x (M x K, rows ldx apart) . w^T + bias (bias may be null).
 extern "C" void batchgen_panel_linear(int64_t M, int64_t N, int64_t K, const float* x, int64_t ldx,
                                       const float* panels, const float* bias, float* out, int threads) {
+    if (M <= 0 || N <= 0) return;
     const int64_t count = (N + NR - 1) / NR, padded = count * NR;
     const int64_t blocks = (M + MR - 1) / MR;  // row blocks of M / blocks rows, give or take one
     const int64_t step = (int64_t(LINES) << 16) / blocks;
@@ -104,7 +108,7 @@ extern "C" void batchgen_panel_linear(int64_t M, int64_t N, int64_t K, const flo
         const int64_t kc = K - k0 < KC ? K - k0 : KC;
         const float* slice = panels + k0 * padded;
         const char* end = reinterpret_cast<const char*>(panels + K * padded);
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait  // static: a thread has the same panels in every slice, its own to add to
         for (int64_t p = 0; p < count; ++p) {
             const float* panel = slice + p * kc * NR;
             const char* next = reinterpret_cast<const char*>(panel + kc * NR);
