@@ -15,10 +15,12 @@ from batchgen.server.engine import cpu_linear
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(
     "features",
-    [(1000, 96), (33, 1030), (64, 7)],
-    ids=["a head: the last panel partly filled", "k in three slices", "whole panels"],
+    [(1000, 96), (33, 1030), (64, 7), (5, 40)],
+    ids=["a head: the last panel partly filled", "k in three slices", "whole panels", "one partial panel"],
 )
-def test_the_packed_linear_equals_the_linear(bias: bool, threads: int, features: tuple[int, int]) -> None:
+def test_the_packed_linear_equals_the_linear(
+    bias: bool, threads: int, features: tuple[int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
     torch.manual_seed(0)
     out_features, in_features = features
     linear = torch.nn.Linear(in_features, out_features, bias=bias)
@@ -57,11 +59,24 @@ def test_the_packed_linear_compiles_into_a_graph() -> None:
 
 
 def test_only_float32_cpu_linears_are_packed() -> None:
+    assert not cpu_linear.supports(torch.nn.Linear(0, 8))
     assert not cpu_linear.supports(torch.nn.Linear(8, 8).double())
     assert not cpu_linear.supports(torch.nn.Linear(8, 8).bfloat16())
     assert not cpu_linear.supports(torch.nn.Embedding(8, 8))
     assert not cpu_linear.supports(None)
     assert cpu_linear.forward_of(torch.nn.Embedding(8, 8)) is None
+
+
+def test_a_linear_with_someone_elses_forward_is_left_alone_and_a_packed_one_is_shared() -> None:
+    hooked = torch.nn.Linear(8, 8)
+    hooked.forward = lambda x: x  # type: ignore[method-assign]  # e.g. accelerate's hooks
+    assert cpu_linear.forward_of(hooked) is None
+    packed = torch.nn.Linear(8, 8)
+    forward = cpu_linear.forward_of(packed)
+    packed.forward = forward  # type: ignore[assignment]  # installed, as the fast forward does
+    assert cpu_linear.forward_of(packed) is forward  # a second engine on the model
+    cpu_linear.unpack(packed)
+    assert "panels" not in dict(packed.named_buffers())
 
 
 def test_without_a_compiler_the_linears_keep_their_own_forward(
@@ -70,6 +85,7 @@ def test_without_a_compiler_the_linears_keep_their_own_forward(
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("CXX", "false")
     cpu_linear.library.cache_clear()
+    cpu_linear._warn_once.cache_clear()
     try:
         with caplog.at_level(logging.WARNING):
             assert cpu_linear.forward_of(torch.nn.Linear(8, 8)) is None

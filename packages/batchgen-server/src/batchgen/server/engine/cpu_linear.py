@@ -34,6 +34,7 @@ ROWS = range(2, 65)
 def supports(module: torch.nn.Module | None) -> bool:
     return (
         isinstance(module, torch.nn.Linear)
+        and module.in_features > 0
         and module.weight.device.type == "cpu"
         and module.weight.dtype == torch.float32
         and (module.bias is None or module.bias.dtype == torch.float32)
@@ -42,12 +43,16 @@ def supports(module: torch.nn.Module | None) -> bool:
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` (out x in) in the kernel's panels; raises ``native.Unavailable``."""
-    lib = library()
     out_features, in_features = weight.shape
-    width = lib.batchgen_panel_width()
-    panels = torch.empty(-(-out_features // width) * width * in_features, dtype=torch.float32)
-    lib.batchgen_pack_panels(out_features, in_features, weight.detach().contiguous().data_ptr(), panels.data_ptr())
+    plain = weight.detach().contiguous()  # held: the C++ reads it
+    panels = torch.empty(_panels_size(out_features, in_features), dtype=torch.float32)
+    library().batchgen_pack_panels(out_features, in_features, plain.data_ptr(), panels.data_ptr())
     return panels
+
+
+def _panels_size(out_features: int, in_features: int) -> int:
+    width: int = library().batchgen_panel_width()
+    return -(-out_features // width) * width * in_features
 
 
 # Registered with ``torch.library.Library`` rather than ``custom_op``: its wrapper costs 20 us a call, where a decode
@@ -62,10 +67,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, panels: torch.Tensor, bias: to
     return out
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _cpu_implementation(
+    x: torch.Tensor, weight: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     out_features, in_features = weight.shape
     rows = x.numel() // in_features
-    if rows not in ROWS or x.dtype != torch.float32 or weight.dtype != torch.float32:
+    # The panels are a copy: a served model's weights do not change; one converted or reshaped since takes torch's.
+    if (
+        rows not in ROWS
+        or x.dtype != torch.float32
+        or weight.dtype != torch.float32
+        or panels.numel() != _panels_size(out_features, in_features)
+    ):
         return torch.nn.functional.linear(x, weight, bias)
     flat = x.reshape(rows, in_features)
     if flat.stride(1) != 1:
@@ -82,7 +95,7 @@ def _shape(x: torch.Tensor, weight: torch.Tensor, panels: torch.Tensor, bias: to
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-_LIBRARY.impl("panel_linear", _linear, "CPU")
+_LIBRARY.impl("panel_linear", _cpu_implementation, "CPU")
 torch.library.register_fake("batchgen::panel_linear", _shape, lib=_LIBRARY)
 
 
@@ -100,12 +113,16 @@ def library() -> ctypes.CDLL:
 
 
 def forward_of(module: torch.nn.Module | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """A forward for ``module`` through the kernel, where ``supports`` holds and the kernel builds (else ``None``). The
+    """A forward for ``module`` through the kernel, where ``supports`` holds and the kernel builds (else ``None``): the
+    one already installed if another engine on this model packed it; none over anyone else's forward (a hook's). The
     panels become a buffer of the module, so a compiled layer takes them as an input, as it takes the weight, and the
     layers keep sharing one graph."""
     if not supports(module):
         return None
     assert isinstance(module, torch.nn.Linear)
+    installed = vars(module).get("forward")
+    if installed is not None:
+        return installed if getattr(installed, "__func__", None) is _forward else None
     try:
         panels = pack(module.weight)
     except native.Unavailable as exc:
@@ -113,6 +130,11 @@ def forward_of(module: torch.nn.Module | None) -> Callable[[torch.Tensor], torch
         return None
     module.register_buffer("panels", panels, persistent=False)
     return types.MethodType(_forward, module)
+
+
+def unpack(module: torch.nn.Module) -> None:
+    """Free the panels of a module ``forward_of`` packed (its forward no longer uses them)."""
+    module._buffers.pop("panels", None)
 
 
 def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:

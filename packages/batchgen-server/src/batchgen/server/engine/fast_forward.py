@@ -65,8 +65,7 @@ class FastForward:
             self.forwards[layer] = vars(layer).get("forward") or torch.compile(own, dynamic=True)
         head = model.get_output_embeddings()
         for linear in [*(module for layer in layers for module in layer.modules()), head]:
-            forward = vars(linear).get("forward") if linear is not None else None
-            if forward or (forward := cpu_linear.forward_of(linear)):
+            if forward := cpu_linear.forward_of(linear):
                 self.forwards[linear] = forward
         self._install()
 
@@ -89,4 +88,6 @@ class FastForward:
 
     def revert(self, reason: str) -> None:
         self._remove()
+        for module in self.forwards:
+            cpu_linear.unpack(module)
         logger.warning("the fast forward (compiled layers, packed linears) failed; eager from now on (%s)", reason)

@@ -11,6 +11,7 @@ post-processes logits in a way the engine does not reproduce).
 from __future__ import annotations
 
 import random
+from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 import torch
@@ -96,7 +97,8 @@ def _reference_logprobs(engine: LLMEngine, tokens: list[int]) -> torch.Tensor:
     model.set_attn_implementation("eager")
     try:
         ids = torch.tensor([tokens], device=engine.runner.device)
-        with torch.compiler.set_stance("force_eager"):  # the engine's compiled layers are not the reference
+        fast = engine.runner.fast
+        with fast.off() if fast is not None else nullcontext():  # the compiled layers, packed linears are not it
             logits = model(input_ids=ids, use_cache=False).logits[0].float()
     finally:
         model.set_attn_implementation(ATTENTION_NAME)
