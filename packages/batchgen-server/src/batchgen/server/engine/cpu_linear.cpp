@@ -4,7 +4,7 @@
 // step: there the time is reading the weights, and MKL (which repacks w on every call) and oneDNN leave the reads and
 // the arithmetic one after the other. Here w is packed once into panels of NR output columns, k-major, so each panel
 // is one contiguous stream; a register tile of up to MR rows by NR columns multiplies it, and while one panel is
-// multiplied the next is prefetched, so the reads overlap the arithmetic (benchmarks/cpu_linear.py: 1.1-1.9x MKL at
+// multiplied the next is prefetched, so the reads overlap the arithmetic (benchmarks/cpu_linear.py: 1.3-1.9x MKL at
 // 16-32 rows, 1.1-1.2x at 64, level or behind from 80, where the caller keeps MKL). K is cut into slices of KC so that
 // a slice of the panel and of x stay in cache across row blocks and panels (packed order: slice, panel, k, column).
 // No torch headers: it builds in under a second (native.py), and Python calls it through ctypes.
