@@ -51,8 +51,13 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def _panels_size(out_features: int, in_features: int) -> int:
-    width: int = library().batchgen_panel_width()
-    return -(-out_features // width) * width * in_features
+    return -(-out_features // _panel_width()) * _panel_width() * in_features
+
+
+@functools.cache
+def _panel_width() -> int:
+    """Columns a panel: the build's vector width decides it (asked once: it is checked on every call)."""
+    return int(library().batchgen_panel_width())
 
 
 # Registered with ``torch.library.Library`` rather than ``custom_op``: its wrapper costs 20 us a call, where a decode
