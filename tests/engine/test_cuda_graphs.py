@@ -78,21 +78,21 @@ def test_a_one_token_prefill_chunk_keeps_its_step_off_the_graphs(
 
     engine = make_engine(block_size=4, max_num_seqs=8, max_num_batched_tokens=3)
     mixed_steps, failures = [], []
-    forward, compute = engine.runner.forward, engine._compute
+    forward, start = engine.runner.forward, engine._start
 
-    def spy_forward(scheduled: list[Any], sample_rows: list[int], want_hidden: bool) -> Any:
+    def spy_forward(scheduled: list[Any], sample_rows: list[int], *args: Any) -> Any:
         if all(item.num_tokens == 1 for item in scheduled) and len(sample_rows) < len(scheduled):
             mixed_steps.append(len(scheduled))
-        return forward(scheduled, sample_rows, want_hidden)
+        return forward(scheduled, sample_rows, *args)
 
-    def spy_compute(scheduled: list[Any]) -> Any:
+    def spy_start(scheduled: list[Any]) -> Any:
         try:
-            return compute(scheduled)
+            return start(scheduled)
         except Exception as exc:
             failures.append(exc)
             raise
 
-    engine.runner.forward, engine._compute = spy_forward, spy_compute  # type: ignore[method-assign]
+    engine.runner.forward, engine._start = spy_forward, spy_start  # type: ignore[method-assign]
     chunked = run_to_completion(engine, requests())
     whole = run_to_completion(make_engine(block_size=4, max_num_seqs=8), requests())
     assert mixed_steps and Rerun.replays > 0  # both kinds of step happened

@@ -56,7 +56,7 @@ def injected_faults(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, int]]
     """Forward and sampler raise for marked requests; the scheduler (outside the engine's own fault isolation)
     raises while a marked request is scheduled, ``calls`` times at most (all of them by default)."""
     scheduler_faults = {"left": 10**9}
-    forward, sample, schedule = ModelRunner.forward, Sampler.__call__, Scheduler.schedule
+    forward, sample, schedule = ModelRunner.forward, Sampler.launch, Scheduler.schedule
 
     def faulty_forward(self: ModelRunner, scheduled: list[Any], *args: Any) -> Any:
         if any(FORWARD_FAULT in item.seq.state.request.params.stop for item in scheduled):
@@ -78,7 +78,7 @@ def injected_faults(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, int]]
         return scheduled
 
     monkeypatch.setattr(ModelRunner, "forward", faulty_forward)
-    monkeypatch.setattr(Sampler, "__call__", faulty_sample)
+    monkeypatch.setattr(Sampler, "launch", faulty_sample)
     monkeypatch.setattr(Scheduler, "schedule", faulty_schedule)
     yield scheduler_faults
 

@@ -77,6 +77,12 @@ class EngineConfig:
         "run everything eagerly: no torch.compile and no CUDA graphs (models under 10M parameters, the demo model, "
         "always run eagerly)",
     )
+    async_scheduling: str = setting(
+        "auto",
+        "on: schedule and launch each step before the previous one's tokens are read back, so the host's work "
+        "between steps runs while the device computes; off: one step at a time; auto: on for CUDA (on CPU the "
+        "host is the device, and nothing overlaps)",
+    )
     self_check: bool = setting(
         True,
         "at load, run a few tokens through the engine and through the model's own forward, and refuse the model if "
@@ -91,6 +97,13 @@ class EngineConfig:
     def served_model_names(self) -> tuple[str, ...]:
         """The names requests may use for the model, its id first."""
         return self.served_model_name or (self.model,)
+
+    def __post_init__(self) -> None:
+        if self.async_scheduling not in ("auto", "on", "off"):
+            raise ValueError(f"unknown --async-scheduling {self.async_scheduling!r}: use auto, on or off")
+
+    def uses_async_scheduling(self, device: torch.device) -> bool:
+        return self.async_scheduling == "on" or (self.async_scheduling == "auto" and device.type == "cuda")
 
     def apply_torch_threads(self) -> None:
         import torch

@@ -6,7 +6,7 @@ import logging
 import random
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -15,6 +15,7 @@ from transformers import PreTrainedModel
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
+from .inputs import DeviceTokens
 from .loader import is_encoder_only, load_model
 from .model_runner import ModelRunner
 from .pooling import normalized_mean
@@ -28,10 +29,10 @@ from .request import (
     TokenLogprob,
     admission_error,
 )
-from .sampler import Sampler, SampleRow, mix64
+from .sampler import Sampled, Sampler, SampleRow, has_penalties, mix64
 from .scheduler import ScheduledSeq, Scheduler
 from .self_check import self_check
-from .sequence import RequestState, Sequence, Status
+from .sequence import PENDING, RequestState, Sequence, Status
 from .transfer import indices
 
 if TYPE_CHECKING:
@@ -65,6 +66,7 @@ class LLMEngine:
         self.model_name = model_name
         self.runner = ModelRunner(model, config)
         self.sampler = Sampler()
+        self.async_scheduling = config.uses_async_scheduling(self.runner.device)
         self.reset()
         self.eos_token_ids = _eos_ids(model, tokenizer)
         model_limit = config.max_model_len or getattr(model.config.get_text_config(), "max_position_embeddings", None)
@@ -96,6 +98,7 @@ class LLMEngine:
         self._requests: dict[str, RequestState] = {}
         self._ready: list[EngineResult] = []
         self._step_request_ids: list[str] | None = None
+        self._in_flight: _Launched | None = None
 
     # ---- requests in and out -----------------------------------------------------------------------------------
 
@@ -163,9 +166,19 @@ class LLMEngine:
     # ---- one step ----------------------------------------------------------------------------------------------
 
     def step(self) -> list[EngineResult]:
-        """Run one forward over everything scheduled; return the requests that finished, and the partial results of
-        streamed requests that moved."""
+        """Schedule a step and run it; return the requests that finished, and the partial results of streamed
+        requests that moved.
+
+        With async scheduling (``EngineConfig.async_scheduling``), a step is launched and left running: the host
+        reads its sampled tokens only after it has scheduled and launched the next one, whose inputs take those
+        tokens on the device. So the host's work between steps (scheduling, packing inputs, reading results, stop
+        checks, detokenising) runs while the device computes, and results come one step later. A sequence that a
+        step ends on a stop token or string computes one more token in the next for nothing (one that ends by
+        length does not: that is known at launch). Steps after which the next one needs the host to know their
+        tokens (penalties, ``n`` > 1 forks, embeddings) are read before the next is scheduled."""
         finished, self._ready = self._ready, []
+        if self._in_flight is not None and not self._in_flight.overlappable:
+            self._settle(finished)
         self._step_request_ids = None
         scheduled = self.scheduler.schedule()
         self._step_request_ids = _request_ids(item.seq for item in scheduled)
@@ -173,44 +186,67 @@ class LLMEngine:
         for item in scheduled:
             if item.seq.state.scheduled is None:
                 item.seq.state.scheduled = now
-        if scheduled:
-            self._run(scheduled, finished)
+        launched = self._launch(scheduled, finished) if scheduled else None
+        if self._in_flight is not None:
+            self._settle(finished)
+        self._in_flight = launched
+        if launched is not None and (not self.async_scheduling or not self._requests):
+            self._settle(finished)  # one step at a time; or every request ended, and what runs is not wanted
         return finished
 
-    def _run(self, scheduled: list[ScheduledSeq], finished: list[EngineResult]) -> None:
-        """Compute the step and commit it. If computing fails, the sequences are computed again in halves, down to
-        one, so that only the request(s) that make it fail are failed (with a ``server_error`` result) and everyone
-        else's step goes on. Computing changes no engine state and sampling is stateless, so a retried half gives
-        exactly what the whole would have."""
-        scheduled = [item for item in scheduled if item.seq.status is Status.RUNNING]  # not failed meanwhile
-        if not scheduled:
-            return
+    def _launch(self, scheduled: list[ScheduledSeq], finished: list[EngineResult]) -> _Launched | None:
+        """Start the step; if that fails, settle the step in flight and isolate the fault (``_isolate``)."""
         try:
-            computed = self._compute(scheduled)
+            return self._start(scheduled)
         except Exception as exc:
-            if len(scheduled) == 1:
-                self._fail(scheduled[0].seq.state, exc, finished)
-                return
-            half = len(scheduled) // 2
-            self._run(scheduled[:half], finished)
-            self._run(scheduled[half:], finished)
-            return
-        self._commit(scheduled, computed, finished)
+            if self._in_flight is not None:
+                self._settle(finished)
+            self._isolate(scheduled, exc, finished)
+            return None
 
-    def _compute(self, scheduled: list[ScheduledSeq]) -> _Computed:
-        """The forward and the sampling of a step: no engine state changes here."""
+    def _run(self, scheduled: list[ScheduledSeq], finished: list[EngineResult]) -> None:
+        """Start the step and settle it at once; if starting fails, isolate the fault."""
+        try:
+            launched = self._start(scheduled)
+        except Exception as exc:
+            self._isolate(scheduled, exc, finished)
+            return
+        self._in_flight = launched
+        self._settle(finished)
+
+    def _isolate(self, scheduled: list[ScheduledSeq], exc: Exception, finished: list[EngineResult]) -> None:
+        """After the sequences failed to compute together: compute them again in halves, down to one, so that only
+        the request(s) that make it fail are failed (with a ``server_error`` result) and everyone else's step goes
+        on. Starting a step changes no engine state until its forward and sampling are launched, and sampling is
+        stateless, so a retried half gives exactly what the whole would have."""
+        scheduled = [item for item in scheduled if item.seq.status is Status.RUNNING]  # not failed or ended meanwhile
+        if len(scheduled) <= 1:
+            if scheduled:
+                self._fail(scheduled[0].seq.state, exc, finished)
+            return
+        half = len(scheduled) // 2
+        self._run(scheduled[:half], finished)
+        self._run(scheduled[half:], finished)
+
+    def _start(self, scheduled: list[ScheduledSeq]) -> _Launched:
+        """Launch the forward and the sampling of a step, then advance the sequences as if it were done: their
+        computed tokens count, and each sampled one holds a ``PENDING`` token until the step is settled."""
         sample_rows: list[int] = []
         logits_rows: list[int] = []
         rows: list[SampleRow] = []
+        choices: list[int] = []
         row = 0
         for item in scheduled:
             seq = item.seq
             row += item.num_tokens
             if seq.state.request.task == "embed" or seq.num_uncomputed > item.num_tokens:
-                continue  # nothing to sample: an embedding, or a prefill chunk short of the prompt's end
+                choices.append(0)  # nothing to sample: an embedding, or a prefill chunk short of the prompt's end
+                continue
             sample_rows.append(row - 1)
             state = seq.state
-            for seed in self._choice_seeds(seq):
+            seeds = self._choice_seeds(seq)
+            choices.append(len(seeds))
+            for seed in seeds:
                 logits_rows.append(len(sample_rows) - 1)
                 rows.append(
                     SampleRow(
@@ -218,14 +254,47 @@ class LLMEngine:
                     )
                 )
         want_hidden = any(item.seq.state.request.task == "embed" for item in scheduled)
-        output = self.runner.forward(scheduled, sample_rows, want_hidden)
-        if not rows:
-            return _Computed(output.hidden, [], [])
-        logits = output.logits
-        if len(logits_rows) != len(sample_rows):  # a completed prompt feeds its n choices from one row
-            logits = logits[indices(logits_rows, logits.device)]
-        token_ids, logprobs = self.sampler(logits, rows)
-        return _Computed(output.hidden, token_ids, logprobs)
+        output = self.runner.forward(scheduled, sample_rows, want_hidden, self._device_tokens(scheduled))
+        sampled = None
+        if rows:
+            logits = output.logits
+            if len(logits_rows) != len(sample_rows):  # a completed prompt feeds its n choices from one row
+                logits = logits[indices(logits_rows, logits.device)]
+            sampled = self.sampler.launch(logits, rows)
+
+        launched = _Launched(scheduled, choices, output.hidden, sampled, overlappable=self.async_scheduling)
+        row = 0
+        for item, n in zip(scheduled, choices, strict=True):
+            seq = item.seq
+            launched.first_blocks.append(seq.num_computed_tokens // self.config.block_size)
+            seq.num_computed_tokens += item.num_tokens
+            launched.token_indices.append(len(seq))
+            if n:
+                launched.token_rows[seq] = row  # a fork's parent holds choice 0
+                row += n
+                if not _ends_by_length(seq, len(seq)):  # else nothing is left to compute: it waits to be settled
+                    seq.token_ids.append(PENDING)
+            if n > 1 or (n and has_penalties(seq.state.request.params)) or seq.state.request.task == "embed":
+                launched.overlappable = False  # the next step needs what this one gives the host first
+        return launched
+
+    def _device_tokens(self, scheduled: list[ScheduledSeq]) -> DeviceTokens | None:
+        """The step's input tokens that the step in flight sampled: a sequence's pending token, where its chunk
+        reaches it, comes from that step's output on the device."""
+        in_flight = self._in_flight
+        inputs, sources = [], []
+        row = 0
+        for item in scheduled:
+            row += item.num_tokens
+            seq = item.seq
+            if seq.pending and seq.num_computed_tokens + item.num_tokens == len(seq):
+                assert in_flight is not None and in_flight.sampled is not None  # only a step in flight leaves one
+                inputs.append(row - 1)
+                sources.append(in_flight.token_rows[seq])
+        if not inputs:
+            return None
+        assert in_flight is not None and in_flight.sampled is not None
+        return DeviceTokens(inputs, sources, in_flight.sampled.tokens)
 
     def _choice_seeds(self, seq: Sequence) -> list[int]:
         """The seeds of the choices a sampled row feeds: ``n`` of them when the prompt just completed (they fork from
@@ -235,31 +304,41 @@ class LLMEngine:
             return [seq.seed]
         return [_choice_seed(state, index) for index in range(state.request.params.n)]
 
-    def _commit(self, scheduled: list[ScheduledSeq], computed: _Computed, finished: list[EngineResult]) -> None:
-        tokens = iter(zip(computed.token_ids, computed.logprobs, strict=True))
-        row = 0
-        for item in scheduled:
-            start, row = row, row + item.num_tokens
-            seq = item.seq
-            sampled = seq.state.request.task == "generate" and seq.num_uncomputed == item.num_tokens
-            choices = [next(tokens) for _ in self._choice_seeds(seq)] if sampled else []
+    def _settle(self, finished: list[EngineResult]) -> None:
+        """Read the step in flight back (waiting for the device) and commit it."""
+        launched, self._in_flight = self._in_flight, None
+        assert launched is not None
+        token_ids, logprobs = launched.sampled.read() if launched.sampled is not None else ([], [])
+        tokens = iter(zip(token_ids, logprobs, strict=True))
+        start = 0
+        for item, n, first_block, index in zip(
+            launched.scheduled, launched.choices, launched.first_blocks, launched.token_indices, strict=True
+        ):
+            choices = [next(tokens) for _ in range(n)]
+            hidden = None if launched.hidden is None else launched.hidden[start : start + item.num_tokens]
+            start += item.num_tokens
+            if item.seq.status is Status.FINISHED:
+                continue  # aborted, failed or ended while the step ran: what it computed is not wanted
             try:
-                hidden = None if computed.hidden is None else computed.hidden[start:row]
-                self._commit_one(item, hidden, choices, finished)
+                self._commit_one(item, first_block, index, hidden, choices, finished)
             except Exception as exc:  # e.g. a tokenizer that cannot decode the token: this request alone fails
-                self._fail(seq.state, exc, finished)
+                self._fail(item.seq.state, exc, finished)
 
     def _commit_one(
         self,
         item: ScheduledSeq,
+        first_block: int,
+        index: int,
         hidden: torch.Tensor | None,
         choices: list[tuple[int, TokenLogprob | None]],
         finished: list[EngineResult],
     ) -> None:
+        """Commit one sequence's part of a step: its full blocks are published to the prefix cache, and the token at
+        ``index`` (``PENDING`` until now) takes each choice's sampled token."""
         seq, state = item.seq, item.seq.state
-        first_new_block = seq.num_computed_tokens // self.config.block_size
-        seq.num_computed_tokens += item.num_tokens
-        self.block_manager.register_full_blocks(seq, first_new_block)
+        if choices:  # first, so that the blocks published next hold it, not the placeholder
+            seq.put(index, choices[0][0])
+        self.block_manager.register_full_blocks(seq, first_block)
         if state.request.task == "embed":
             assert hidden is not None
             chunk_sum = hidden.float().sum(dim=0)
@@ -274,9 +353,9 @@ class LLMEngine:
             state.first_token = time.time()
             self._totals["prompt"] += len(state.request.prompt_token_ids)
             self._totals["cached"] += state.cached_tokens
-        targets = self._fork(seq) if len(choices) > 1 else [seq]
+        targets = self._fork(seq, index) if len(choices) > 1 else [seq]
         for target, (token_id, logprob) in zip(targets, choices, strict=True):
-            self._append_token(target, token_id, logprob)
+            self._set_token(target, index, token_id, logprob)
         if state.finished and state.request.request_id in self._requests:
             finished.append(self._completion_result(state))
         elif state.request.stream:
@@ -312,12 +391,13 @@ class LLMEngine:
             logprobs=logprobs,
         )
 
-    def _fork(self, parent: Sequence) -> list[Sequence]:
-        """Make the other n-1 choices share the prompt's KV blocks now that the prompt is computed; return all n."""
+    def _fork(self, parent: Sequence, index: int) -> list[Sequence]:
+        """Make the other n-1 choices share the prompt's KV blocks now that the prompt is computed; return all n.
+        Each holds the tokens before ``index``, where its first sampled token goes."""
         parent.forked = True
         state = parent.state
-        for index in range(1, state.request.params.n):
-            child = self._new_sequence(state, list(parent.token_ids), index)
+        for choice in range(1, state.request.params.n):
+            child = self._new_sequence(state, parent.token_ids[:index], choice)
             child.forked = True
             state.seqs.append(child)
             if self.block_manager.fork(parent, child, self.runner.copy_block):
@@ -327,22 +407,23 @@ class LLMEngine:
                 self.scheduler.add(child)
         return state.seqs
 
-    def _append_token(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> None:
-        seq.token_ids.append(token_id)
+    def _set_token(self, seq: Sequence, index: int, token_id: int, logprob: TokenLogprob | None) -> None:
+        """Put a sampled token at ``index``, and end the sequence if it ends there."""
+        seq.put(index, token_id)
         self._totals["generated"] += 1
         if seq.logprobs is not None and logprob is not None:
             seq.logprobs.append(logprob)
         state = seq.state
         # vLLM's rule: nothing stops a sequence shorter than min_tokens (the sampler bans its stop tokens until then).
-        may_stop = seq.num_generated >= state.request.params.min_tokens
+        may_stop = index + 1 - seq.num_prompt_tokens >= state.request.params.min_tokens
         if (may_stop and token_id in state.stop_token_ids) or (
             seq.detokenizer is not None and seq.detokenizer.add(token_id, find_stops=may_stop)
         ):
             seq.finish_reason = "stop"
-        elif seq.num_generated >= state.max_tokens or len(seq) >= state.max_len:
+        elif _ends_by_length(seq, index):
             seq.finish_reason = "length"
         if seq.finish_reason is not None:
-            self.scheduler.finish(seq)
+            self.scheduler.finish(seq)  # a pending token after ``index`` (sampled for nothing) is never reported
 
     def _completion_result(self, state: RequestState) -> EngineResult:
         del self._requests[state.request.request_id]
@@ -414,11 +495,29 @@ class LLMEngine:
 
 
 @dataclass(slots=True)
-class _Computed:
+class _Launched:
+    """A step whose forward and sampling are launched, not yet settled (read back and committed)."""
+
+    scheduled: list[ScheduledSeq]
+    choices: list[int]
+    """Tokens sampled for each scheduled sequence: 0 (a prefill chunk short of the prompt's end, an embedding), 1,
+    or ``n`` when the prompt just completed (its choices fork from it)."""
     hidden: torch.Tensor | None
-    token_ids: list[int]
-    """One per sampled choice, in the order of the step's sequences."""
-    logprobs: list[TokenLogprob | None]
+    sampled: Sampled | None
+    overlappable: bool
+    """Whether the next step may be scheduled and launched before this one is settled."""
+    first_blocks: list[int] = field(default_factory=list)
+    """Each sequence's first block not full before the step: where publishing full blocks resumes."""
+    token_indices: list[int] = field(default_factory=list)
+    """Each sequence's index of the token the step samples (``PENDING`` there until settled)."""
+    token_rows: dict[Sequence, int] = field(default_factory=dict)
+    """Row of ``sampled.tokens`` each sampled sequence takes its next input from."""
+
+
+def _ends_by_length(seq: Sequence, index: int) -> bool:
+    """Whether the token at ``index`` is the sequence's last by ``max_tokens`` or the context cap."""
+    state = seq.state
+    return index + 1 - seq.num_prompt_tokens >= state.max_tokens or index + 1 >= state.max_len
 
 
 def _times(state: RequestState) -> RequestTimes:

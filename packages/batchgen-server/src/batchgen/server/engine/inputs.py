@@ -1,7 +1,8 @@
 """A scheduled step as the model's inputs: one packed row of token ids, positions and cache slots.
 
 They are written into one host array allocated once (numpy views, no Python lists of every token), and reach the
-device in one transfer, which does not block the host on CUDA (``to_device``).
+device in one transfer, which does not block the host on CUDA (``to_device``). An input token the previous step
+sampled and the host has not read yet (``PENDING``) is taken from that step's output where it is, on the device.
 """
 
 from __future__ import annotations
@@ -13,7 +14,16 @@ import torch
 
 from .attention import SeqSlice
 from .scheduler import ScheduledSeq
-from .transfer import to_device
+from .transfer import indices, to_device
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceTokens:
+    """Input tokens still on the device: packed row ``rows[i]`` takes ``tokens[sources[i]]``."""
+
+    rows: list[int]
+    sources: list[int]
+    tokens: torch.Tensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +46,7 @@ class InputBuffers:
         self.block_size = block_size
         self.device = device
 
-    def pack(self, scheduled: list[ScheduledSeq]) -> PackedInputs:
+    def pack(self, scheduled: list[ScheduledSeq], device_tokens: DeviceTokens | None = None) -> PackedInputs:
         total = sum(item.num_tokens for item in scheduled)
         if total > self._host.shape[1]:
             self._host = np.zeros((3, total), dtype=np.int64)
@@ -58,4 +68,7 @@ class InputBuffers:
             row += n
         # Contiguous, so that pinning and a non-blocking copy need no pageable staging copy first.
         packed = to_device(torch.from_numpy(np.ascontiguousarray(self._host[:, :row])), self.device)
+        if device_tokens is not None:
+            chosen = device_tokens.tokens[indices(device_tokens.sources, self.device)]
+            packed[0].index_copy_(0, indices(device_tokens.rows, self.device), chosen)
         return PackedInputs(packed[0], packed[1], packed[2], seqs)

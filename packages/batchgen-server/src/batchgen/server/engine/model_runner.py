@@ -25,7 +25,7 @@ from .config import EngineConfig
 from .cuda_graphs import CudaGraph, DecodeGraphs
 from .errors import ModelNotSupported
 from .fast_forward import FastForward
-from .inputs import InputBuffers, PackedInputs
+from .inputs import DeviceTokens, InputBuffers, PackedInputs
 from .kv_cache import KVCache
 from .scheduler import ScheduledSeq
 from .transfer import indices
@@ -126,16 +126,22 @@ class ModelRunner:
         self.cache.copy_block(src, dst)
 
     @torch.no_grad()
-    def forward(self, scheduled: list[ScheduledSeq], sample_rows: list[int], want_hidden: bool) -> StepOutput:
+    def forward(
+        self,
+        scheduled: list[ScheduledSeq],
+        sample_rows: list[int],
+        want_hidden: bool,
+        device_tokens: DeviceTokens | None = None,
+    ) -> StepOutput:
         """Run every scheduled chunk in one packed forward; logits at ``sample_rows`` only; the last hidden state
-        of every token if ``want_hidden`` (embeddings).
+        of every token if ``want_hidden`` (embeddings); the input tokens ``device_tokens`` names from the device.
 
         A step of decodes alone, each sampled, replays a CUDA graph where there are graphs and a bucket holds it
         (n > 1 forks may outgrow the largest); any other step runs the model, its layers compiled where they are. If
         a graph or the fast forward fails where the plain eager forward succeeds, that fast path is turned off for
         good, the reason logged once; if the eager forward fails too, the fault is the inputs', and the engine's own
         fault isolation deals with it."""
-        packed = self.inputs.pack(scheduled)
+        packed = self.inputs.pack(scheduled, device_tokens)
         # A graph returns every row's logits: only for steps where every row is sampled (not a 1-token prefill chunk).
         graphed = (
             self.graphs is not None

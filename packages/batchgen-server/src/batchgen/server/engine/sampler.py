@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .request import SamplingParams, TokenLogprob
-from .transfer import indices, to_device
+from .transfer import HostCopy, indices, to_device
 
 _MASK64 = 2**64 - 1
 _GOLDEN, _MUL1, _MUL2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
@@ -78,6 +78,36 @@ class SampleRow:
     """Tokens that end the sequence (its EOS ids, ``stop_token_ids``): banned until ``min_tokens`` are generated."""
 
 
+@dataclass(slots=True)
+class Sampled:
+    """A step's sampled tokens (and logprobs) on their way to the host."""
+
+    tokens: torch.Tensor
+    """``[rows]`` on the device: what the next step's inputs take while the host has not read them."""
+    _host: HostCopy
+    """The tokens, then (where logprobs are asked for) the chosen logprobs, top logprobs and top ids, flat."""
+    _rows: list[SampleRow]
+    _wanted: list[int]
+    _k: int
+
+    def read(self) -> tuple[list[int], list[TokenLogprob | None]]:
+        """The chosen token ids and, where asked, their logprobs: the step's one wait for the device."""
+        rows, wanted, k = self._rows, self._wanted, self._k
+        host = self._host.tolist()
+        token_ids = [int(t) for t in host[: len(rows)]]
+        logprobs: list[TokenLogprob | None] = [None] * len(rows)
+        if not wanted:
+            return token_ids, logprobs
+        chosen_list = host[len(rows) : len(rows) + len(wanted)]
+        top_lp_list = host[len(rows) + len(wanted) : len(rows) + len(wanted) * (1 + k)]
+        top_ids_list = host[len(rows) + len(wanted) * (1 + k) :]
+        for j, i in enumerate(wanted):
+            first, n = j * k, min(rows[i].params.top_logprobs, k)
+            top = tuple(zip(map(int, top_ids_list[first : first + n]), top_lp_list[first : first + n], strict=True))
+            logprobs[i] = TokenLogprob(token_ids[i], chosen_list[j], top)
+        return token_ids, logprobs
+
+
 class Sampler:
     """Stateless; every host value reaches the device through ``to_device`` (no synchronisation on CUDA), so the
     host prepares the sampling while the device still runs the forward, and the one transfer back is the step's
@@ -85,28 +115,23 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[TokenLogprob | None]]:
         """``logits`` is ``[rows, vocab]``; returns the chosen token ids and, where asked, their logprobs."""
+        return self.launch(logits, rows).read()
+
+    def launch(self, logits: torch.Tensor, rows: list[SampleRow]) -> Sampled:
+        """The same, left on the device: the host reads it later (``Sampled.read``)."""
         logits = self.process(logits.float(), rows)
         chosen = self.choose(logits, rows)
         wanted = [i for i, r in enumerate(rows) if r.params.logprobs]
         if not wanted:
-            return chosen.tolist(), [None] * len(rows)  # the step's one transfer to the host
+            return Sampled(chosen, HostCopy(chosen), rows, wanted, 0)
         k = min(max(rows[i].params.top_logprobs for i in wanted), logits.shape[1])
         index = indices(wanted, logits.device)
         log_probs = torch.log_softmax(logits[index], dim=-1)
         chosen_lp = log_probs.gather(1, chosen[index].unsqueeze(1))
         top_lp, top_ids = log_probs.topk(k, dim=-1)
         parts = (chosen, chosen_lp, top_lp, top_ids)
-        host = torch.cat([part.double().flatten() for part in parts]).tolist()  # token ids are exact in float64
-        token_ids = [int(t) for t in host[: len(rows)]]
-        chosen_list = host[len(rows) : len(rows) + len(wanted)]
-        top_lp_list = host[len(rows) + len(wanted) : len(rows) + len(wanted) * (1 + k)]
-        top_ids_list = host[len(rows) + len(wanted) * (1 + k) :]
-        logprobs: list[TokenLogprob | None] = [None] * len(rows)
-        for j, i in enumerate(wanted):
-            first, n = j * k, min(rows[i].params.top_logprobs, k)
-            top = tuple(zip(map(int, top_ids_list[first : first + n]), top_lp_list[first : first + n], strict=True))
-            logprobs[i] = TokenLogprob(token_ids[i], chosen_list[j], top)
-        return token_ids, logprobs
+        flat = torch.cat([part.double().flatten() for part in parts])  # token ids are exact in float64
+        return Sampled(chosen, HostCopy(flat), rows, wanted, k)
 
     @staticmethod
     def process(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -127,7 +152,7 @@ class Sampler:
         if banned:
             at, tokens = zip(*banned, strict=True)
             logits = logits.index_put((indices(at, device), indices(tokens, device)), _full(float("-inf"), device))
-        penalised = [i for i, r in enumerate(rows) if _has_penalties(r.params)]
+        penalised = [i for i, r in enumerate(rows) if has_penalties(r.params)]
         if penalised:
             index = indices(penalised, device)
             logits = logits.index_put((index,), _penalties(logits[index], [rows[i] for i in penalised]))
@@ -166,7 +191,7 @@ def _full(value: float, device: torch.device) -> torch.Tensor:
     return torch.full((), value, device=device)
 
 
-def _has_penalties(params: SamplingParams) -> bool:
+def has_penalties(params: SamplingParams) -> bool:
     return bool(params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0)
 
 

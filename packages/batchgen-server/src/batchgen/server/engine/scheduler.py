@@ -47,6 +47,9 @@ class Scheduler:
         queue = deque(sorted(self.running, key=_is_batch) if any(map(_is_interactive, self.running)) else self.running)
         while queue and budget > 0:
             seq = queue.popleft()
+            if not seq.num_uncomputed:  # its last token is being sampled: it only waits for its step to be read
+                kept.append(seq)
+                continue
             num_tokens = min(seq.num_uncomputed, budget)
             while not self.block_manager.can_allocate(seq, num_tokens) and queue:
                 self._preempt(queue.pop())
@@ -76,7 +79,7 @@ class Scheduler:
             if not self.block_manager.can_allocate(seq, num_tokens):
                 self.block_manager.free_seq(seq)  # a waiting sequence holds no blocks
                 break
-            if seq.num_generated == 0 and not seq.forked:
+            if len(seq) == seq.num_prompt_tokens and not seq.forked:  # its first admission
                 seq.state.cached_tokens = cached
             self.waiting.popleft()
             self.block_manager.allocate(seq, num_tokens)

@@ -11,6 +11,10 @@ import torch
 from .detokenizer import IncrementalDetokenizer
 from .request import EngineRequest, FinishReason, TokenLogprob
 
+PENDING = -1
+"""The token id a sequence holds, at its end, for a token sampled on the device that the host has not read yet (a
+step that is still running: ``engine.py``). The next step's input takes it from the device."""
+
 
 class Status(Enum):
     WAITING = auto()
@@ -68,15 +72,30 @@ class Sequence:
     """Characters of the text reported in partial results so far."""
 
     def __len__(self) -> int:
+        """Tokens so far, a pending one included."""
         return len(self.token_ids)
 
     @property
+    def pending(self) -> bool:
+        """Whether the last token is still on the device (``PENDING``)."""
+        return self.token_ids[-1] == PENDING
+
+    def put(self, index: int, token_id: int) -> None:
+        """A sampled token at ``index``: where its step left ``PENDING``, or next (nothing was left there: the step
+        knew the token would be the last)."""
+        if index == len(self.token_ids):
+            self.token_ids.append(token_id)
+        else:
+            self.token_ids[index] = token_id
+
+    @property
     def num_generated(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        """Generated tokens the host has read."""
+        return len(self.token_ids) - self.num_prompt_tokens - self.pending
 
     @property
     def generated_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
+        return self.token_ids[self.num_prompt_tokens : len(self.token_ids) - self.pending]
 
     @property
     def num_uncomputed(self) -> int:

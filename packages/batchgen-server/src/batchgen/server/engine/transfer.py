@@ -19,3 +19,25 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 def indices(values: Sequence[int], device: torch.device) -> torch.Tensor:
     """Host integers as a ``long`` index tensor on ``device``, through ``to_device``."""
     return to_device(torch.tensor(values, dtype=torch.long), device)
+
+
+class HostCopy:
+    """A device tensor on its way to the host. On CUDA the copy starts now, into pinned memory, without blocking the
+    host, and ``tolist`` waits for that copy alone: not for the kernels queued after it (the next step's forward,
+    when steps overlap)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._event: torch.cuda.Event | None = None
+        if tensor.device.type != "cuda":
+            self._host = tensor
+            return
+        self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        self._host.copy_(tensor, non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+    def tolist(self) -> list[float]:
+        if self._event is not None:
+            self._event.synchronize()
+        values: list[float] = self._host.tolist()
+        return values
