@@ -11,10 +11,11 @@ shrunk, float32 on CPU). For each model:
   ids, ignore_eos): the engine (its second run, on other prompts of the same lengths: graphs are captured and layers
   compiled in the first), HF ``generate()`` on static batches (padded, each runs to its longest output) and
   transformers' ``generate_batch`` (continuous batching; stopped after ``--hf-time-limit-s``). Output tokens/s.
-- **Decode** tokens/s at batch 1, 64 and 256 (512-token contexts), with CUDA graphs and with ``enforce_eager``, and
-  as a fraction of the bandwidth roofline: each decode step reads every weight once (the embedding table only as the
-  tied LM head) and every sequence's K/V, so tokens/s <= batch x bandwidth / bytes per step, with the bandwidth
-  measured here (a device-to-device copy).
+- **Decode** tokens/s at batch 1, 64 and 256 (512-token contexts): with CUDA graphs and async scheduling (the
+  defaults), one step at a time (async scheduling off, same engine: what overlapping the host's work with the
+  device's gives), with ``enforce_eager``, and as a fraction of the bandwidth roofline: each decode step reads every
+  weight once (the embedding table only as the tied LM head) and every sequence's K/V, so tokens/s <= batch x
+  bandwidth / bytes per step, with the bandwidth measured here (a device-to-device copy).
 - **Time to first token** of one 1,024-token prompt on an idle engine, and HF ``generate(max_new_tokens=1)``.
 
 First, **exactness on this device**: the greedy tokens of 16 prompts through the engine with every fast path on
@@ -398,7 +399,7 @@ def suite(shape: str, args: argparse.Namespace, settings: Settings, budget: Budg
     workload = make_workload(settings.requests, settings.prompt_len, settings.output_len, seed=1, vocab=vocab)
     warm = make_workload(settings.requests, settings.prompt_len, settings.output_len, seed=2, vocab=vocab)
     rows: list[Row] = []
-    decode: dict[tuple[int, bool], float] = {}
+    decode: dict[tuple[int, str], float] = {}
     ttft: dict[str, float] = {}
     bytes_per_step: dict[int, int] = {}
     skipped: list[str] = []
@@ -411,8 +412,15 @@ def suite(shape: str, args: argparse.Namespace, settings: Settings, budget: Budg
         else:
             skipped.append(name)
 
-    def decode_at(engine: LLMEngine, batch: int, eager: bool) -> None:
-        decode[(batch, eager)] = decode_rate(engine, batch, settings.decode_context, settings.decode_steps, vocab)
+    def decode_at(engine: LLMEngine, batch: int, mode: str) -> None:
+        decode[(batch, mode)] = decode_rate(engine, batch, settings.decode_context, settings.decode_steps, vocab)
+
+    def decode_one_step_at_a_time(engine: LLMEngine, batch: int) -> None:
+        engine.async_scheduling = False
+        try:
+            decode_at(engine, batch, "sync")
+        finally:
+            engine.async_scheduling = engine.config.uses_async_scheduling(engine.runner.device)
 
     def engine_measurements() -> None:
         clock = Clock()
@@ -427,17 +435,20 @@ def suite(shape: str, args: argparse.Namespace, settings: Settings, budget: Budg
 
         measure("engine throughput", throughput)
         for batch in settings.decode_batches:
-            measure(f"decode at batch {batch}", lambda batch=batch: decode_at(engine, batch, eager=False))
+            measure(f"decode at batch {batch}", lambda batch=batch: decode_at(engine, batch, "default"))
         measure("engine TTFT", lambda: ttft.update(engine=time_to_first_token(engine, settings.ttft_prompt, vocab)))
         if args.profile:
             measure("profile", lambda: lines.extend(profile_decode(engine, settings, vocab)))
+        if engine.async_scheduling:
+            for batch in settings.decode_batches:
+                measure(f"sync decode at batch {batch}", lambda batch=batch: decode_one_step_at_a_time(engine, batch))
         bytes_per_step.update({b: step_bytes(engine, b, settings.decode_context) for b in settings.decode_batches})
         lines.append(f"engine built, compiled, warmed up and measured in {clock.elapsed()[0]:.0f} s")
 
     def eager_measurements() -> None:
         engine = LLMEngine(model, tokenizer, engine_config(args, eager=True), shape)
         batch = settings.decode_batches[0]
-        measure(f"enforce_eager decode at batch {batch}", lambda: decode_at(engine, batch, eager=True))
+        measure(f"enforce_eager decode at batch {batch}", lambda: decode_at(engine, batch, "eager"))
 
     for measurements in (engine_measurements, eager_measurements):
         measurements()
@@ -478,7 +489,7 @@ def _throughput_table(rows: list[Row], settings: Settings) -> list[str]:
 
 
 def _decode_table(
-    decode: dict[tuple[int, bool], float], bytes_per_step: dict[int, int], bw: float, settings: Settings
+    decode: dict[tuple[int, str], float], bytes_per_step: dict[int, int], bw: float, settings: Settings
 ) -> list[str]:
     if not decode:
         return []
@@ -486,13 +497,15 @@ def _decode_table(
         "",
         f"### Decode: {settings.decode_context}-token contexts; bandwidth {bw / 1e9:,.0f} GB/s (a measured copy)",
         "",
-        "| batch | tokens/s | enforce_eager tokens/s | default / eager | roofline tokens/s | of roofline |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| batch | tokens/s | one step at a time | default / that | enforce_eager tokens/s | default / eager "
+        "| roofline tokens/s | of roofline |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for batch in settings.decode_batches:
-        rate, eager_rate = decode.get((batch, False)), decode.get((batch, True))
+        rate, sync_rate, eager_rate = (decode.get((batch, mode)) for mode in ("default", "sync", "eager"))
         roofline = batch * bw / bytes_per_step[batch] if batch in bytes_per_step else None
-        cells = [str(batch), _num(rate), _num(eager_rate), f"{rate / eager_rate:.2f}x" if rate and eager_rate else ""]
+        cells = [str(batch), _num(rate), _num(sync_rate), f"{rate / sync_rate:.2f}x" if rate and sync_rate else ""]
+        cells += [_num(eager_rate), f"{rate / eager_rate:.2f}x" if rate and eager_rate else ""]
         cells += [_num(roofline), f"{rate / roofline:.0%}" if rate and roofline else ""]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
