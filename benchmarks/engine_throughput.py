@@ -4,7 +4,9 @@
     python benchmarks/engine_throughput.py --quick          # a smaller workload for a laptop or a shared CPU
     python benchmarks/engine_throughput.py --device cuda --dtype bfloat16
 
-Model: a Llama-style model with random weights built in code (about 35M parameters; ``--large`` about 90M). Workload:
+Model: a Llama-style model with random weights built in code (``--size``: ``small`` about 35M parameters, ``large``
+about 90M; ``tiny``, one narrow layer and the same 32,000-token head, makes the forward nearly free, so the rows
+compare what each system spends around it: scheduling, inputs, sampling, bookkeeping). Workload:
 ``--requests`` prompts of uniform random token ids, lengths drawn from ``--prompt-len``, each generating a length
 drawn from ``--output-len`` (ignore_eos, greedy). Rows, all in this process on the same model and workload:
 
@@ -61,6 +63,7 @@ from batchgen.server.engine.demo_model import build_model, build_tokenizer
 SIZES = {
     "small": {"hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 6, "num_attention_heads": 6},
     "large": {"hidden_size": 640, "intermediate_size": 1728, "num_hidden_layers": 10, "num_attention_heads": 10},
+    "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2},
 }
 
 
@@ -308,7 +311,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, nargs=2, default=(16, 512))
     parser.add_argument("--output-len", type=int, nargs=2, default=(16, 256))
     parser.add_argument("--quick", action="store_true", help="64 requests, prompts 16-256, outputs 16-128")
-    parser.add_argument("--large", action="store_true", help="the ~90M-parameter model instead of ~35M")
+    parser.add_argument("--size", choices=SIZES, default="small", help="the model (above)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
@@ -337,7 +340,7 @@ def main() -> None:
     torch.set_grad_enabled(False)
 
     tokenizer = build_tokenizer()
-    model = make_model("large" if args.large else "small", args.device, dtype)
+    model = make_model(args.size, args.device, dtype)
     params = sum(p.numel() for p in model.parameters()) / 1e6
     workload = make_workload(args.requests, tuple(args.prompt_len), tuple(args.output_len), args.seed)
     config = EngineConfig(

@@ -235,10 +235,16 @@ class LLMEngine:
         logits_rows: list[int] = []
         rows: list[SampleRow] = []
         choices: list[int] = []
+        device_rows: list[int] = []  # inputs the step in flight sampled: its output holds them
+        device_sources: list[int] = []
         row = 0
         for item in scheduled:
             seq = item.seq
             row += item.num_tokens
+            if seq.pending and seq.num_computed_tokens + item.num_tokens == len(seq):  # the chunk reaches it
+                assert self._in_flight is not None  # only a step in flight leaves one
+                device_rows.append(row - 1)
+                device_sources.append(self._in_flight.token_rows[seq])
             if seq.state.request.task == "embed" or seq.num_uncomputed > item.num_tokens:
                 choices.append(0)  # nothing to sample: an embedding, or a prefill chunk short of the prompt's end
                 continue
@@ -254,7 +260,11 @@ class LLMEngine:
                     )
                 )
         want_hidden = any(item.seq.state.request.task == "embed" for item in scheduled)
-        output = self.runner.forward(scheduled, sample_rows, want_hidden, self._device_tokens(scheduled))
+        device_tokens = None
+        if device_rows:
+            assert self._in_flight is not None and self._in_flight.sampled is not None
+            device_tokens = DeviceTokens(device_rows, device_sources, self._in_flight.sampled.tokens)
+        output = self.runner.forward(scheduled, sample_rows, want_hidden, device_tokens)
         sampled = None
         if rows:
             logits = output.logits
@@ -278,24 +288,6 @@ class LLMEngine:
                 launched.overlappable = False  # the next step needs what this one gives the host first
         return launched
 
-    def _device_tokens(self, scheduled: list[ScheduledSeq]) -> DeviceTokens | None:
-        """The step's input tokens that the step in flight sampled: a sequence's pending token, where its chunk
-        reaches it, comes from that step's output on the device."""
-        in_flight = self._in_flight
-        inputs, sources = [], []
-        row = 0
-        for item in scheduled:
-            row += item.num_tokens
-            seq = item.seq
-            if seq.pending and seq.num_computed_tokens + item.num_tokens == len(seq):
-                assert in_flight is not None and in_flight.sampled is not None  # only a step in flight leaves one
-                inputs.append(row - 1)
-                sources.append(in_flight.token_rows[seq])
-        if not inputs:
-            return None
-        assert in_flight is not None and in_flight.sampled is not None
-        return DeviceTokens(inputs, sources, in_flight.sampled.tokens)
-
     def _choice_seeds(self, seq: Sequence) -> list[int]:
         """The seeds of the choices a sampled row feeds: ``n`` of them when the prompt just completed (they fork from
         it, each sampling its first token from the same logits)."""
@@ -309,12 +301,12 @@ class LLMEngine:
         launched, self._in_flight = self._in_flight, None
         assert launched is not None
         token_ids, logprobs = launched.sampled.read() if launched.sampled is not None else ([], [])
-        tokens = iter(zip(token_ids, logprobs, strict=True))
-        start = 0
+        row = start = 0
         for item, n, first_block, index in zip(
             launched.scheduled, launched.choices, launched.first_blocks, launched.token_indices, strict=True
         ):
-            choices = [next(tokens) for _ in range(n)]
+            choices = list(zip(token_ids[row : row + n], logprobs[row : row + n], strict=True))
+            row += n
             hidden = None if launched.hidden is None else launched.hidden[start : start + item.num_tokens]
             start += item.num_tokens
             if item.seq.status is Status.FINISHED:
@@ -354,9 +346,10 @@ class LLMEngine:
             self._totals["prompt"] += len(state.request.prompt_token_ids)
             self._totals["cached"] += state.cached_tokens
         targets = self._fork(seq, index) if len(choices) > 1 else [seq]
+        ended = False
         for target, (token_id, logprob) in zip(targets, choices, strict=True):
-            self._set_token(target, index, token_id, logprob)
-        if state.finished and state.request.request_id in self._requests:
+            ended |= self._set_token(target, index, token_id, logprob)
+        if ended and state.finished and state.request.request_id in self._requests:
             finished.append(self._completion_result(state))
         elif state.request.stream:
             finished.append(self._partial_result(state, targets))
@@ -407,8 +400,8 @@ class LLMEngine:
                 self.scheduler.add(child)
         return state.seqs
 
-    def _set_token(self, seq: Sequence, index: int, token_id: int, logprob: TokenLogprob | None) -> None:
-        """Put a sampled token at ``index``, and end the sequence if it ends there."""
+    def _set_token(self, seq: Sequence, index: int, token_id: int, logprob: TokenLogprob | None) -> bool:
+        """Put a sampled token at ``index``; end the sequence if it ends there, and say so."""
         seq.put(index, token_id)
         self._totals["generated"] += 1
         if seq.logprobs is not None and logprob is not None:
@@ -422,8 +415,10 @@ class LLMEngine:
             seq.finish_reason = "stop"
         elif _ends_by_length(seq, index):
             seq.finish_reason = "length"
-        if seq.finish_reason is not None:
-            self.scheduler.finish(seq)  # a pending token after ``index`` (sampled for nothing) is never reported
+        if seq.finish_reason is None:
+            return False
+        self.scheduler.finish(seq)  # a pending token after ``index`` (sampled for nothing) is never reported
+        return True
 
     def _completion_result(self, state: RequestState) -> EngineResult:
         del self._requests[state.request.request_id]

@@ -57,7 +57,7 @@ class InputBuffers:
         for item in scheduled:
             seq, n = item.seq, item.num_tokens
             start, table = seq.num_computed_tokens, seq.block_table
-            seqs.append(SeqSlice(row, n, start, list(table)))
+            seqs.append(SeqSlice(row, n, start, table))
             if n == 1:  # a decode: scalars are cheaper than numpy calls
                 ids[row], positions[row], slots[row] = seq.token_ids[start], start, table[start // bs] * bs + start % bs
             else:

@@ -51,12 +51,13 @@ class Scheduler:
                 kept.append(seq)
                 continue
             num_tokens = min(seq.num_uncomputed, budget)
-            while not self.block_manager.can_allocate(seq, num_tokens) and queue:
-                self._preempt(queue.pop())
-            if not self.block_manager.can_allocate(seq, num_tokens):
-                self._preempt(seq)
-                break
-            self.block_manager.allocate(seq, num_tokens)
+            if self.block_manager.blocks_needed(seq, num_tokens):  # else a decode within its last block: common
+                while not self.block_manager.can_allocate(seq, num_tokens) and queue:
+                    self._preempt(queue.pop())
+                if not self.block_manager.can_allocate(seq, num_tokens):
+                    self._preempt(seq)
+                    break
+                self.block_manager.allocate(seq, num_tokens)
             scheduled.append(ScheduledSeq(seq, num_tokens))
             kept.append(seq)
             budget -= num_tokens

@@ -29,6 +29,7 @@ class SeqSlice:
     start: int
     """Position of the first new token: the sequence's tokens before it are already in the cache."""
     block_table: list[int]
+    """The sequence's own (not a copy): read while the step's forward is built, before anything changes it."""
 
     @property
     def end(self) -> int:
