@@ -5,8 +5,9 @@
     python benchmarks/engine_throughput.py --device cuda --dtype bfloat16
 
 Model: a Llama-style model with random weights built in code (``--size``: ``small`` about 35M parameters, ``large``
-about 90M; ``tiny``, one narrow layer and the same 32,000-token head, makes the forward nearly free, so the rows
-compare what each system spends around it: scheduling, inputs, sampling, bookkeeping). Workload:
+about 90M; ``tiny``, one narrow layer and the same 32,000-token head, about 4M: a small forward, so the rows weigh
+more what each system does around it, scheduling, inputs, sampling, bookkeeping; under 10M parameters the engine
+runs it eagerly, vLLM compiles it). Workload:
 ``--requests`` prompts of uniform random token ids, lengths drawn from ``--prompt-len``, each generating a length
 drawn from ``--output-len`` (ignore_eos, greedy). Rows, all in this process on the same model and workload:
 
