@@ -389,6 +389,15 @@ def _fast_paths(engine: LLMEngine) -> str:
     return ", ".join(f"{name} {'on' if on else 'off'}" for name, on in states.items())
 
 
+def _prefill_path(engine: LLMEngine) -> str:
+    varlen = getattr(engine.runner.backend, "varlen", None)
+    if varlen is None:
+        return "one SDPA call each (no varlen call on this device or backend)"
+    if varlen.failure is not None:
+        return f"one SDPA call each (the varlen call failed: {varlen.failure})"
+    return "one varlen call a step" + ("" if varlen.checked else " (not used yet)")
+
+
 def suite(shape: str, args: argparse.Namespace, settings: Settings, budget: Budget, bw: float) -> list[str]:
     """Every measurement of one model shape, as markdown lines."""
     device = args.device
@@ -434,6 +443,7 @@ def suite(shape: str, args: argparse.Namespace, settings: Settings, budget: Budg
             )
 
         measure("engine throughput", throughput)
+        lines.append(f"prefill chunks: {_prefill_path(engine)}")
         for batch in settings.decode_batches:
             measure(f"decode at batch {batch}", lambda batch=batch: decode_at(engine, batch, "default"))
         measure("engine TTFT", lambda: ttft.update(engine=time_to_first_token(engine, settings.ttft_prompt, vocab)))

@@ -2,25 +2,34 @@
 
 A step mixes decodes, prefills from position 0 and prefill chunks that continue a cached context, over block tables
 that share prefix blocks; layers ask for sliding windows, soft-caps and sinks. Every backend (gather eager, gather
-with the fast in-place decode kernel, flex) must give what attending each sequence's queries over its own
-contiguous context gives. The compiled gather's decodes run the C++ kernel, which reads float32 and bfloat16 caches.
+with the fast in-place decode kernel, gather with its prefill chunks in one varlen call, flex) must give what
+attending each sequence's queries over its own contiguous context gives. The compiled gather's decodes run the C++
+kernel, which reads float32 and bfloat16 caches. The varlen call is flash attention on CUDA; here a plain
+implementation of its contract (``reference_varlen``) stands in, so what is checked is how the chunks are laid out
+for it, and what the backend does when the call fails or disagrees.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_mask
 
+from batchgen.server.engine import EngineRequest, EngineResult, LLMEngine, SamplingParams
 from batchgen.server.engine.attention import PagedStep, SeqSlice, cpu_decode, decode, make_backend
 from batchgen.server.engine.attention.flex import Q_BLOCK, _block_mask
 from batchgen.server.engine.attention.gather import GatherBackend
 from batchgen.server.engine.attention.kernels import attend, causal_mask
 from batchgen.server.engine.attention.layer import LayerAttention
+from batchgen.server.engine.attention.varlen import VarlenAttention
 from batchgen.server.engine.kv_cache import KVCache, LayerShape
+
+Run = Callable[[LLMEngine, list[EngineRequest]], dict[str, EngineResult]]
 
 HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 8, 4
 LAYERS = {
@@ -34,9 +43,49 @@ LAYERS = {
 SHAPES = [(9, 1), (0, 7), (12, 6), (0, 1), (23, 1), (4, 11), (30, 1), (16, 3)]
 DECODES = [(9, 1), (0, 1), (23, 1), (30, 1), (3, 1)]
 """A step of decodes alone (the decode kernel then takes the packed rows as they are)."""
+
+
+def reference_varlen(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seq_q: torch.Tensor,
+    cu_seq_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    *,
+    scale: float | None,
+    window_size: tuple[int, int],
+    enable_gqa: bool,
+) -> torch.Tensor:
+    """``torch.nn.attention.varlen.varlen_attn``'s contract, sequence by sequence: query ``i`` of a sequence with
+    ``Lq`` queries and ``Lk`` keys sits at key position ``i + Lk - Lq`` (the mask aligned bottom right) and sees the
+    keys from ``window_size[0]`` before it (all, if negative) to ``window_size[1]`` after it."""
+    assert cu_seq_q.dtype == cu_seq_k.dtype == torch.int32
+    q_lens, k_lens = cu_seq_q.diff().tolist(), cu_seq_k.diff().tolist()
+    assert (max_q, max_k) == (max(q_lens), max(k_lens))
+    left, right = window_size
+    out = []
+    for i in range(len(q_lens)):
+        q = query[cu_seq_q[i] : cu_seq_q[i + 1]].transpose(0, 1)
+        k, v = (t[cu_seq_k[i] : cu_seq_k[i + 1]].transpose(0, 1) for t in (key, value))
+        at = torch.arange(q_lens[i]).unsqueeze(1) + k_lens[i] - q_lens[i]
+        keys = torch.arange(k_lens[i]).unsqueeze(0)
+        visible = (keys <= at + right) & ((keys >= at - left) if left >= 0 else True)
+        out.append(F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=enable_gqa))
+    return torch.cat(out, dim=1).transpose(0, 1)
+
+
+def _varlen_gather(call: object = reference_varlen, checked: bool = True) -> GatherBackend:
+    varlen = VarlenAttention(call, dtypes=(torch.float64,))  # type: ignore[arg-type]
+    varlen.checked = checked
+    return GatherBackend(None, varlen)
+
+
 BACKENDS = {
     "gather": lambda: make_backend("gather", torch.device("cpu"), compiled=False),
     "gather-compiled": lambda: COMPILED_GATHER,
+    "gather-varlen": _varlen_gather,
     "flex": lambda: make_backend("flex", torch.device("cpu"), compiled=False),
 }
 COMPILED_GATHER = make_backend("gather", torch.device("cpu"), compiled=True)
@@ -195,3 +244,54 @@ def test_the_decode_kernel_without_a_compiler_runs_eagerly(
             torch.testing.assert_close(out[seq.row : seq.row + 1].double(), expected, rtol=1e-5, atol=1e-5)
     finally:
         cpu_decode.library.cache_clear()  # the next test builds (or finds) the real one
+
+
+@pytest.mark.parametrize("layer_name", ["plain", "window"])
+def test_varlen_call_is_checked_on_first_use(layer_name: str, caplog: pytest.LogCaptureFixture) -> None:
+    """The first varlen call runs beside the per-chunk path and must agree with it; one that disagrees or raises is
+    turned off for good (the reason logged once), and the step's output is the per-chunk path's."""
+    layer = LAYERS[layer_name]
+
+    def off_by_one_window(*args: object, **kwargs: object) -> torch.Tensor:
+        left, right = kwargs["window_size"]  # type: ignore[misc]
+        return reference_varlen(*args, **{**kwargs, "window_size": (left + 2 if left >= 0 else 1, right)})  # type: ignore[arg-type]
+
+    def raising(*args: object, **kwargs: object) -> torch.Tensor:
+        raise RuntimeError("FlashAttention only supports Ampere GPUs or newer")
+
+    for call, agrees in ((reference_varlen, True), (off_by_one_window, False), (raising, False)):
+        step, cache, query, key, value = _step(4)
+        step.backend = backend = _varlen_gather(call, checked=False)
+        assert backend.varlen is not None
+        for _ in range(2):  # the first step checks; the second runs the call alone, or the per-chunk path
+            out = step.attend(query, key, value, layer)
+            step.layers_attended = 0
+            for seq in step.seqs:
+                expected = _reference(cache, seq, query, layer)
+                torch.testing.assert_close(out[seq.row : seq.row + seq.num_tokens].double(), expected)
+        assert backend.varlen.checked == (call is not raising)
+        assert (backend.varlen.failure is None) == agrees
+    assert "disagrees with per-chunk attention" in caplog.text and "Ampere" in caplog.text
+
+
+def test_varlen_chunks_in_the_engine(
+    make_engine: Callable[..., LLMEngine], random_prompts: Callable[..., list[list[int]]], run_to_completion: Run
+) -> None:
+    """Through the engine: prompts prefilled in chunks beside decodes (a small step budget), some continuing a
+    prefix-cache hit, attended in one varlen call a step give the tokens and logprobs of chunks attended one by one."""
+    prompts = random_prompts(10, 5, 60, seed=21)
+    prompts[3] = [*prompts[0][:40], 9]  # its first blocks come from the cache: its chunks continue a context
+    params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=True, top_logprobs=2)
+    outputs = []
+    for varlen in (False, True):
+        engine = make_engine(max_num_batched_tokens=24, block_size=4)
+        if varlen:
+            engine.runner.backend = backend = _varlen_gather()
+        results = run_to_completion(engine, [EngineRequest(f"r{i}", p, params) for i, p in enumerate(prompts)])
+        outputs.append({rid: r.outputs[0] for rid, r in results.items()})
+        assert results["r3"].cached_tokens > 0
+    assert engine.runner.backend is backend  # no fallback happened
+    for rid, plain in outputs[0].items():
+        assert outputs[1][rid].token_ids == plain.token_ids
+        for got, want in zip(outputs[1][rid].logprobs or [], plain.logprobs or [], strict=True):
+            assert got.logprob == pytest.approx(want.logprob, abs=1e-9)

@@ -21,6 +21,7 @@ from .gather import GatherBackend
 from .layer import AttentionRefused, LayerAttention
 from .probe import LayerProbe
 from .step import AttentionBackend, PagedStep, SeqSlice, active, current
+from .varlen import VarlenAttention, flash_varlen
 
 ATTENTION_NAME = "batchgen_paged"
 PROBE_NAME = "batchgen_probe"
@@ -81,10 +82,12 @@ def probe_attention(
 
 
 def make_backend(name: str, device: torch.device, compiled: bool) -> AttentionBackend:
-    """``auto`` is ``gather``. ``compiled``: gather's decodes read the cache in place through the fast kernel;
-    flex is compiled on CUDA (eager, it is a dense reference over the whole cache: for the tests' small caches)."""
+    """``auto`` is ``gather``. ``compiled``: gather's decodes read the cache in place through the fast kernel, and on
+    CUDA its prefill chunks attend in one varlen call; flex is compiled on CUDA (eager, it is a dense reference over
+    the whole cache: for the tests' small caches)."""
     if name in ("auto", "gather"):
-        return GatherBackend(DecodeKernel() if compiled else None)
+        call = flash_varlen() if compiled and device.type == "cuda" else None
+        return GatherBackend(DecodeKernel() if compiled else None, VarlenAttention(call) if call else None)
     if name == "flex":
         return FlexBackend(compiled=compiled and device.type == "cuda")
     raise ValueError(f"unknown attention backend {name!r}; choose auto, gather or flex")

@@ -3,7 +3,8 @@
 Decodes attend in one batched call: on the fast path through ``decode.py``'s kernel, which reads the cache in place;
 eagerly, each decode's context is copied block by block into buffers reused across layers and steps (padded to the
 longest, masked) and attended with SDPA. Each prefill chunk attends in its own call, against its own new keys alone
-when it starts the sequence, else against its gathered context.
+when it starts the sequence, else against its gathered context; on the fast path on CUDA, all of a step's chunks
+attend in one flash-attention call instead (``varlen.py``), where the layer allows.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from .decode import DecodeKernel, DecodePairs, decode_tables, first_visible
 from .kernels import attend, causal_mask
 from .layer import LayerAttention
 from .step import PagedStep, SeqSlice
+from .varlen import PackedChunks, VarlenAttention
 
 
 @dataclass(slots=True)
@@ -47,7 +49,8 @@ class _Views:
     """What the layers of one window size read, built once per step."""
 
     decodes: _Decodes | None
-    chunks: list[_Chunk]
+    packed_chunks: PackedChunks | None
+    """The prefill chunks laid out for one varlen call (when the backend has one and there are chunks)."""
 
 
 class GatherBuffers:
@@ -68,10 +71,12 @@ class GatherBuffers:
 
 
 class GatherBackend:
-    def __init__(self, decode_kernel: DecodeKernel | None) -> None:
+    def __init__(self, decode_kernel: DecodeKernel | None, varlen: VarlenAttention | None = None) -> None:
         self.buffers = GatherBuffers()
         self.decode_kernel = decode_kernel
         """The fast in-place decode attention; ``None`` gathers the decodes' contexts eagerly."""
+        self.varlen = varlen
+        """The prefill chunks' one call; ``None`` attends them one call each."""
 
     def attend(
         self,
@@ -83,7 +88,8 @@ class GatherBackend:
         layer: LayerAttention,
     ) -> torch.Tensor:
         views: _Views = step.memo(
-            ("gather", layer.window), lambda: _build_views(step, layer.window, self.decode_kernel is not None)
+            ("gather", layer.window),
+            lambda: _build_views(step, layer.window, self.decode_kernel is not None, self.varlen is not None),
         )
         k_cache, v_cache = step.cache.k[layer_index], step.cache.v[layer_index]
         device, bs = k_cache.device, step.cache.block_size  # device differs from the step's only under device_map
@@ -96,7 +102,47 @@ class GatherBackend:
             assert decodes.rows is not None
             rows = decodes.rows.to(device)
             out[rows] = self._decode(q[rows], k_cache, v_cache, decodes, bs, layer)
-        for chunk in views.chunks:
+        packed, varlen = views.packed_chunks, self.varlen
+        if (
+            packed is not None
+            and varlen is not None
+            and packed.slots.device == device
+            and varlen.supports(q, v_cache, layer)
+        ):
+            try:
+                result = varlen(q, k_cache, v_cache, packed, layer)
+            except Exception as exc:
+                if varlen.checked:
+                    raise  # it ran before: the inputs', for the runner's fallback to judge
+                varlen.fail(f"{type(exc).__name__}: {exc}")
+            else:
+                if varlen.checked:
+                    out[packed.rows] = result
+                    return out
+                self._chunks(step, out, query, key, value, k_cache, v_cache, layer)
+                varlen.check(result, out[packed.rows])
+                return out
+        self._chunks(step, out, query, key, value, k_cache, v_cache, layer)
+        return out
+
+    def _chunks(
+        self,
+        step: PagedStep,
+        out: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        layer: LayerAttention,
+    ) -> None:
+        """Each prefill chunk in its own call, into ``out``."""
+        device, bs, window = k_cache.device, step.cache.block_size, layer.window
+        chunks: list[_Chunk] = step.memo(  # once a step and window, and only where chunks attend one by one
+            ("gather-chunks", window),
+            lambda: [_chunk_view(s, window, bs, step.device) for s in step.seqs if s.num_tokens > 1],
+        )
+        for chunk in chunks:
             qp = query[:, :, chunk.start : chunk.end]
             if chunk.blocks is None:
                 kp, vp = key[:, :, chunk.start : chunk.end], value[:, :, chunk.start : chunk.end]
@@ -110,7 +156,6 @@ class GatherBackend:
                 )
             mask = None if chunk.mask is None else chunk.mask.to(device)
             out[chunk.start : chunk.end] = attend(qp, kp, vp, layer, mask)[0].transpose(0, 1)
-        return out
 
     def _decode(
         self,
@@ -145,16 +190,17 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, block_size: int, out: tor
     return gathered.view(heads, *blocks.shape[:-1], context, dim).movedim(0, -3)
 
 
-def _build_views(step: PagedStep, window: int | None, with_pairs: bool) -> _Views:
+def _build_views(step: PagedStep, window: int | None, with_pairs: bool, with_packed_chunks: bool) -> _Views:
     bs, device = step.cache.block_size, step.device
     decodes = [s for s in step.seqs if s.num_tokens == 1]
-    chunks = [_chunk_view(s, window, bs, device) for s in step.seqs if s.num_tokens > 1]
+    chunks = [s for s in step.seqs if s.num_tokens > 1]
+    packed = PackedChunks.build(chunks, window, bs, device) if with_packed_chunks and chunks else None
     if not decodes:
-        return _Views(None, chunks)
+        return _Views(None, packed)
     blocks, lengths, visible = decode_tables(decodes, window, bs)
     pairs = DecodePairs.from_tables(blocks, lengths, visible).to(device) if with_pairs else None
     rows = None if len(decodes) == len(step.seqs) else indices([s.row for s in decodes], device)
-    return _Views(_Decodes(rows, to_device(blocks, device), to_device(visible, device), pairs), chunks)
+    return _Views(_Decodes(rows, to_device(blocks, device), to_device(visible, device), pairs), packed)
 
 
 def _chunk_view(seq: SeqSlice, window: int | None, bs: int, device: torch.device) -> _Chunk:

@@ -1,0 +1,136 @@
+"""A step's prefill chunks in one attention call: flash attention over variable-length sequences, on CUDA.
+
+The gather backend attends each prefill chunk in its own SDPA call per layer; on a GPU each call costs far more host
+time than device time (``benchmarks/RESULTS.md``: 124 us of CPU a call for a few us of work). Here every chunk of a
+step attends in one call of ``torch.nn.attention.varlen.varlen_attn``: the chunks' queries picked from the packed
+row, their contexts' keys and values gathered from the cache back to back, each chunk's span given by cumulative
+lengths. Flash attention aligns its causal (and sliding-window) mask to the bottom right when a sequence has more
+keys than queries: a chunk's queries are the last positions of its context, as a chunk continuing a cached prompt
+needs. It computes neither soft-caps nor sinks and runs in 16-bit floats only: other layers keep the per-chunk path.
+
+The first call is checked against the per-chunk path on the same step; if the two disagree, or a call fails (an
+older GPU, a head size flash does not take), the backend keeps the per-chunk path from then on, saying why once in
+the log.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..transfer import to_device
+from .decode import first_visible
+from .layer import LayerAttention
+from .step import SeqSlice
+
+logger = logging.getLogger(__name__)
+
+VarlenCall = Callable[..., torch.Tensor]
+"""``varlen_attn``'s signature: ``(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, window_size,
+enable_gqa)`` with ``query`` ``[Tq, H, D]`` and ``key``/``value`` ``[Tk, KVH, D]``; returns ``[Tq, H, D]``."""
+
+
+@dataclass(frozen=True, slots=True)
+class PackedChunks:
+    """A step's prefill chunks laid out for one call (built once a step and window size)."""
+
+    rows: torch.Tensor
+    """``[Tq]`` the packed rows of the chunks' queries, chunk after chunk."""
+    slots: torch.Tensor
+    """``[Tk]`` the cache slots of each chunk's visible context (its new tokens' included), chunk after chunk."""
+    cu_q: torch.Tensor
+    """``[C + 1]`` int32: chunk ``i``'s queries are ``rows[cu_q[i]:cu_q[i + 1]]``."""
+    cu_k: torch.Tensor
+    """``[C + 1]`` int32: its keys are ``slots[cu_k[i]:cu_k[i + 1]]``."""
+    max_q: int
+    max_k: int
+
+    @classmethod
+    def build(cls, chunks: list[SeqSlice], window: int | None, block_size: int, device: torch.device) -> PackedChunks:
+        rows, slots, q_lens, k_lens = [], [], [], []
+        for chunk in chunks:
+            rows.append(np.arange(chunk.row, chunk.row + chunk.num_tokens))
+            first = first_visible(chunk.start, window)  # the first position any of its queries sees
+            positions = np.arange(first, chunk.end)
+            slots.append(np.asarray(chunk.block_table)[positions // block_size] * block_size + positions % block_size)
+            q_lens.append(chunk.num_tokens)
+            k_lens.append(len(positions))
+        cu = np.zeros((2, len(chunks) + 1), dtype=np.int32)
+        cu[0, 1:], cu[1, 1:] = np.cumsum(q_lens), np.cumsum(k_lens)
+        indices = to_device(torch.from_numpy(np.concatenate([*rows, *slots])), device)
+        total_q = int(cu[0, -1])
+        cu_device = to_device(torch.from_numpy(cu), device)
+        return cls(indices[:total_q], indices[total_q:], cu_device[0], cu_device[1], max(q_lens), max(k_lens))
+
+
+def flash_varlen() -> VarlenCall | None:
+    """torch's ``varlen_attn``, where this build has it."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    call: VarlenCall = varlen_attn
+    return call
+
+
+class VarlenAttention:
+    """The chunks of a step in one call (``call``: ``varlen_attn`` on CUDA; the tests give a plain reference)."""
+
+    def __init__(self, call: VarlenCall, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)) -> None:
+        self.call = call
+        self.dtypes = dtypes
+        self.checked = False
+        """Whether a first call agreed with the per-chunk path."""
+        self.failure: str | None = None
+        """Why the per-chunk path serves from now on."""
+
+    def supports(self, query: torch.Tensor, value: torch.Tensor, layer: LayerAttention) -> bool:
+        head_dim = query.shape[-1]
+        return (
+            self.failure is None
+            and query.dtype in self.dtypes
+            and not layer.needs_explicit_scores
+            and value.shape[-1] == head_dim <= 256
+            and head_dim % 8 == 0
+        )
+
+    def __call__(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        chunks: PackedChunks,
+        layer: LayerAttention,
+    ) -> torch.Tensor:
+        """``query`` ``[T, H, D]`` (the packed row); caches ``[KVH, slots, D]``. Returns ``[Tq, H, D]``, the rows
+        ``chunks.rows``."""
+        keys = k_cache.transpose(0, 1)[chunks.slots]  # [Tk, KVH, D], contiguous
+        values = v_cache.transpose(0, 1)[chunks.slots]
+        window = (-1, 0) if layer.window is None else (layer.window - 1, 0)  # (left, right): causal, and the window
+        return self.call(
+            query[chunks.rows],
+            keys,
+            values,
+            chunks.cu_q,
+            chunks.cu_k,
+            chunks.max_q,
+            chunks.max_k,
+            scale=layer.scale,
+            window_size=window,
+            enable_gqa=query.shape[1] != k_cache.shape[0],
+        )
+
+    def check(self, result: torch.Tensor, expected: torch.Tensor) -> None:
+        """The first call's ``result`` against the per-chunk path's; turn this off if they disagree."""
+        self.checked = True
+        if not torch.allclose(result.float(), expected.float(), rtol=3e-2, atol=3e-2):
+            error = (result.float() - expected.float()).abs().max().item()
+            self.fail(f"it disagrees with per-chunk attention on its first step (largest difference {error:.3g})")
+
+    def fail(self, reason: str) -> None:
+        self.failure = reason
+        logger.warning("prefill chunks attend one call each from now on: the single varlen call failed (%s)", reason)
