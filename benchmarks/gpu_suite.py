@@ -395,7 +395,11 @@ def _prefill_path(engine: LLMEngine) -> str:
         return "one SDPA call each (no varlen call on this device or backend)"
     if varlen.failure is not None:
         return f"one SDPA call each (the varlen call failed: {varlen.failure})"
-    return "one varlen call a step" + ("" if varlen.checked else " (not used yet)")
+    checked = ", ".join(
+        f"window {window}: {'continuing' if continues else 'new'}{' past the window' if beyond else ''}"
+        for window, continues, beyond in sorted(varlen.checked, key=str)
+    )
+    return f"one varlen call a step (checked against per-chunk SDPA on first use of: {checked or 'none yet'})"
 
 
 def suite(shape: str, args: argparse.Namespace, settings: Settings, budget: Budget, bw: float) -> list[str]:

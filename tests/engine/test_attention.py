@@ -14,6 +14,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -76,10 +77,9 @@ def reference_varlen(
     return torch.cat(out, dim=1).transpose(0, 1)
 
 
-def _varlen_gather(call: object = reference_varlen, checked: bool = True) -> GatherBackend:
-    varlen = VarlenAttention(call, dtypes=(torch.float64,))  # type: ignore[arg-type]
-    varlen.checked = checked
-    return GatherBackend(None, varlen)
+def _varlen_gather(call: object = reference_varlen, verify: bool = False) -> GatherBackend:
+    """Gather with the varlen call, unchecked by default: its own output serves from the first step."""
+    return GatherBackend(None, VarlenAttention(call, dtypes=(torch.float64,), verify=verify))  # type: ignore[arg-type]
 
 
 BACKENDS = {
@@ -248,20 +248,20 @@ def test_the_decode_kernel_without_a_compiler_runs_eagerly(
 
 @pytest.mark.parametrize("layer_name", ["plain", "window"])
 def test_varlen_call_is_checked_on_first_use(layer_name: str, caplog: pytest.LogCaptureFixture) -> None:
-    """The first varlen call runs beside the per-chunk path and must agree with it; one that disagrees or raises is
-    turned off for good (the reason logged once), and the step's output is the per-chunk path's."""
+    """The first varlen call of each kind runs beside the per-chunk path and must agree with it; one that disagrees
+    or raises is turned off for good (the reason logged once), and the step's output is the per-chunk path's."""
     layer = LAYERS[layer_name]
 
-    def off_by_one_window(*args: object, **kwargs: object) -> torch.Tensor:
-        left, right = kwargs["window_size"]  # type: ignore[misc]
-        return reference_varlen(*args, **{**kwargs, "window_size": (left + 2 if left >= 0 else 1, right)})  # type: ignore[arg-type]
+    def off_by_one_window(*args: Any, **kwargs: Any) -> torch.Tensor:
+        left, right = kwargs["window_size"]
+        return reference_varlen(*args, **{**kwargs, "window_size": (left + 2 if left >= 0 else 1, right)})
 
-    def raising(*args: object, **kwargs: object) -> torch.Tensor:
+    def raising(*args: Any, **kwargs: Any) -> torch.Tensor:
         raise RuntimeError("FlashAttention only supports Ampere GPUs or newer")
 
     for call, agrees in ((reference_varlen, True), (off_by_one_window, False), (raising, False)):
         step, cache, query, key, value = _step(4)
-        step.backend = backend = _varlen_gather(call, checked=False)
+        step.backend = backend = _varlen_gather(call, verify=True)
         assert backend.varlen is not None
         for _ in range(2):  # the first step checks; the second runs the call alone, or the per-chunk path
             out = step.attend(query, key, value, layer)
@@ -269,9 +269,21 @@ def test_varlen_call_is_checked_on_first_use(layer_name: str, caplog: pytest.Log
             for seq in step.seqs:
                 expected = _reference(cache, seq, query, layer)
                 torch.testing.assert_close(out[seq.row : seq.row + seq.num_tokens].double(), expected)
-        assert backend.varlen.checked == (call is not raising)
+        # SHAPES holds chunks that continue a context, and contexts past the 5-token window.
+        assert backend.varlen.checked == ({(layer.window, True, layer.window is not None)} if agrees else set())
         assert (backend.varlen.failure is None) == agrees
     assert "disagrees with per-chunk attention" in caplog.text and "Ampere" in caplog.text
+
+
+def test_each_kind_of_varlen_call_is_checked_once() -> None:
+    """A step of new chunks alone, then one with a chunk continuing a context: each kind is checked when first met."""
+    backend = _varlen_gather(verify=True)
+    assert backend.varlen is not None
+    for shapes, kinds in (([(0, 7), (0, 3)], 1), ([(0, 7), (0, 3)], 1), ([(0, 7), (12, 6)], 2)):
+        step, _, query, key, value = _step(6, shapes)
+        step.backend = backend
+        step.attend(query, key, value, LAYERS["plain"])
+        assert len(backend.varlen.checked) == kinds and backend.varlen.failure is None
 
 
 def test_varlen_chunks_in_the_engine(

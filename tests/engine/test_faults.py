@@ -87,19 +87,28 @@ def _poison(rid: str, **params: Any) -> EngineRequest:
     return EngineRequest(rid, [5, 6, 7, 8, 9], SamplingParams(max_tokens=6, **params), group="g")
 
 
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
 def test_a_failing_request_fails_alone(
     make_engine: Callable[..., LLMEngine],
     prompts: list[list[int]],
     clean: dict[str, Any],
     injected_faults: dict[str, int],
     run_to_completion: Callable[..., Any],
+    async_scheduling: str,
 ) -> None:
+    """The poisoned requests arrive while the good ones decode: with async scheduling, a step then fails to launch
+    while another is in flight, which is settled first; the failing step is isolated as before."""
     poison = [
         _poison("bad-forward", stop=(FORWARD_FAULT,)),
         _poison("bad-sampler", temperature=1.0, seed=SAMPLER_FAULT_SEED),
     ]
     good = _good_requests(prompts)
-    results = run_to_completion(make_engine(), [*good[:5], *poison, *good[5:]])
+    engine = make_engine(async_scheduling=async_scheduling)
+    for request in good:
+        engine.add_request(request)
+    early = engine.step() + engine.step()
+    assert (engine._in_flight is not None) == (async_scheduling == "on")
+    results = {result.request_id: result for result in early} | run_to_completion(engine, poison)
     assert _outputs(results) == clean  # token for token, sampled requests included
     for rid, fault in (("bad-forward", "injected forward fault"), ("bad-sampler", "injected sampler fault")):
         error = results[rid].error

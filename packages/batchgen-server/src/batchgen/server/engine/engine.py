@@ -195,17 +195,23 @@ class LLMEngine:
         return finished
 
     def _launch(self, scheduled: list[ScheduledSeq], finished: list[EngineResult]) -> _Launched | None:
-        """Start the step; if that fails, settle the step in flight and isolate the fault (``_isolate``)."""
+        """Start the step, and leave it in flight. If starting fails: with no step in flight, isolate the fault;
+        else settle that step first, and run this one again from there, one step at a time."""
         try:
             return self._start(scheduled)
         except Exception as exc:
-            if self._in_flight is not None:
+            if self._in_flight is None:
+                self._isolate(scheduled, exc, finished)
+            else:
                 self._settle(finished)
-            self._isolate(scheduled, exc, finished)
+                self._run(scheduled, finished)
             return None
 
     def _run(self, scheduled: list[ScheduledSeq], finished: list[EngineResult]) -> None:
         """Start the step and settle it at once; if starting fails, isolate the fault."""
+        scheduled = [item for item in scheduled if item.seq.status is Status.RUNNING]  # not failed or ended meanwhile
+        if not scheduled:
+            return
         try:
             launched = self._start(scheduled)
         except Exception as exc:
@@ -219,10 +225,8 @@ class LLMEngine:
         the request(s) that make it fail are failed (with a ``server_error`` result) and everyone else's step goes
         on. Starting a step changes no engine state until its forward and sampling are launched, and sampling is
         stateless, so a retried half gives exactly what the whole would have."""
-        scheduled = [item for item in scheduled if item.seq.status is Status.RUNNING]  # not failed or ended meanwhile
-        if len(scheduled) <= 1:
-            if scheduled:
-                self._fail(scheduled[0].seq.state, exc, finished)
+        if len(scheduled) == 1:
+            self._fail(scheduled[0].seq.state, exc, finished)
             return
         half = len(scheduled) // 2
         self._run(scheduled[:half], finished)
@@ -272,7 +276,7 @@ class LLMEngine:
                 logits = logits[indices(logits_rows, logits.device)]
             sampled = self.sampler.launch(logits, rows)
 
-        launched = _Launched(scheduled, choices, output.hidden, sampled, overlappable=self.async_scheduling)
+        launched = _Launched(scheduled, choices, output.hidden, sampled)
         row = 0
         for item, n in zip(scheduled, choices, strict=True):
             seq = item.seq
@@ -499,8 +503,8 @@ class _Launched:
     or ``n`` when the prompt just completed (its choices fork from it)."""
     hidden: torch.Tensor | None
     sampled: Sampled | None
-    overlappable: bool
-    """Whether the next step may be scheduled and launched before this one is settled."""
+    overlappable: bool = True
+    """Whether the next step may be scheduled and launched before this one is settled (with async scheduling)."""
     first_blocks: list[int] = field(default_factory=list)
     """Each sequence's first block not full before the step: where publishing full blocks resumes."""
     token_indices: list[int] = field(default_factory=list)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -32,12 +33,12 @@ class HostCopy:
             self._host = tensor
             return
         self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        self._host.copy_(tensor, non_blocking=True)
+        self._host.copy_(tensor, non_blocking=True)  # on the stream of the tensor's device (not the current device's)
         self._event = torch.cuda.Event()
-        self._event.record()
+        self._event.record(torch.cuda.current_stream(tensor.device))
 
-    def tolist(self) -> list[float]:
+    def tolist(self) -> list[Any]:
         if self._event is not None:
             self._event.synchronize()
-        values: list[float] = self._host.tolist()
+        values: list[Any] = self._host.tolist()
         return values

@@ -107,20 +107,18 @@ class GatherBackend:
             packed is not None
             and varlen is not None
             and packed.slots.device == device
-            and varlen.supports(q, v_cache, layer)
+            and varlen.supports(q, k_cache, v_cache, layer)
         ):
             try:
                 result = varlen(q, k_cache, v_cache, packed, layer)
-            except Exception as exc:
-                if varlen.checked:
-                    raise  # it ran before: the inputs', for the runner's fallback to judge
+            except Exception as exc:  # the per-chunk path below serves (and raises if the fault is the inputs')
                 varlen.fail(f"{type(exc).__name__}: {exc}")
             else:
-                if varlen.checked:
+                if varlen.trusted(packed):
                     out[packed.rows] = result
                     return out
                 self._chunks(step, out, query, key, value, k_cache, v_cache, layer)
-                varlen.check(result, out[packed.rows])
+                varlen.check(packed, result, out[packed.rows])
                 return out
         self._chunks(step, out, query, key, value, k_cache, v_cache, layer)
         return out

@@ -8,9 +8,10 @@ lengths. Flash attention aligns its causal (and sliding-window) mask to the bott
 keys than queries: a chunk's queries are the last positions of its context, as a chunk continuing a cached prompt
 needs. It computes neither soft-caps nor sinks and runs in 16-bit floats only: other layers keep the per-chunk path.
 
-The first call is checked against the per-chunk path on the same step; if the two disagree, or a call fails (an
-older GPU, a head size flash does not take), the backend keeps the per-chunk path from then on, saying why once in
-the log.
+The first call of each kind (per window size: chunks that start their sequence or continue a cached context, and
+contexts within or beyond the window) is checked against the per-chunk path on the same step; if the two disagree,
+or a call fails (an older GPU, a head size flash does not take, memory), the backend keeps the per-chunk path from
+then on, saying why once in the log.
 """
 
 from __future__ import annotations
@@ -48,11 +49,17 @@ class PackedChunks:
     """``[C + 1]`` int32: its keys are ``slots[cu_k[i]:cu_k[i + 1]]``."""
     max_q: int
     max_k: int
+    kind: tuple[int | None, bool, bool]
+    """What the first-use check tells apart: the window, whether a chunk continues a cached context, whether a
+    context reaches past the window."""
 
     @classmethod
     def build(cls, chunks: list[SeqSlice], window: int | None, block_size: int, device: torch.device) -> PackedChunks:
         rows, slots, q_lens, k_lens = [], [], [], []
+        continues = beyond_window = False
         for chunk in chunks:
+            continues |= chunk.start > 0
+            beyond_window |= window is not None and chunk.end > window
             rows.append(np.arange(chunk.row, chunk.row + chunk.num_tokens))
             first = first_visible(chunk.start, window)  # the first position any of its queries sees
             positions = np.arange(first, chunk.end)
@@ -64,7 +71,8 @@ class PackedChunks:
         indices = to_device(torch.from_numpy(np.concatenate([*rows, *slots])), device)
         total_q = int(cu[0, -1])
         cu_device = to_device(torch.from_numpy(cu), device)
-        return cls(indices[:total_q], indices[total_q:], cu_device[0], cu_device[1], max(q_lens), max(k_lens))
+        kind = (window, continues, beyond_window)
+        return cls(indices[:total_q], indices[total_q:], cu_device[0], cu_device[1], max(q_lens), max(k_lens), kind)
 
 
 def flash_varlen() -> VarlenCall | None:
@@ -80,23 +88,37 @@ def flash_varlen() -> VarlenCall | None:
 class VarlenAttention:
     """The chunks of a step in one call (``call``: ``varlen_attn`` on CUDA; the tests give a plain reference)."""
 
-    def __init__(self, call: VarlenCall, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)) -> None:
+    def __init__(
+        self,
+        call: VarlenCall,
+        dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16),
+        verify: bool = True,
+    ) -> None:
         self.call = call
         self.dtypes = dtypes
-        self.checked = False
-        """Whether a first call agreed with the per-chunk path."""
+        self.verify = verify
+        """Whether each kind of call is first checked against the per-chunk path."""
+        self.checked: set[tuple[int | None, bool, bool]] = set()
+        """The kinds of call (``PackedChunks.kind``) that agreed with the per-chunk path."""
         self.failure: str | None = None
         """Why the per-chunk path serves from now on."""
 
-    def supports(self, query: torch.Tensor, value: torch.Tensor, layer: LayerAttention) -> bool:
+    def supports(
+        self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: LayerAttention
+    ) -> bool:
         head_dim = query.shape[-1]
         return (
             self.failure is None
             and query.dtype in self.dtypes
+            and k_cache.dtype == v_cache.dtype == query.dtype
             and not layer.needs_explicit_scores
-            and value.shape[-1] == head_dim <= 256
+            and v_cache.shape[-1] == head_dim <= 256
             and head_dim % 8 == 0
         )
+
+    def trusted(self, chunks: PackedChunks) -> bool:
+        """Whether a call of this kind may serve without the per-chunk path beside it."""
+        return not self.verify or chunks.kind in self.checked
 
     def __call__(
         self,
@@ -124,12 +146,15 @@ class VarlenAttention:
             enable_gqa=query.shape[1] != k_cache.shape[0],
         )
 
-    def check(self, result: torch.Tensor, expected: torch.Tensor) -> None:
-        """The first call's ``result`` against the per-chunk path's; turn this off if they disagree."""
-        self.checked = True
-        if not torch.allclose(result.float(), expected.float(), rtol=3e-2, atol=3e-2):
-            error = (result.float() - expected.float()).abs().max().item()
-            self.fail(f"it disagrees with per-chunk attention on its first step (largest difference {error:.3g})")
+    def check(self, chunks: PackedChunks, result: torch.Tensor, expected: torch.Tensor) -> None:
+        """The first call of a kind against the per-chunk path's ``expected``; turn this off if they disagree."""
+        if torch.allclose(result.float(), expected.float(), rtol=3e-2, atol=3e-2):
+            self.checked.add(chunks.kind)
+            return
+        error = (result.float() - expected.float()).abs().max().item()
+        window, continues, beyond = chunks.kind
+        kind = f"window {window}, {'continuing' if continues else 'new'} chunks{', past the window' if beyond else ''}"
+        self.fail(f"it disagrees with per-chunk attention ({kind}: largest difference {error:.3g})")
 
     def fail(self, reason: str) -> None:
         self.failure = reason
