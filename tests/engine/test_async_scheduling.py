@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from batchgen.server.engine import EngineRequest, EngineResult, LLMEngine, SamplingParams
+from batchgen.server.engine.errors import ModelLoadError
 from batchgen.server.engine.inputs import DeviceTokens, InputBuffers
 from batchgen.server.engine.scheduler import ScheduledSeq
 from batchgen.server.engine.sequence import PENDING
@@ -208,5 +209,5 @@ def test_a_request_aborted_while_its_step_runs_reports_nothing(
 def test_async_scheduling_is_on_for_cuda_only_unless_asked(make_engine: Callable[..., LLMEngine]) -> None:
     assert make_engine().async_scheduling is False  # auto, on CPU
     assert make_engine(async_scheduling="on").async_scheduling is True
-    with pytest.raises(ValueError, match="--async-scheduling"):
+    with pytest.raises(ModelLoadError, match="--async-scheduling"):
         make_engine(async_scheduling="sometimes")

@@ -98,11 +98,11 @@ class EngineConfig:
         """The names requests may use for the model, its id first."""
         return self.served_model_name or (self.model,)
 
-    def __post_init__(self) -> None:
-        if self.async_scheduling not in ("auto", "on", "off"):
-            raise ValueError(f"unknown --async-scheduling {self.async_scheduling!r}: use auto, on or off")
-
     def uses_async_scheduling(self, device: torch.device) -> bool:
+        from .errors import ModelLoadError
+
+        if self.async_scheduling not in ("auto", "on", "off"):
+            raise ModelLoadError(f"unknown --async-scheduling {self.async_scheduling!r}: use auto, on or off")
         return self.async_scheduling == "on" or (self.async_scheduling == "auto" and device.type == "cuda")
 
     def apply_torch_threads(self) -> None:
