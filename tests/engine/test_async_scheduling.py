@@ -19,6 +19,7 @@ import torch
 from batchgen.server.engine import EngineRequest, EngineResult, LLMEngine, SamplingParams
 from batchgen.server.engine.errors import ModelLoadError
 from batchgen.server.engine.inputs import DeviceTokens, InputBuffers
+from batchgen.server.engine.sampler import Sampled
 from batchgen.server.engine.scheduler import ScheduledSeq
 from batchgen.server.engine.sequence import PENDING
 
@@ -211,3 +212,26 @@ def test_async_scheduling_is_on_for_cuda_only_unless_asked(make_engine: Callable
     assert make_engine(async_scheduling="on").async_scheduling is True
     with pytest.raises(ModelLoadError, match="--async-scheduling"):
         make_engine(async_scheduling="sometimes")
+
+
+def test_a_step_the_device_fails_names_its_own_requests(
+    make_engine: Callable[..., LLMEngine],
+    random_prompts: Callable[..., list[list[int]]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Reading a step back fails (the device failed running it) after the next one was launched: the suspects the
+    worker strikes are that step's requests, not the next one's newcomers."""
+    engine = make_engine(async_scheduling="on")
+    first, second = random_prompts(2, 5, 10, seed=9)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    engine.add_request(EngineRequest("early", first, params))
+    engine.step()  # its prefill is in flight
+    engine.add_request(EngineRequest("late", second, params))
+
+    def device_fault(self: Sampled) -> Any:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(Sampled, "read", device_fault)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        engine.step()  # launches early's decode and late's prefill, then reads early's prefill back
+    assert engine.suspects() == ["early"]

@@ -304,7 +304,11 @@ class LLMEngine:
         """Read the step in flight back (waiting for the device) and commit it."""
         launched, self._in_flight = self._in_flight, None
         assert launched is not None
-        token_ids, logprobs = launched.sampled.read() if launched.sampled is not None else ([], [])
+        try:
+            token_ids, logprobs = launched.sampled.read() if launched.sampled is not None else ([], [])
+        except Exception:  # the device failed running it (not the step just scheduled): its requests are suspect
+            self._step_request_ids = _request_ids(item.seq for item in launched.scheduled)
+            raise
         row = start = 0
         for item, n, first_block, index in zip(
             launched.scheduled, launched.choices, launched.first_blocks, launched.token_indices, strict=True
