@@ -208,17 +208,12 @@ class LLMEngine:
             return None
 
     def _run(self, scheduled: list[ScheduledSeq], finished: list[EngineResult]) -> None:
-        """Start the step and settle it at once; if starting fails, isolate the fault."""
+        """With no step in flight: launch the step and settle it at once (``_launch`` isolates a fault)."""
         scheduled = [item for item in scheduled if item.seq.status is Status.RUNNING]  # not failed or ended meanwhile
-        if not scheduled:
-            return
-        try:
-            launched = self._start(scheduled)
-        except Exception as exc:
-            self._isolate(scheduled, exc, finished)
-            return
-        self._in_flight = launched
-        self._settle(finished)
+        if scheduled:
+            self._in_flight = self._launch(scheduled, finished)
+            if self._in_flight is not None:
+                self._settle(finished)
 
     def _isolate(self, scheduled: list[ScheduledSeq], exc: Exception, finished: list[EngineResult]) -> None:
         """After the sequences failed to compute together: compute them again in halves, down to one, so that only
