@@ -55,7 +55,7 @@ from engine_throughput import Clock, Row, make_workload, run_hf_generate, run_hf
 
 from batchgen.server.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams
 from batchgen.server.engine.attention import SeqSlice
-from batchgen.server.engine.attention.decode import DecodeKernel, DecodePairs, decode_tables, paged_decode
+from batchgen.server.engine.attention.decode import DecodeKernel, DecodePairs, paged_decode
 from batchgen.server.engine.attention.gather import GatherBackend, _Decodes
 from batchgen.server.engine.attention.layer import LayerAttention
 from batchgen.server.engine.demo_model import build_tokenizer
@@ -278,9 +278,10 @@ def kernels(shape: str, args: argparse.Namespace) -> list[str]:
         v = torch.randn_like(k)
         order = torch.randperm(blocks).view(batch, -1).tolist()
         seqs = [SeqSlice(i, 1, context, order[i]) for i in range(batch)]
-        tables = decode_tables(seqs, None, bs)
-        pairs = DecodePairs.from_tables(*tables).to(torch.device(device))
-        views = _Decodes(None, tables[0].to(device), tables[2].to(device), None)
+        pairs = DecodePairs.build(seqs, None, bs)
+        tables = pairs.padded()
+        pairs = pairs.to(torch.device(device))
+        views = _Decodes(None, tables[0].to(device), tables[1].to(device), None)
         q = torch.randn(batch, heads, dim, device=device, dtype=dtype)
         read = 2 * batch * (context + 1) * kv_heads * dim * k.element_size()
         for name, fn in variants.items():

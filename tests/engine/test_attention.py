@@ -164,6 +164,38 @@ def _must_not_run(*args: object) -> None:
     raise AssertionError("the decode attention ran eagerly")
 
 
+@pytest.mark.parametrize("window", [None, 1, 5, 16])
+@pytest.mark.parametrize("block", [1, BLOCK, 5])
+def test_decode_pairs_name_each_visible_slot_once(window: int | None, block: int) -> None:
+    """``DecodePairs.build`` (built in numpy every step) against the definition, position by position: decode ``i``'s
+    pairs, in order, name the blocks of its table that hold positions ``first_visible`` to its own and mark exactly
+    those slots, whatever else the table holds; ``padded`` (the eager gather's layout) lays out the same."""
+    rng = random.Random(block * 100 + (window or 0))
+    starts = [0, 1, block - 1, block, 3 * block + 2, *(rng.randrange(60) for _ in range(8))]
+    pool = rng.sample(range(1000), 400)
+    decodes = []
+    for row, start in enumerate(starts):
+        table = [pool.pop() for _ in range(start // block + 1 + rng.randrange(3))]  # spare blocks at the end
+        decodes.append(SeqSlice(row, 1, start, table))
+    pairs = decode.DecodePairs.build(decodes, window, block)
+    blocks, visible = pairs.padded()
+    for i, seq in enumerate(decodes):
+        first, end = int(pairs.offsets[i]), int(pairs.offsets[i + 1])
+        assert pairs.seq[first:end].tolist() == [i] * (end - first)
+        expected = [
+            (seq.block_table[p // block], p % block)
+            for p in range(decode.first_visible(seq.start, window), seq.start + 1)
+        ]
+        listed = [
+            (int(pairs.block[j]), slot) for j in range(first, end) for slot in range(block) if pairs.visible[j, slot]
+        ]
+        assert listed == expected
+        assert all(pairs.visible[first:end].any(dim=1)), "a pair that sees nothing"
+        assert blocks[i, : end - first].tolist() == pairs.block[first:end].tolist()
+        assert torch.equal(visible[i].view(-1, block)[: end - first], pairs.visible[first:end])
+        assert not visible[i].view(-1, block)[end - first :].any() and not blocks[i, end - first :].any()
+
+
 @pytest.mark.parametrize("layer_name", sorted(LAYERS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("heads", [(7, 1, 64), (8, 2, 20)], ids=["7-per-kv-head-dim-64", "4-per-kv-head-dim-20"])
@@ -178,8 +210,7 @@ def test_cpu_decode_kernel(layer_name: str, dtype: torch.dtype, heads: tuple[int
         layer = LayerAttention(layer.scale, layer.window, None, torch.linspace(-1, 2, heads[0], dtype=torch.float64))
     step, cache, query, key, value = _step(5, [*DECODES, (40, 1), (300, 1), (2, 1)], dtype, heads, block)
     cache.write(0, step.slot_mapping, key[0], value[0])
-    blocks, lengths, visible = decode.decode_tables(step.seqs, layer.window, block)
-    pairs = decode.DecodePairs.from_tables(blocks, lengths, visible)
+    pairs = decode.DecodePairs.build(step.seqs, layer.window, block)
     # A pair that sees nothing (as a CUDA graph's padding pairs), first among the second decode's.
     at = int(pairs.offsets[1])
     pairs = decode.DecodePairs(

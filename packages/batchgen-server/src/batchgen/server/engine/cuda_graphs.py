@@ -21,7 +21,7 @@ from typing import Protocol
 import torch
 
 from .attention import PagedStep, active
-from .attention.decode import DecodeKernel, DecodePairs, decode_tables
+from .attention.decode import DecodeKernel, DecodePairs
 from .attention.layer import LayerAttention
 from .inputs import PackedInputs
 from .kv_cache import KVCache
@@ -129,7 +129,7 @@ class DecodeGraphs:
         batch = len(packed.seqs)
         bucket = next(size for size in self.buckets if size >= batch)
         bs = self.cache.block_size
-        pairs = {w: DecodePairs.from_tables(*decode_tables(packed.seqs, w, bs)) for w in self.windows}
+        pairs = {w: DecodePairs.build(packed.seqs, w, bs) for w in self.windows}
         # Each padding row gets one pair: the scratch block's first slot.
         needed = max(p.seq.shape[0] for p in pairs.values()) + bucket - batch
         size = max(MIN_PAIRS, 1 << (needed - 1).bit_length())

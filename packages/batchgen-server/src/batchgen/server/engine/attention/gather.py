@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..transfer import indices, to_device
-from .decode import DecodeKernel, DecodePairs, decode_tables, first_visible
+from .decode import DecodeKernel, DecodePairs, first_visible
 from .kernels import attend, causal_mask
 from .layer import LayerAttention
 from .step import PagedStep, SeqSlice
@@ -36,10 +36,11 @@ class _Chunk:
 class _Decodes:
     rows: torch.Tensor | None
     """Packed row of each decode; ``None`` when the step is all decodes, in order."""
-    blocks: torch.Tensor
-    """``[decodes, width]`` block table of each decode's visible context (padded with block 0)."""
-    visible: torch.Tensor
-    """``[decodes, width * block_size]``."""
+    blocks: torch.Tensor | None
+    """``[decodes, width]`` block table of each decode's visible context (padded with block 0), for the eager
+    gather (without the kernel)."""
+    visible: torch.Tensor | None
+    """``[decodes, width * block_size]``, the same."""
     pairs: DecodePairs | None
     """The fast kernel's layout of the same (when the backend has the kernel)."""
 
@@ -168,6 +169,7 @@ class GatherBackend:
         if self.decode_kernel is not None:
             assert decodes.pairs is not None
             return self.decode_kernel(q, k_cache, v_cache, decodes.pairs.to(device), layer)
+        assert decodes.blocks is not None and decodes.visible is not None
         blocks = decodes.blocks.to(device)
         kd = _gather(k_cache, blocks, bs, self.buffers.get("k", blocks.numel() * bs * _row_numel(k_cache), k_cache))
         vd = _gather(v_cache, blocks, bs, self.buffers.get("v", blocks.numel() * bs * _row_numel(v_cache), v_cache))
@@ -195,10 +197,12 @@ def _build_views(step: PagedStep, window: int | None, with_pairs: bool, with_pac
     packed = PackedChunks.build(chunks, window, bs, device) if with_packed_chunks and chunks else None
     if not decodes:
         return _Views(None, packed)
-    blocks, lengths, visible = decode_tables(decodes, window, bs)
-    pairs = DecodePairs.from_tables(blocks, lengths, visible).to(device) if with_pairs else None
     rows = None if len(decodes) == len(step.seqs) else indices([s.row for s in decodes], device)
-    return _Views(_Decodes(rows, to_device(blocks, device), to_device(visible, device), pairs), packed)
+    pairs = DecodePairs.build(decodes, window, bs)
+    if with_pairs:
+        return _Views(_Decodes(rows, None, None, pairs.to(device)), packed)
+    blocks, visible = pairs.padded()
+    return _Views(_Decodes(rows, to_device(blocks, device), to_device(visible, device), None), packed)
 
 
 def _chunk_view(seq: SeqSlice, window: int | None, bs: int, device: torch.device) -> _Chunk:
