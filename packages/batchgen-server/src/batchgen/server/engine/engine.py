@@ -97,7 +97,9 @@ class LLMEngine:
         self.scheduler.num_preemptions = preemptions  # a total since start
         self._requests: dict[str, RequestState] = {}
         self._ready: list[EngineResult] = []
-        self._step_request_ids: list[str] | None = None
+        self._step: list[ScheduledSeq] | None = None
+        """What the step being run holds (its requests are the suspects if it fails); ``None`` between steps and while
+        scheduling."""
         self._in_flight: _Launched | None = None
 
     # ---- requests in and out -----------------------------------------------------------------------------------
@@ -140,8 +142,8 @@ class LLMEngine:
     def suspects(self) -> list[str]:
         """After a step failed beyond the engine's own recovery: the requests it was running (those scheduled, or
         if scheduling itself failed, those the scheduler was running)."""
-        if self._step_request_ids is not None:
-            return self._step_request_ids
+        if self._step is not None:
+            return _request_ids(item.seq for item in self._step)
         return _request_ids(self.scheduler.running)
 
     def has_unfinished_requests(self) -> bool:
@@ -179,9 +181,8 @@ class LLMEngine:
         finished, self._ready = self._ready, []
         if self._in_flight is not None and not self._in_flight.overlappable:
             self._settle(finished)
-        self._step_request_ids = None
-        scheduled = self.scheduler.schedule()
-        self._step_request_ids = _request_ids(item.seq for item in scheduled)
+        self._step = None
+        scheduled = self._step = self.scheduler.schedule()
         now = time.time()
         for item in scheduled:
             if item.seq.state.scheduled is None:
@@ -192,6 +193,7 @@ class LLMEngine:
         self._in_flight = launched
         if launched is not None and (not self.async_scheduling or not self._requests):
             self._settle(finished)  # one step at a time; or every request ended, and what runs is not wanted
+        self._step = None  # it went through (and holds no finished request's state past its step)
         return finished
 
     def _launch(self, scheduled: list[ScheduledSeq], finished: list[EngineResult]) -> _Launched | None:
@@ -302,13 +304,17 @@ class LLMEngine:
         try:
             token_ids, logprobs = launched.sampled.read() if launched.sampled is not None else ([], [])
         except Exception:  # the device failed running it (not the step just scheduled): its requests are suspect
-            self._step_request_ids = _request_ids(item.seq for item in launched.scheduled)
+            self._step = launched.scheduled
             raise
         row = start = 0
         for item, n, first_block, index in zip(
             launched.scheduled, launched.choices, launched.first_blocks, launched.token_indices, strict=True
         ):
-            choices = list(zip(token_ids[row : row + n], logprobs[row : row + n], strict=True))
+            choices = (
+                [(token_ids[row], logprobs[row])]
+                if n == 1
+                else list(zip(token_ids[row : row + n], logprobs[row : row + n], strict=True))
+            )
             row += n
             hidden = None if launched.hidden is None else launched.hidden[start : start + item.num_tokens]
             start += item.num_tokens

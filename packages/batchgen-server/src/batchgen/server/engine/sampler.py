@@ -94,10 +94,10 @@ class Sampled:
         """The chosen token ids and, where asked, their logprobs: the step's one wait for the device."""
         rows, wanted, k = self._rows, self._wanted, self._k
         host = self._host.tolist()
-        token_ids = [int(t) for t in host[: len(rows)]]
         logprobs: list[TokenLogprob | None] = [None] * len(rows)
         if not wanted:
-            return token_ids, logprobs
+            return host, logprobs  # the tokens alone: already ints
+        token_ids = [int(t) for t in host[: len(rows)]]  # float64 in a copy shared with the logprobs
         chosen_list = host[len(rows) : len(rows) + len(wanted)]
         top_lp_list = host[len(rows) + len(wanted) : len(rows) + len(wanted) * (1 + k)]
         top_ids_list = host[len(rows) + len(wanted) * (1 + k) :]
