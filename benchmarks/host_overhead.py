@@ -1,0 +1,146 @@
+"""The host's work a decode step, per sequence, by part: what bounds a GPU's decode at large batches.
+
+    python benchmarks/host_overhead.py                 # batches 64 and 256, 512-token contexts, on CPU
+    python benchmarks/host_overhead.py --batches 256 --rounds 9
+
+On a GPU the host schedules, packs inputs, builds the attention's metadata, prepares sampling and reads results for
+every step; with async scheduling that work hides behind the device's only while it is shorter (an H200 reads the
+1B shape's decode step at batch 64 in about 0.85 ms: ``benchmarks/RESULTS.md``). This measures it on CPU, on a
+model whose forward is cheap (two narrow layers, compiled as the engine compiles a real one, the 32,000-token head):
+each part is timed around its own call, and the host's work is the step's time less what would run on the device
+(the model's forward, without the attention metadata it builds on the host first, and the sampler's argmax). Parts:
+``schedule`` (the scheduler), ``pack`` (token ids, positions, slots), ``decode pairs`` (the decode kernel's layout,
+``DecodePairs.build``), ``sampler`` (its host side), ``settle`` (reading tokens back, stop checks, bookkeeping),
+``rest of the step`` (building the step's sample rows, advancing the sequences).
+
+Each round times ``--steps`` steps of ``batch`` decodes; the table gives the median of ``--rounds`` rounds in
+microseconds a sequence a step. Absolute figures move with the machine (2x between days here): compare versions in
+alternating runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages" / "batchgen-server" / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages" / "batchgen-schemas" / "src"))
+
+from batchgen.server.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams, model_runner, sampler
+from batchgen.server.engine import engine as engine_module
+from batchgen.server.engine.attention.decode import DecodePairs
+from batchgen.server.engine.demo_model import build_model, build_tokenizer
+from batchgen.server.engine.inputs import InputBuffers
+from batchgen.server.engine.scheduler import Scheduler
+
+PARTS = ["schedule", "pack", "decode pairs", "sampler", "settle", "rest of the step"]
+
+
+class Timers:
+    """Seconds spent in each wrapped callable, summed; ``wrap`` replaces the callable on its owner for good."""
+
+    def __init__(self) -> None:
+        self.seconds: collections.Counter[str] = collections.Counter()
+
+    def wrap(self, owner: Any, name: str, key: str) -> None:
+        inner: Callable[..., Any] = getattr(owner, name)
+        seconds = self.seconds
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                seconds[key] += time.perf_counter() - start
+
+        setattr(owner, name, timed)
+
+
+def instrument() -> Timers:
+    timers = Timers()
+    timers.wrap(Scheduler, "schedule", "schedule")
+    timers.wrap(InputBuffers, "pack", "pack")
+    timers.wrap(DecodePairs, "build", "decode pairs")
+    timers.wrap(sampler.Sampler, "launch", "sampler")
+    timers.wrap(sampler, "argmax_first", "argmax")
+    timers.wrap(engine_module.LLMEngine, "_settle", "settle")
+    timers.wrap(model_runner.ModelRunner, "forward", "forward")
+    timers.wrap(engine_module.LLMEngine, "step", "step")
+    return timers
+
+
+def make_engine(batch: int, context: int, max_tokens: int) -> LLMEngine:
+    sizes = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2}
+    model = build_model(32000, 1, 2, 0, **sizes, num_key_value_heads=2, max_position_embeddings=4096).eval()
+    model.generation_config.eos_token_id = None
+    model_runner.EAGER_BELOW_PARAMETERS = 0  # compiled, as a real model is
+    blocks = batch * ((context + max_tokens) // 16 + 2)  # never preempts
+    config = EngineConfig(max_num_batched_tokens=8192, max_num_seqs=batch, num_kv_blocks=blocks)
+    return LLMEngine(model, build_tokenizer(), config, "bench")
+
+
+def measure(batch: int, context: int, steps: int, rounds: int, timers: Timers) -> dict[str, float]:
+    """Median microseconds a sequence a step of each part (and of the host's work, ``host``)."""
+    max_tokens = steps * rounds + batch * context // 8192 + 8
+    engine = make_engine(batch, context, max_tokens)
+    rng = random.Random(0)
+
+    def add(tag: str, max_tokens: int) -> None:
+        for i in range(batch):
+            prompt = [rng.randrange(3, 32000) for _ in range(context)]
+            engine.add_request(
+                EngineRequest(f"{tag}{i}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+            )
+
+    add("warm", 3)  # compiles the layers, at both shapes
+    while engine.has_unfinished_requests():
+        engine.step()
+    add("run", max_tokens)
+    for _ in range(batch * context // 8192 + 3):  # the prompts
+        engine.step()
+    per_round: list[dict[str, float]] = []
+    for _ in range(rounds):
+        timers.seconds.clear()
+        for _ in range(steps):
+            engine.step()
+        us = {key: value / steps / batch * 1e6 for key, value in timers.seconds.items()}
+        us["sampler"] -= us["argmax"]
+        device = us["forward"] - us["pack"] - us["decode pairs"] + us["argmax"]
+        us["host"] = us["step"] - device
+        us["rest of the step"] = us["host"] - sum(us[part] for part in PARTS[:-1])
+        per_round.append(us)
+    return {key: statistics.median(us[key] for us in per_round) for key in [*PARTS, "host", "step"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, nargs="*", default=[64, 256])
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=40, help="steps a round")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    timers = instrument()
+    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; torch {torch.__version__}; {args.threads} thread(s)")
+    print(f"us a sequence a decode step, {args.context}-token contexts, median of {args.rounds} x {args.steps} steps\n")
+    print(f"| batch | host's work | {' | '.join(PARTS)} | whole step (CPU) |")
+    print(f"|---:|---:|{'---:|' * len(PARTS)}---:|")
+    for batch in args.batches:
+        us = measure(batch, args.context, args.steps, args.rounds, timers)
+        parts = " | ".join(f"{us[part]:.1f}" for part in PARTS)
+        host = f"**{us['host']:.1f}** ({us['host'] * batch / 1e3:.2f} ms a step)"
+        print(f"| {batch} | {host} | {parts} | {us['step']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
