@@ -238,16 +238,21 @@ class LLMEngine:
         choices: list[int] = []
         device_rows: list[int] = []  # inputs the step in flight sampled: its output holds them
         device_sources: list[int] = []
+        want_hidden = False
         row = 0
         for item in scheduled:
             seq = item.seq
             row += item.num_tokens
-            if seq.pending and seq.num_computed_tokens + item.num_tokens == len(seq):  # the chunk reaches it
+            if seq.pending and seq.num_computed_tokens + item.num_tokens == len(seq.token_ids):  # the chunk reaches it
                 assert self._in_flight is not None  # only a step in flight leaves one
                 device_rows.append(row - 1)
                 device_sources.append(self._in_flight.token_rows[seq])
-            if seq.state.request.task == "embed" or seq.num_uncomputed > item.num_tokens:
-                choices.append(0)  # nothing to sample: an embedding, or a prefill chunk short of the prompt's end
+            if seq.state.request.task == "embed":
+                want_hidden = True
+                choices.append(0)  # nothing to sample
+                continue
+            if seq.num_uncomputed > item.num_tokens:
+                choices.append(0)  # a prefill chunk short of the prompt's end
                 continue
             sample_rows.append(row - 1)
             state = seq.state
@@ -260,7 +265,6 @@ class LLMEngine:
                         state.request.params, seed, len(seq), seq.token_ids, seq.num_prompt_tokens, state.stop_token_ids
                     )
                 )
-        want_hidden = any(item.seq.state.request.task == "embed" for item in scheduled)
         device_tokens = None
         if device_rows:
             assert self._in_flight is not None and self._in_flight.sampled is not None
@@ -274,16 +278,17 @@ class LLMEngine:
             sampled = self.sampler.launch(logits, rows)
 
         launched = _Launched(scheduled, choices, output.hidden, sampled)
-        row = 0
+        bs, row = self.config.block_size, 0
         for item, n in zip(scheduled, choices, strict=True):
             seq = item.seq
-            launched.first_blocks.append(seq.num_computed_tokens // self.config.block_size)
+            launched.first_blocks.append(seq.num_computed_tokens // bs)
             seq.num_computed_tokens += item.num_tokens
-            launched.token_indices.append(len(seq))
+            index = len(seq.token_ids)
+            launched.token_indices.append(index)
             if n:
                 launched.token_rows[seq] = row  # a fork's parent holds choice 0
                 row += n
-                if not _ends_by_length(seq, len(seq)):  # else nothing is left to compute: it waits to be settled
+                if not _ends_by_length(seq, index):  # else nothing is left to compute: it waits to be settled
                     seq.token_ids.append(PENDING)
             if n > 1 or (n and has_penalties(seq.state.request.params)) or seq.state.request.task == "embed":
                 launched.overlappable = False  # the next step needs what this one gives the host first
