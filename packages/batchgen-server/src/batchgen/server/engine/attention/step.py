@@ -19,9 +19,10 @@ from ..kv_cache import KVCache
 from .layer import LayerAttention
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SeqSlice:
-    """One scheduled sequence's new tokens in the packed row."""
+    """One scheduled sequence's new tokens in the packed row. Not frozen: a frozen dataclass costs four times as
+    much to make (0.9 against 0.25 us), and one is made for every sequence of every step."""
 
     row: int
     """First packed row."""
