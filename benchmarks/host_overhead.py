@@ -11,7 +11,9 @@ each part is timed around its own call, and the host's work is the step's time l
 (the model's forward, without the attention metadata it builds on the host first, and the sampler's argmax). Parts:
 ``schedule`` (the scheduler), ``pack`` (token ids, positions, slots), ``decode pairs`` (the decode kernel's layout,
 ``DecodePairs.build``), ``sampler`` (its host side), ``settle`` (reading tokens back, stop checks, bookkeeping),
-``rest of the step`` (building the step's sample rows, advancing the sequences).
+``rest of the step`` (building the step's sample rows, advancing the sequences). A lower bound for a GPU's host:
+the rest of the host's work inside the forward (the layers' entry, the attention operator's Python) counts as the
+device's here, and a GPU's decode steps also refill their CUDA graphs' inputs.
 
 Each round times ``--steps`` steps of ``batch`` decodes; the table gives the median of ``--rounds`` rounds in
 microseconds a sequence a step. Absolute figures move with the machine (2x between days here): compare versions in
@@ -112,7 +114,7 @@ def measure(batch: int, context: int, steps: int, rounds: int, timers: Timers) -
         timers.seconds.clear()
         for _ in range(steps):
             engine.step()
-        us = {key: value / steps / batch * 1e6 for key, value in timers.seconds.items()}
+        us = collections.defaultdict(float, {key: value / steps / batch * 1e6 for key, value in timers.seconds.items()})
         us["sampler"] -= us["argmax"]
         device = us["forward"] - us["pack"] - us["decode pairs"] + us["argmax"]
         us["host"] = us["step"] - device

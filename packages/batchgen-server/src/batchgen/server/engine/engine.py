@@ -141,7 +141,7 @@ class LLMEngine:
 
     def suspects(self) -> list[str]:
         """After a step failed beyond the engine's own recovery: the requests it was running (those scheduled, or
-        if scheduling itself failed, those the scheduler was running)."""
+        if scheduling itself failed, or the failure came between steps, those the scheduler is running)."""
         if self._step is not None:
             return _request_ids(item.seq for item in self._step)
         return _request_ids(self.scheduler.running)

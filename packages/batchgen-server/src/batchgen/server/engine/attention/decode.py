@@ -63,7 +63,7 @@ class DecodePairs:
         block = np.fromiter(
             chain.from_iterable(s.block_table[first : first + n] for s, first, n in spans), np.int64, int(offsets[-1])
         )
-        seq = np.repeat(np.arange(count), lengths)
+        seq = np.repeat(np.arange(count, dtype=np.int64), lengths)
         slot = np.arange(bs)
         visible = np.ones((block.shape[0], bs), dtype=bool)
         visible[offsets[1:] - 1] = slot <= (starts % bs)[:, None]
