@@ -17,6 +17,9 @@ shrunk, float32 on CPU). For each model:
   weight once (the embedding table only as the tied LM head) and every sequence's K/V, so tokens/s <= batch x
   bandwidth / bytes per step, with the bandwidth measured here (a device-to-device copy).
 - **Time to first token** of one 1,024-token prompt on an idle engine, and HF ``generate(max_new_tokens=1)``.
+- Last, **the host's work** a decode step, by part, on this machine's CPU (``host_overhead.py``, about 30 s; when a
+  minute of the budget is left): with async scheduling, decode is bound by it wherever it is longer than the step's
+  device time.
 
 First, **exactness on this device**: the greedy tokens of 16 prompts through the engine with every fast path on
 (compiled layers, the fast decode kernel, CUDA graphs), once per attention backend, against HF ``generate()``
@@ -39,6 +42,7 @@ import gc
 import logging
 import random
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -112,8 +116,9 @@ class Budget:
     def __init__(self, seconds: float) -> None:
         self.deadline = time.monotonic() + seconds
 
-    def left(self) -> bool:
-        return time.monotonic() < self.deadline
+    def left(self, seconds: float = 0.0) -> bool:
+        """Whether ``seconds`` are left before the deadline."""
+        return time.monotonic() + seconds < self.deadline
 
 
 def build(shape: str, quick: bool, device: str, dtype: torch.dtype) -> Any:
@@ -547,6 +552,18 @@ def _ms(value: float | None) -> str:
     return "" if value is None else f"{value * 1000:,.1f}"
 
 
+def host_work(args: argparse.Namespace) -> list[str]:
+    """The host's work a decode step by part on this machine's CPU (``host_overhead.py``, in its own process: it
+    wraps the engine's classes with timers for good): what async scheduling must hide behind the device's."""
+    script = Path(__file__).with_name("host_overhead.py")
+    options = ["--batches", "4", "16", "--rounds", "1", "--steps", "10"] if args.quick else ["--rounds", "3"]
+    done = subprocess.run([sys.executable, str(script), *options], capture_output=True, text=True, timeout=180)
+    title = "### The host's work a decode step, us a sequence (this machine's CPU, `benchmarks/host_overhead.py`)"
+    if done.returncode != 0:
+        return ["", f"{title}: failed", "", "```", done.stderr[-2000:], "```"]
+    return ["", title, "", *(line for line in done.stdout.splitlines() if line.startswith("|"))]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
@@ -592,6 +609,12 @@ def main() -> None:
         except Exception:  # one shape's failure is a finding; the next shape still runs
             print(f"\n## {shape} shape: failed\n\n```\n{traceback.format_exc()}```", flush=True)
             release(args.device)
+    if any("host's work".startswith(prefix) for prefix in args.skip):
+        return
+    if budget.left(60):
+        print("\n".join(host_work(args)), flush=True)
+    else:
+        print(f"\nSkipped (past the {args.budget_s:.0f} s budget): the host's work a decode step", flush=True)
 
 
 if __name__ == "__main__":
