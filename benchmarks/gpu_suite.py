@@ -281,9 +281,9 @@ def kernels(shape: str, args: argparse.Namespace) -> list[str]:
         blocks = batch * (context // bs + 1)
         k = torch.randn(kv_heads, blocks * bs, dim, device=device, dtype=dtype)
         v = torch.randn_like(k)
-        order = torch.randperm(blocks).view(batch, -1).tolist()
-        seqs = [SeqSlice(i, 1, context, order[i]) for i in range(batch)]
-        pairs = DecodePairs.build(seqs, None, bs)
+        order = torch.randperm(blocks).view(batch, -1).numpy()  # each sequence's block table, a row
+        seqs = [SeqSlice(i, 1, context, i) for i in range(batch)]
+        pairs = DecodePairs.build(seqs, None, bs, order)
         tables = pairs.padded()
         pairs = pairs.to(torch.device(device))
         views = _Decodes(None, tables[0].to(device), tables[1].to(device), None)

@@ -125,9 +125,9 @@ def test_steps_overlap_and_take_their_inputs_from_the_device(
         events.append("settle")
         settle(finished)
 
-    def spy_forward(scheduled: list[ScheduledSeq], sample_rows: list[int], want_hidden: bool, tokens: Any) -> Any:
+    def spy_forward(scheduled: list[ScheduledSeq], tables: Any, rows: list[int], hidden: bool, tokens: Any) -> Any:
         from_device.append(0 if tokens is None else len(tokens.rows))
-        return forward(scheduled, sample_rows, want_hidden, tokens)
+        return forward(scheduled, tables, rows, hidden, tokens)
 
     engine._start, engine._settle, engine.runner.forward = spy_start, spy_settle, spy_forward  # type: ignore[method-assign]
     prompts = random_prompts(4, 5, 20, seed=3)
@@ -172,11 +172,12 @@ def test_device_tokens_fill_the_inputs_the_host_has_not_read(make_engine: Callab
     expected = [41, 42, 43]
     for item, token in zip(known, expected, strict=True):
         item.seq.token_ids[-1] = token
-    plain = buffers.pack(known)
+    tables = engine.block_manager.tables.array
+    plain = buffers.pack(known, tables)
     plain_ids = plain.input_ids.clone()
     for item in known:
         item.seq.token_ids[-1] = PENDING
-    filled = buffers.pack(known, DeviceTokens([0, 1, 2], [1, 3, 4], sampled))
+    filled = buffers.pack(known, tables, DeviceTokens([0, 1, 2], [1, 3, 4], sampled))
     assert filled.input_ids.tolist() == plain_ids.tolist() == expected
     assert torch.equal(filled.positions, plain.positions) and torch.equal(filled.slots, plain.slots)
     engine.reset()

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -114,24 +115,27 @@ def _step(
     cache.k[0].normal_()
     cache.v[0].normal_()
     seqs, slots, row = [], [], 0
-    for start, n in shapes:
+    tables = np.zeros((len(shapes), max(-(-(start + n) // block) for start, n in shapes)), dtype=np.int64)
+    for i, (start, n) in enumerate(shapes):
         total = -(-(start + n) // block)
         table = shared[: min(2, start // block)]
         table += [free.pop() for _ in range(total - len(table))]
-        seqs.append(SeqSlice(row, n, start, table))
+        tables[i, :total] = table
+        seqs.append(SeqSlice(row, n, start, i))
         slots += [table[p // block] * block + p % block for p in range(start, start + n)]
         row += n
     query = torch.randn(1, num_heads, row, dim, dtype=dtype)
     key = torch.randn(1, kv_heads, row, dim, dtype=dtype)
     value = torch.randn(1, kv_heads, row, dim, dtype=dtype)
-    step = PagedStep(cache, BACKENDS["gather"](), seqs, torch.tensor(slots), torch.device("cpu"))
+    step = PagedStep(cache, BACKENDS["gather"](), seqs, tables, torch.tensor(slots), torch.device("cpu"))
     return step, cache, query, key, value
 
 
-def _reference(cache: KVCache, seq: SeqSlice, query: torch.Tensor, layer: LayerAttention) -> torch.Tensor:
+def _reference(step: PagedStep, seq: SeqSlice, query: torch.Tensor, layer: LayerAttention) -> torch.Tensor:
     """The sequence's queries over its whole context, contiguous, with the plain causal (+ window) mask."""
     positions = torch.arange(seq.end)
-    slots = torch.tensor(seq.block_table)[positions // BLOCK] * BLOCK + positions % BLOCK
+    slots = torch.from_numpy(step.blocks(seq))[positions // BLOCK] * BLOCK + positions % BLOCK
+    cache = step.cache
     keys, values = cache.k[0][:, slots].unsqueeze(0).double(), cache.v[0][:, slots].unsqueeze(0).double()
     q = query[:, :, seq.row : seq.row + seq.num_tokens].double()
     mask = causal_mask(seq.num_tokens, seq.start, layer.window, q.device)
@@ -147,13 +151,13 @@ def test_backend_matches_per_sequence_reference(
 ) -> None:
     layer = LAYERS[layer_name]
     dtype, tolerance = PRECISION.get(backend, (torch.float64, 1e-9))
-    step, cache, query, key, value = _step(len(layer_name), shapes, dtype)
+    step, _, query, key, value = _step(len(layer_name), shapes, dtype)
     step.backend = BACKENDS[backend]()
     if backend == "gather-compiled":  # its decodes must run the C++ kernel, not the eager fallback
         monkeypatch.setattr(decode, "paged_decode", _must_not_run)
     out = step.attend(query, key, value, layer)
     for seq in step.seqs:
-        expected = _reference(cache, seq, query, layer)
+        expected = _reference(step, seq, query, layer)
         torch.testing.assert_close(
             out[seq.row : seq.row + seq.num_tokens].double(), expected, rtol=tolerance, atol=tolerance
         )
@@ -169,22 +173,26 @@ def _must_not_run(*args: object) -> None:
 def test_decode_pairs_name_each_visible_slot_once(window: int | None, block: int) -> None:
     """``DecodePairs.build`` (built in numpy every step) against the definition, position by position: decode ``i``'s
     pairs, in order, name the blocks of its table that hold positions ``first_visible`` to its own and mark exactly
-    those slots, whatever else the table holds; ``padded`` (the eager gather's layout) lays out the same."""
+    those slots, whatever else the table holds (its rows in any order, stale blocks past each table's end);
+    ``padded`` (the eager gather's layout) lays out the same."""
     rng = random.Random(block * 100 + (window or 0))
     starts = [0, 1, block - 1, block, 3 * block + 2, *(rng.randrange(60) for _ in range(8))]
     pool = rng.sample(range(1000), 400)
-    decodes = []
+    tables = np.array([[rng.randrange(1000) for _ in range(64)] for _ in range(len(starts) + 3)])  # stale blocks
+    table_rows = rng.sample(range(len(tables)), len(starts))
+    decodes, own_tables = [], []
     for row, start in enumerate(starts):
         table = [pool.pop() for _ in range(start // block + 1 + rng.randrange(3))]  # spare blocks at the end
-        decodes.append(SeqSlice(row, 1, start, table))
-    pairs = decode.DecodePairs.build(decodes, window, block)
+        tables[table_rows[row], : len(table)] = table
+        own_tables.append(table)
+        decodes.append(SeqSlice(row, 1, start, table_rows[row]))
+    pairs = decode.DecodePairs.build(decodes, window, block, tables)
     blocks, visible = pairs.padded()
-    for i, seq in enumerate(decodes):
+    for i, (seq, table) in enumerate(zip(decodes, own_tables, strict=True)):
         first, end = int(pairs.offsets[i]), int(pairs.offsets[i + 1])
         assert pairs.seq[first:end].tolist() == [i] * (end - first)
         expected = [
-            (seq.block_table[p // block], p % block)
-            for p in range(decode.first_visible(seq.start, window), seq.start + 1)
+            (table[p // block], p % block) for p in range(decode.first_visible(seq.start, window), seq.start + 1)
         ]
         listed = [
             (int(pairs.block[j]), slot) for j in range(first, end) for slot in range(block) if pairs.visible[j, slot]
@@ -210,7 +218,7 @@ def test_cpu_decode_kernel(layer_name: str, dtype: torch.dtype, heads: tuple[int
         layer = LayerAttention(layer.scale, layer.window, None, torch.linspace(-1, 2, heads[0], dtype=torch.float64))
     step, cache, query, key, value = _step(5, [*DECODES, (40, 1), (300, 1), (2, 1)], dtype, heads, block)
     cache.write(0, step.slot_mapping, key[0], value[0])
-    pairs = decode.DecodePairs.build(step.seqs, layer.window, block)
+    pairs = decode.DecodePairs.build(step.seqs, layer.window, block, step.block_tables)
     # A pair that sees nothing (as a CUDA graph's padding pairs), first among the second decode's.
     at = int(pairs.offsets[1])
     pairs = decode.DecodePairs(
@@ -251,7 +259,8 @@ def test_flex_block_mask_lists_exactly_the_visible_blocks(window: int | None) ->
         for i in range(seq.num_tokens):
             position = seq.start + i
             first = 0 if window is None else max(0, position - window + 1)
-            expected = {seq.block_table[p // BLOCK] * BLOCK + p % BLOCK for p in range(first, position + 1)}
+            table = step.blocks(seq)
+            expected = {table[p // BLOCK] * BLOCK + p % BLOCK for p in range(first, position + 1)}
             assert set(visible[seq.row + i].nonzero().flatten().tolist()) == expected
 
 
@@ -264,14 +273,14 @@ def test_the_decode_kernel_without_a_compiler_runs_eagerly(
     monkeypatch.setenv("CXX", "false")
     cpu_decode.library.cache_clear()
     try:
-        step, cache, query, key, value = _step(2, DECODES, torch.float32)
+        step, _, query, key, value = _step(2, DECODES, torch.float32)
         kernel = decode.DecodeKernel()
         step.backend = GatherBackend(kernel)
         out = step.attend(query, key, value, LAYERS["plain"])
         assert kernel.failure is not None and "failed to build cpu_decode.cpp" in kernel.failure
         assert "running it eagerly from now on" in caplog.text
         for seq in step.seqs:
-            expected = _reference(cache, seq, query, LAYERS["plain"])
+            expected = _reference(step, seq, query, LAYERS["plain"])
             torch.testing.assert_close(out[seq.row : seq.row + 1].double(), expected, rtol=1e-5, atol=1e-5)
     finally:
         cpu_decode.library.cache_clear()  # the next test builds (or finds) the real one
@@ -291,14 +300,14 @@ def test_varlen_call_is_checked_on_first_use(layer_name: str, caplog: pytest.Log
         raise RuntimeError("FlashAttention only supports Ampere GPUs or newer")
 
     for call, agrees in ((reference_varlen, True), (off_by_one_window, False), (raising, False)):
-        step, cache, query, key, value = _step(4)
+        step, _, query, key, value = _step(4)
         step.backend = backend = _varlen_gather(call, verify=True)
         assert backend.varlen is not None
         for _ in range(2):  # the first step checks; the second runs the call alone, or the per-chunk path
             out = step.attend(query, key, value, layer)
             step.layers_attended = 0
             for seq in step.seqs:
-                expected = _reference(cache, seq, query, layer)
+                expected = _reference(step, seq, query, layer)
                 torch.testing.assert_close(out[seq.row : seq.row + seq.num_tokens].double(), expected)
         # SHAPES holds chunks that continue a context, and contexts past the 5-token window.
         assert backend.varlen.checked == ({(layer.window, True, layer.window is not None)} if agrees else set())

@@ -7,6 +7,7 @@ import random
 import torch
 
 from batchgen.server.engine.attention import SeqSlice
+from batchgen.server.engine.block_tables import BlockTables
 from batchgen.server.engine.inputs import InputBuffers
 from batchgen.server.engine.request import EngineRequest
 from batchgen.server.engine.scheduler import ScheduledSeq
@@ -15,7 +16,7 @@ from batchgen.server.engine.sequence import RequestState, Sequence
 BLOCK = 4
 
 
-def _scheduled(seed: int) -> list[ScheduledSeq]:
+def _scheduled(seed: int, tables: BlockTables) -> list[ScheduledSeq]:
     """Decodes, prefills from 0 and chunks continuing a cached context, over shuffled block tables."""
     rng = random.Random(seed)
     free = list(range(200))
@@ -26,7 +27,8 @@ def _scheduled(seed: int) -> list[ScheduledSeq]:
         state = RequestState(EngineRequest(f"r{i}", tokens), 100, 10, frozenset(), 0)
         seq = Sequence(state, tokens, len(tokens))
         seq.num_computed_tokens = computed
-        seq.block_table = [free.pop() for _ in range(-(-(computed + new) // BLOCK))]
+        for _ in range(-(-(computed + new) // BLOCK)):
+            tables.append(seq, free.pop())
         scheduled.append(ScheduledSeq(seq, new))
     return scheduled
 
@@ -38,7 +40,7 @@ def _reference(scheduled: list[ScheduledSeq]) -> tuple[list[int], list[int], lis
     seqs = []
     for item in scheduled:
         seq, n, start = item.seq, item.num_tokens, item.seq.num_computed_tokens
-        seqs.append(SeqSlice(len(ids), n, start, list(seq.block_table)))
+        seqs.append(SeqSlice(len(ids), n, start, seq.table_row))
         ids.extend(seq.token_ids[start : start + n])
         positions.extend(range(start, start + n))
         slots.extend(seq.block_table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, start + n))
@@ -47,15 +49,18 @@ def _reference(scheduled: list[ScheduledSeq]) -> tuple[list[int], list[int], lis
 
 def test_packed_inputs_equal_the_list_built_ones() -> None:
     buffers = InputBuffers(capacity=8, block_size=BLOCK, device=torch.device("cpu"))  # grows when a step needs more
+    tables = BlockTables(rows=2, columns=2)  # grows too, keeping every table
     for seed in range(3):
-        scheduled = _scheduled(seed)
-        packed = buffers.pack(scheduled)
+        scheduled = _scheduled(seed, tables)
+        packed = buffers.pack(scheduled, tables.array)
         ids, positions, slots, seqs = _reference(scheduled)
         assert packed.input_ids.tolist() == ids
         assert packed.positions.tolist() == positions
         assert packed.slots.tolist() == slots
         assert packed.seqs == seqs
         assert not packed.all_decodes
-    decodes = [item for item in _scheduled(5) if item.num_tokens == 1]
-    packed = buffers.pack(decodes)
+        for item in scheduled:
+            tables.release(item.seq)  # its row holds stale blocks for the next sequence that takes it
+    decodes = [item for item in _scheduled(5, tables) if item.num_tokens == 1]
+    packed = buffers.pack(decodes, tables.array)
     assert packed.all_decodes and packed.slots.tolist() == _reference(decodes)[2]

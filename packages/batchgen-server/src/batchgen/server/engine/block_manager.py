@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 
+from .block_tables import BlockTables
 from .sequence import Sequence
 
 
@@ -24,6 +25,8 @@ class BlockManager:
         self.hash_to_block: dict[int, int] = {}
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         """Free blocks, least recently freed first; a cached one leaves the hash map only when it is recycled."""
+        self.tables = BlockTables()
+        """The sequences' block tables as rows of one array: every change to a ``block_table`` goes through it."""
 
     @property
     def num_free_blocks(self) -> int:
@@ -39,7 +42,7 @@ class BlockManager:
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         """Give ``seq`` room for ``num_new_tokens`` more tokens (check ``can_allocate`` first)."""
         for _ in range(self.blocks_needed(seq, num_new_tokens)):
-            seq.block_table.append(self._take_free())
+            self.tables.append(seq, self._take_free())
 
     def match_prefix(self, seq: Sequence) -> int:
         """Attach the cached blocks that hold a prefix of ``seq``; return how many tokens they cover.
@@ -57,7 +60,7 @@ class BlockManager:
             if self.ref_counts[block] == 0:
                 del self.free[block]
             self.ref_counts[block] += 1
-            seq.block_table.append(block)
+            self.tables.append(seq, block)
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
         return seq.num_computed_tokens
 
@@ -82,7 +85,7 @@ class BlockManager:
         partial = parent.num_computed_tokens % self.block_size != 0
         if partial and not self.free:
             return False
-        child.block_table = list(parent.block_table)
+        self.tables.copy(parent, child)
         child.block_hashes = list(parent.block_hashes)
         child.num_computed_tokens = parent.num_computed_tokens
         for block in child.block_table:
@@ -92,7 +95,7 @@ class BlockManager:
             fresh = self._take_free()
             copy_block(last, fresh)
             self.ref_counts[last] -= 1
-            child.block_table[-1] = fresh
+            self.tables.replace_last(child, fresh)
         return True
 
     def free_seq(self, seq: Sequence) -> None:
@@ -100,7 +103,7 @@ class BlockManager:
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
                 self.free[block] = None
-        seq.block_table = []
+        self.tables.release(seq)
         seq.num_computed_tokens = 0
 
     def _take_free(self) -> int:

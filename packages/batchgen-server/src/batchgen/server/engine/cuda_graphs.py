@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from .attention import PagedStep, active
@@ -129,7 +130,7 @@ class DecodeGraphs:
         batch = len(packed.seqs)
         bucket = next(size for size in self.buckets if size >= batch)
         bs = self.cache.block_size
-        pairs = {w: DecodePairs.build(packed.seqs, w, bs) for w in self.windows}
+        pairs = {w: DecodePairs.build(packed.seqs, w, bs, packed.block_tables) for w in self.windows}
         # Each padding row gets one pair: the scratch block's first slot.
         needed = max(p.seq.shape[0] for p in pairs.values()) + bucket - batch
         size = max(MIN_PAIRS, 1 << (needed - 1).bit_length())
@@ -190,7 +191,7 @@ class DecodeGraphs:
             torch.full((bucket,), scratch_slot, dtype=torch.long, device=device),
             pairs,
         )
-        step = PagedStep(self.cache, _StaticDecodes(self.kernel, pairs), [], graph.slots, device)
+        step = PagedStep(self.cache, _StaticDecodes(self.kernel, pairs), [], np.zeros((0, 0)), graph.slots, device)
 
         def forward() -> torch.Tensor:
             step.layers_attended = 0

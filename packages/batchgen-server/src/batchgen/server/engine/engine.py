@@ -269,7 +269,9 @@ class LLMEngine:
         if device_rows:
             assert self._in_flight is not None and self._in_flight.sampled is not None
             device_tokens = DeviceTokens(device_rows, device_sources, self._in_flight.sampled.tokens)
-        output = self.runner.forward(scheduled, sample_rows, want_hidden, device_tokens)
+        output = self.runner.forward(
+            scheduled, self.block_manager.tables.array, sample_rows, want_hidden, device_tokens
+        )
         sampled = None
         if rows:
             logits = output.logits

@@ -34,6 +34,8 @@ class PackedInputs:
     slots: torch.Tensor
     """Cache slot of each token: ``block * block_size + offset``."""
     seqs: list[SeqSlice]
+    block_tables: np.ndarray
+    """The rows the ``seqs`` name (``block_tables.py``)."""
 
     @property
     def all_decodes(self) -> bool:
@@ -46,7 +48,10 @@ class InputBuffers:
         self.block_size = block_size
         self.device = device
 
-    def pack(self, scheduled: list[ScheduledSeq], device_tokens: DeviceTokens | None = None) -> PackedInputs:
+    def pack(
+        self, scheduled: list[ScheduledSeq], block_tables: np.ndarray, device_tokens: DeviceTokens | None = None
+    ) -> PackedInputs:
+        """The step's inputs; its sequences' blocks are rows of ``block_tables`` (``block_tables.py``)."""
         total = sum(item.num_tokens for item in scheduled)
         if total > self._host.shape[1]:
             self._host = np.zeros((3, total), dtype=np.int64)
@@ -56,19 +61,20 @@ class InputBuffers:
         row = 0
         for item in scheduled:
             seq, n = item.seq, item.num_tokens
-            start, table = seq.num_computed_tokens, seq.block_table
-            seqs.append(SeqSlice(row, n, start, table))
-            if n == 1:  # a decode: scalars are cheaper than numpy calls
-                ids[row], positions[row], slots[row] = seq.token_ids[start], start, table[start // bs] * bs + start % bs
+            start = seq.num_computed_tokens
+            seqs.append(SeqSlice(row, n, start, seq.table_row))
+            if n == 1:  # a decode: scalars are cheaper than numpy calls (and the list than the array)
+                slot = seq.block_table[start // bs] * bs + start % bs
+                ids[row], positions[row], slots[row] = seq.token_ids[start], start, slot
             else:
                 span = np.arange(start, start + n)
                 ids[row : row + n] = seq.token_ids[start : start + n]
                 positions[row : row + n] = span
-                slots[row : row + n] = np.asarray(table)[span // bs] * bs + span % bs
+                slots[row : row + n] = block_tables[seq.table_row, span // bs] * bs + span % bs
             row += n
         # Contiguous, so that pinning and a non-blocking copy need no pageable staging copy first.
         packed = to_device(torch.from_numpy(np.ascontiguousarray(self._host[:, :row])), self.device)
         if device_tokens is not None:
             chosen = device_tokens.tokens[indices(device_tokens.sources, self.device)]
             packed[0].index_copy_(0, indices(device_tokens.rows, self.device), chosen)
-        return PackedInputs(packed[0], packed[1], packed[2], seqs)
+        return PackedInputs(packed[0], packed[1], packed[2], seqs, block_tables)

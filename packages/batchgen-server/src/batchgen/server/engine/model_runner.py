@@ -8,6 +8,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel
 
@@ -129,19 +130,21 @@ class ModelRunner:
     def forward(
         self,
         scheduled: list[ScheduledSeq],
+        block_tables: np.ndarray,
         sample_rows: list[int],
         want_hidden: bool,
         device_tokens: DeviceTokens | None = None,
     ) -> StepOutput:
-        """Run every scheduled chunk in one packed forward; logits at ``sample_rows`` only; the last hidden state
-        of every token if ``want_hidden`` (embeddings); the input tokens ``device_tokens`` names from the device.
+        """Run every scheduled chunk in one packed forward (their blocks in ``block_tables``: ``block_tables.py``);
+        logits at ``sample_rows`` only; the last hidden state of every token if ``want_hidden`` (embeddings); the
+        input tokens ``device_tokens`` names from the device.
 
         A step of decodes alone, each sampled, replays a CUDA graph where there are graphs and a bucket holds it
         (n > 1 forks may outgrow the largest); any other step runs the model, its layers compiled where they are. If
         a graph or the fast forward fails where the plain eager forward succeeds, that fast path is turned off for
         good, the reason logged once; if the eager forward fails too, the fault is the inputs', and the engine's own
         fault isolation deals with it."""
-        packed = self.inputs.pack(scheduled, device_tokens)
+        packed = self.inputs.pack(scheduled, block_tables, device_tokens)
         # A graph returns every row's logits: only for steps where every row is sampled (not a 1-token prefill chunk).
         graphed = (
             self.graphs is not None
@@ -181,7 +184,9 @@ class ModelRunner:
         want_hidden: bool,
         backend: AttentionBackend | None = None,
     ) -> StepOutput:
-        step = PagedStep(self.cache, backend or self.backend, packed.seqs, packed.slots, self.device)
+        step = PagedStep(
+            self.cache, backend or self.backend, packed.seqs, packed.block_tables, packed.slots, self.device
+        )
         every_row = len(sample_rows) == packed.input_ids.shape[0]
         keep = 0 if every_row else indices(sample_rows, self.device)  # 0: all
         hidden: list[torch.Tensor] = []

@@ -60,6 +60,9 @@ class Sequence:
     num_computed_tokens: int = 0
     """Tokens whose K/V are in the cache; the rest are computed by the next steps."""
     block_table: list[int] = field(default_factory=list)
+    """The cache blocks holding its tokens, in order; changed only through the block manager's ``BlockTables``."""
+    table_row: int = -1
+    """Its row in ``BlockTables.array`` (``-1`` while it holds no blocks)."""
     block_hashes: list[int] = field(default_factory=list)
     """Content hashes of the full blocks, in order (filled lazily, kept across preemption)."""
     finish_reason: FinishReason | None = None

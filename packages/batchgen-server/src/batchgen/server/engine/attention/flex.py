@@ -93,12 +93,14 @@ def _layout(step: PagedStep) -> _Layout:
     """Built on the host and moved without a wait (only the physical-to-logical map, which is as wide as the cache,
     is made on the device)."""
     device, num_blocks = step.device, step.cache.num_blocks
-    width = max(len(s.block_table) for s in step.seqs)
-    tables = torch.tensor([s.block_table + [-1] * (width - len(s.block_table)) for s in step.seqs])
+    lengths = [-(-s.end // step.cache.block_size) for s in step.seqs]
+    tables = torch.full((len(step.seqs), max(lengths)), -1, dtype=torch.long)
+    for i, (seq, length) in enumerate(zip(step.seqs, lengths, strict=True)):
+        tables[i, :length] = torch.from_numpy(step.blocks(seq))
     query_seq = torch.tensor([i for i, s in enumerate(step.seqs) for _ in range(s.num_tokens)])
     query_pos = torch.tensor([p for s in step.seqs for p in range(s.start, s.end)])
     tables, query_seq, query_pos = (to_device(t, device) for t in (tables, query_seq, query_pos))
-    logical = torch.arange(width, device=device).expand_as(tables)
+    logical = torch.arange(tables.shape[1], device=device).expand_as(tables)
     physical_to_logical = torch.full((len(step.seqs), num_blocks + 1), -1, dtype=torch.long, device=device)
     physical_to_logical.scatter_(1, torch.where(tables >= 0, tables, num_blocks), logical)
     return _Layout(query_seq, query_pos, tables, physical_to_logical[:, :num_blocks])

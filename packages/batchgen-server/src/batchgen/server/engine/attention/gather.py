@@ -139,7 +139,7 @@ class GatherBackend:
         device, bs, window = k_cache.device, step.cache.block_size, layer.window
         chunks: list[_Chunk] = step.memo(  # once a step and window, and only where chunks attend one by one
             ("gather-chunks", window),
-            lambda: [_chunk_view(s, window, bs, step.device) for s in step.seqs if s.num_tokens > 1],
+            lambda: [_chunk_view(step, s, window) for s in step.seqs if s.num_tokens > 1],
         )
         for chunk in chunks:
             qp = query[:, :, chunk.start : chunk.end]
@@ -194,24 +194,24 @@ def _build_views(step: PagedStep, window: int | None, with_pairs: bool, with_pac
     bs, device = step.cache.block_size, step.device
     decodes = [s for s in step.seqs if s.num_tokens == 1]
     chunks = [s for s in step.seqs if s.num_tokens > 1]
-    packed = PackedChunks.build(chunks, window, bs, device) if with_packed_chunks and chunks else None
+    packed = PackedChunks.build(step, chunks, window) if with_packed_chunks and chunks else None
     if not decodes:
         return _Views(None, packed)
     rows = None if len(decodes) == len(step.seqs) else indices([s.row for s in decodes], device)
-    pairs = DecodePairs.build(decodes, window, bs)
+    pairs = DecodePairs.build(decodes, window, bs, step.block_tables)
     if with_pairs:
         return _Views(_Decodes(rows, None, None, pairs.to(device)), packed)
     blocks, visible = pairs.padded()
     return _Views(_Decodes(rows, to_device(blocks, device), to_device(visible, device), None), packed)
 
 
-def _chunk_view(seq: SeqSlice, window: int | None, bs: int, device: torch.device) -> _Chunk:
-    start, end = seq.row, seq.row + seq.num_tokens
+def _chunk_view(step: PagedStep, seq: SeqSlice, window: int | None) -> _Chunk:
+    start, end, bs, device = seq.row, seq.row + seq.num_tokens, step.cache.block_size, step.device
     if seq.start == 0:
         own = None if window is None or window >= seq.num_tokens else causal_mask(seq.num_tokens, 0, window, device)
         return _Chunk(start, end, None, own)
     first_block = first_visible(seq.start, window) // bs
-    blocks = torch.tensor(seq.block_table[first_block : -(-seq.end // bs)])
+    blocks = torch.from_numpy(step.blocks(seq, first_block))
     mask = causal_mask(seq.num_tokens, seq.start, window, device)[:, first_block * bs :]
     width = len(blocks) * bs
     if mask.shape[1] < width:  # the last block is only partly filled: its tail is not visible

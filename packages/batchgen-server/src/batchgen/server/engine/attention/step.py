@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from ..kv_cache import KVCache
@@ -29,8 +30,8 @@ class SeqSlice:
     num_tokens: int
     start: int
     """Position of the first new token: the sequence's tokens before it are already in the cache."""
-    block_table: list[int]
-    """The sequence's own (not a copy): read while the step's forward is built, before anything changes it."""
+    table_row: int
+    """The sequence's row in the step's ``block_tables``."""
 
     @property
     def end(self) -> int:
@@ -60,6 +61,9 @@ class PagedStep:
     cache: KVCache
     backend: AttentionBackend
     seqs: list[SeqSlice]
+    block_tables: np.ndarray
+    """Each sequence's blocks from column 0 of its ``table_row`` (``block_tables.py``): read while the step's
+    forward is built, before anything changes them."""
     slot_mapping: torch.Tensor
     """Cache slot of each packed token."""
     device: torch.device
@@ -75,6 +79,10 @@ class PagedStep:
         self.layers_attended += 1
         self.cache.write(index, self.slot_mapping, key[0], value[0])
         return self.backend.attend(self, index, query, key, value, layer)
+
+    def blocks(self, seq: SeqSlice, first: int = 0) -> np.ndarray:
+        """``seq``'s blocks from its ``first`` up to the last its tokens fill once the step's are in (a copy)."""
+        return self.block_tables[seq.table_row, first : -(-seq.end // self.cache.block_size)].copy()
 
     def memo(self, key: Any, build: Callable[[], Any]) -> Any:
         """What a backend derives once per step (and per window) and every layer reuses."""

@@ -26,7 +26,7 @@ import torch
 from ..transfer import to_device
 from .decode import first_visible
 from .layer import LayerAttention
-from .step import SeqSlice
+from .step import PagedStep, SeqSlice
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,8 @@ class PackedChunks:
     context reaches past the window."""
 
     @classmethod
-    def build(cls, chunks: list[SeqSlice], window: int | None, block_size: int, device: torch.device) -> PackedChunks:
+    def build(cls, step: PagedStep, chunks: list[SeqSlice], window: int | None) -> PackedChunks:
+        block_size, device = step.cache.block_size, step.device
         rows, slots, q_lens, k_lens = [], [], [], []
         continues = beyond_window = False
         for chunk in chunks:
@@ -63,7 +64,7 @@ class PackedChunks:
             rows.append(np.arange(chunk.row, chunk.row + chunk.num_tokens))
             first = first_visible(chunk.start, window)  # the first position any of its queries sees
             positions = np.arange(first, chunk.end)
-            slots.append(np.asarray(chunk.block_table)[positions // block_size] * block_size + positions % block_size)
+            slots.append(step.blocks(chunk)[positions // block_size] * block_size + positions % block_size)
             q_lens.append(chunk.num_tokens)
             k_lens.append(len(positions))
         cu = np.zeros((2, len(chunks) + 1), dtype=np.int32)
