@@ -17,9 +17,9 @@ shrunk, float32 on CPU). For each model:
   weight once (the embedding table only as the tied LM head) and every sequence's K/V, so tokens/s <= batch x
   bandwidth / bytes per step, with the bandwidth measured here (a device-to-device copy).
 - **Time to first token** of one 1,024-token prompt on an idle engine, and HF ``generate(max_new_tokens=1)``.
-- Last, **the host's work** a decode step, by part, on this machine's CPU (``host_overhead.py``, about 30 s; when a
-  minute of the budget is left): with async scheduling, decode is bound by it wherever it is longer than the step's
-  device time.
+- Last, **the host's work** a decode step, by part, with a tiny model on this device (``host_overhead.py``, about
+  30 s on CPU; when a minute of the budget is left): with async scheduling, decode is bound by it wherever it is
+  longer than the step's device time.
 
 First, **exactness on this device**: the greedy tokens of 16 prompts through the engine with every fast path on
 (compiled layers, the fast decode kernel, CUDA graphs), once per attention backend, against HF ``generate()``
@@ -553,12 +553,13 @@ def _ms(value: float | None) -> str:
 
 
 def host_work(args: argparse.Namespace) -> list[str]:
-    """The host's work a decode step by part on this machine's CPU (``host_overhead.py``, in its own process: it
-    wraps the engine's classes with timers for good): what async scheduling must hide behind the device's."""
+    """The host's work a decode step by part, the model on this device (``host_overhead.py``, in its own process:
+    it wraps the engine's classes with timers for good): what async scheduling must hide behind the device's."""
     script = Path(__file__).with_name("host_overhead.py")
     options = ["--batches", "4", "16", "--rounds", "1", "--steps", "10"] if args.quick else ["--rounds", "3"]
-    done = subprocess.run([sys.executable, str(script), *options], capture_output=True, text=True, timeout=180)
-    title = "### The host's work a decode step, us a sequence (this machine's CPU, `benchmarks/host_overhead.py`)"
+    command = [sys.executable, str(script), "--device", args.device, *options]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=180)
+    title = f"### The host's work a decode step, us a sequence (the model on {args.device}, `host_overhead.py`)"
     if done.returncode != 0:
         return ["", f"{title}: failed", "", "```", done.stderr[-2000:], "```"]
     return ["", title, "", *(line for line in done.stdout.splitlines() if line.startswith("|"))]
