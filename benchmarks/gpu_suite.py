@@ -120,6 +120,9 @@ class Budget:
         """Whether ``seconds`` are left before the deadline."""
         return time.monotonic() + seconds < self.deadline
 
+    def remaining(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
+
 
 def build(shape: str, quick: bool, device: str, dtype: torch.dtype) -> Any:
     sizes = {**SHAPES[shape], **(QUICK if quick else {})}
@@ -552,14 +555,18 @@ def _ms(value: float | None) -> str:
     return "" if value is None else f"{value * 1000:,.1f}"
 
 
-def host_work(args: argparse.Namespace) -> list[str]:
+def host_work(args: argparse.Namespace, seconds: float) -> list[str]:
     """The host's work a decode step by part, the model on this device (``host_overhead.py``, in its own process:
-    it wraps the engine's classes with timers for good): what async scheduling must hide behind the device's."""
+    it wraps the engine's classes with timers for good), stopped after ``seconds``: what async scheduling must hide
+    behind the device's."""
     script = Path(__file__).with_name("host_overhead.py")
     options = ["--batches", "4", "16", "--rounds", "1", "--steps", "10"] if args.quick else ["--rounds", "3"]
     command = [sys.executable, str(script), "--device", args.device, *options]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=180)
     title = f"### The host's work a decode step, us a sequence (the model on {args.device}, `host_overhead.py`)"
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=seconds)
+    except subprocess.TimeoutExpired:
+        return ["", f"{title}: stopped after {seconds:.0f} s (the budget)"]
     if done.returncode != 0:
         return ["", f"{title}: failed", "", "```", done.stderr[-2000:], "```"]
     return ["", title, "", *(line for line in done.stdout.splitlines() if line.startswith("|"))]
@@ -613,7 +620,7 @@ def main() -> None:
     if any("host's work".startswith(prefix) for prefix in args.skip):
         return
     if budget.left(60):
-        print("\n".join(host_work(args)), flush=True)
+        print("\n".join(host_work(args, budget.remaining() + 20)), flush=True)
     else:
         print(f"\nSkipped (past the {args.budget_s:.0f} s budget): the host's work a decode step", flush=True)
 

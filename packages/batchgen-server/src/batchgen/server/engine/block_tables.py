@@ -1,9 +1,9 @@
 """Every sequence's block table again as a row of one array, kept in step with its list by the block manager.
 
-A step reads the tables of all its sequences from here with whole-array indexing (the decode kernel's pairs, the
-decodes' cache slots), not with a Python pass over every block: a decode step at batch 256 and 512-token contexts
-names 8,500 blocks, 0.5 ms of the host's time on CPU that way. This is vLLM's persistent block table: a row is written
-when its sequence gains a block (once every ``block_size`` tokens), not every step.
+A step reads its decodes' blocks from here with whole-array indexing (the decode kernel's pairs), not with a Python
+pass over every block: a decode step at batch 256 and 512-token contexts names 8,500 blocks, 0.5 ms of the host's
+time on CPU that way; its prefill chunks' cache slots come from here too. This is vLLM's persistent block table: a
+row is written when its sequence gains a block (once every ``block_size`` tokens), not every step.
 
 A row holds its sequence's blocks from column 0; what lies past them is stale (rows are reused), so readers cut each
 row to the blocks its sequence's tokens fill.
@@ -19,8 +19,8 @@ from .sequence import Sequence
 class BlockTables:
     def __init__(self, rows: int = 64, columns: int = 64) -> None:
         self.array = np.zeros((rows, columns), dtype=np.int64)
-        """``[rows, columns]``: sequence ``s``'s ``i``-th block is ``array[s.table_row, i]``. Replaced, not resized,
-        when it grows: a step holds the array it was packed from."""
+        """``[rows, columns]``: sequence ``s``'s ``i``-th block is ``array[s.table_row, i]``. Replaced by a larger
+        copy when it grows. A step reads it only while its forward is built, and keeps copies of what it read."""
         self._free_rows = list(range(rows - 1, -1, -1))
 
     @property
@@ -39,6 +39,7 @@ class BlockTables:
 
     def copy(self, parent: Sequence, child: Sequence) -> None:
         """Give ``child`` (holding no blocks) the same table as ``parent``."""
+        assert child.table_row < 0, "the child holds a row already"
         child.table_row = self._take_row()
         child.block_table = list(parent.block_table)
         self.array[child.table_row, : len(child.block_table)] = self.array[parent.table_row, : len(parent.block_table)]

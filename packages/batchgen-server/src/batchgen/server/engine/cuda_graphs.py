@@ -191,7 +191,9 @@ class DecodeGraphs:
             torch.full((bucket,), scratch_slot, dtype=torch.long, device=device),
             pairs,
         )
-        step = PagedStep(self.cache, _StaticDecodes(self.kernel, pairs), [], np.zeros((0, 0)), graph.slots, device)
+        step = PagedStep(
+            self.cache, _StaticDecodes(self.kernel, pairs), [], np.empty((0, 0), np.int64), graph.slots, device
+        )
 
         def forward() -> torch.Tensor:
             step.layers_attended = 0
