@@ -26,7 +26,10 @@ First, **exactness on this device**: the greedy tokens of 16 prompts through the
 one prompt at a time, in float32 with TF32 off, on the first shape shrunk as ``--quick`` shrinks it; and which fast
 paths were still on at the end (each falls back to eager on a failure, which would show here as ``off``).
 
-Everything past ``--budget-s`` (default 7.5 minutes) is skipped with a note, so the command always ends in time.
+A measurement that could not end before ``--budget-s`` (default 7 minutes; each is started only if its usual
+length is left) is skipped with a note, so the command ends in time. On a lent GPU machine, run it as
+``timeout 560 python benchmarks/gpu_suite.py 2>&1 | tee $OUT/suite.md``: the tool's output keeps only the last
+12,000 characters (``--profile`` alone prints about 9 KB a shape), and a file under ``$OUT`` keeps everything.
 To find where a step's time goes: ``--kernels`` first times one layer's decode attention by implementation against
 the bandwidth (``--kernels-only`` stops there: ``--device cpu --kernels-only`` compares the CPU kernels at the real
 shapes), ``--profile`` prints ``torch.profiler``'s top device kernels and host calls of decode steps, and
@@ -300,6 +303,8 @@ def kernels(shape: str, args: argparse.Namespace) -> list[str]:
                 lines.append(f"| {batch} | {name} | failed: {type(exc).__name__}: {str(exc)[:200]} | |")
         del k, v
         release(device)
+    if compiled.failure is not None:
+        lines.append(f"\nThe engine's kernel failed and its rows ran `paged_decode` eagerly: {compiled.failure}")
     return lines
 
 
@@ -389,9 +394,12 @@ def exactness(shape: str, args: argparse.Namespace) -> list[str]:
 def _fast_paths(engine: LLMEngine) -> str:
     runner = engine.runner
     kernel = getattr(runner.backend, "decode_kernel", None)
+    graph_kernel = runner.graphs.kernel if runner.graphs is not None else None  # the graphs capture their own
     states = {
         "layers": runner.fast is not None,
-        "compiled attention": runner.backend is not runner.eager_backend and not (kernel and kernel.failure),
+        "compiled attention": runner.backend is not runner.eager_backend
+        and not (kernel and kernel.failure)
+        and not (graph_kernel and graph_kernel.failure),
     }
     if runner.device.type == "cuda":
         states["CUDA graphs"] = runner.graphs is not None and runner.graphs.captured > 0
@@ -426,10 +434,11 @@ def suite(shape: str, args: argparse.Namespace, settings: Settings, budget: Budg
     bytes_per_step: dict[int, int] = {}
     skipped: list[str] = []
 
-    def measure(name: str, fn: Callable[[], object]) -> None:
+    def measure(name: str, fn: Callable[[], object], seconds: float = 0.0) -> None:
+        """Run ``fn`` if it can end (about ``seconds``) before the budget's deadline."""
         if any(name.startswith(prefix) for prefix in args.skip):
             return
-        if budget.left():
+        if budget.left(seconds):
             fn()
         else:
             skipped.append(name)
@@ -445,6 +454,9 @@ def suite(shape: str, args: argparse.Namespace, settings: Settings, budget: Budg
             engine.async_scheduling = engine.config.uses_async_scheduling(engine.runner.device)
 
     def engine_measurements() -> None:
+        if not budget.left(60):  # building it (self-check, compiling, first captures) alone takes 30-60 s
+            skipped.append("the engine's measurements")
+            return
         clock = Clock()
         engine = LLMEngine(model, tokenizer, engine_config(args, eager=False), shape)
 
@@ -455,7 +467,7 @@ def suite(shape: str, args: argparse.Namespace, settings: Settings, budget: Budg
                 Row("batchgen engine", tokens, seconds, seconds, "second run (compiled, captured in the first)")
             )
 
-        measure("engine throughput", throughput)
+        measure("engine throughput", throughput, 100)
         lines.append(f"prefill chunks: {_prefill_path(engine)}")
         for batch in settings.decode_batches:
             measure(f"decode at batch {batch}", lambda batch=batch: decode_at(engine, batch, "default"))
@@ -469,19 +481,25 @@ def suite(shape: str, args: argparse.Namespace, settings: Settings, budget: Budg
         lines.append(f"engine built, compiled, warmed up and measured in {clock.elapsed()[0]:.0f} s")
 
     def eager_measurements() -> None:
-        engine = LLMEngine(model, tokenizer, engine_config(args, eager=True), shape)
         batch = settings.decode_batches[0]
-        measure(f"enforce_eager decode at batch {batch}", lambda: decode_at(engine, batch, "eager"))
+        if not budget.left(20):
+            skipped.append(f"enforce_eager decode at batch {batch}")
+            return
+        # The first engine compiled the model's layers in place: eager means the stance, too.
+        with torch.compiler.set_stance("force_eager"):
+            engine = LLMEngine(model, tokenizer, engine_config(args, eager=True), shape)
+            measure(f"enforce_eager decode at batch {batch}", lambda: decode_at(engine, batch, "eager"))
 
     for measurements in (engine_measurements, eager_measurements):
         measurements()
         release(device)  # the engine and its KV cache go with the function's frame
     with torch.compiler.set_stance("force_eager"):  # the engine compiled the model's layers in place
-        measure("HF generate", lambda: rows.append(run_hf_generate(model, workload, device, args.hf_batch)))
+        measure("HF generate", lambda: rows.append(run_hf_generate(model, workload, device, args.hf_batch)), 130)
         limit, budget_tokens = args.hf_time_limit_s, args.max_num_batched_tokens
         measure(
             "HF generate_batch",
             lambda: rows.append(run_hf_generate_batch(model, workload, device, budget_tokens, limit)),
+            limit,
         )
         measure("HF TTFT", lambda: ttft.update(hf=hf_time_to_first_token(model, settings.ttft_prompt, vocab, device)))
     lines += _throughput_table(rows, settings) + _decode_table(decode, bytes_per_step, bw, settings)
@@ -565,8 +583,10 @@ def host_work(args: argparse.Namespace, seconds: float) -> list[str]:
     title = f"### The host's work a decode step, us a sequence (the model on {args.device}, `host_overhead.py`)"
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=seconds)
-    except subprocess.TimeoutExpired:
-        return ["", f"{title}: stopped after {seconds:.0f} s (the budget)"]
+    except subprocess.TimeoutExpired as stopped:
+        measured = stopped.stdout.decode() if isinstance(stopped.stdout, bytes) else stopped.stdout or ""
+        rows = [line for line in measured.splitlines() if line.startswith("|")]
+        return ["", f"{title}: stopped after {seconds:.0f} s (the budget)", "", *rows]
     if done.returncode != 0:
         return ["", f"{title}: failed", "", "```", done.stderr[-2000:], "```"]
     return ["", title, "", *(line for line in done.stdout.splitlines() if line.startswith("|"))]
@@ -581,7 +601,7 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--hf-batch", type=int, default=256, help="HF generate()'s static batch size")
     parser.add_argument("--hf-time-limit-s", type=float, default=30.0, help="generate_batch stops after this")
-    parser.add_argument("--budget-s", type=float, default=450.0, help="later measurements are skipped")
+    parser.add_argument("--budget-s", type=float, default=420.0, help="later measurements are skipped")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--attention-backend", default="auto", help="the engine's, for the measurements")
     parser.add_argument("--no-exactness", action="store_true", help="skip the exactness check")

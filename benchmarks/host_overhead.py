@@ -168,7 +168,7 @@ def main() -> None:
         us = measure(batch, args.context, args.steps, args.rounds, timers, device)
         parts = " | ".join(f"{us[part]:.1f}" for part in PARTS)
         host = f"**{us['host']:.1f}** ({us['host'] * batch / 1e3:.2f} ms a step)"
-        print(f"| {batch} | {host} | {parts} | {us['step']:.1f} |")
+        print(f"| {batch} | {host} | {parts} | {us['step']:.1f} |", flush=True)  # a row survives a timeout
 
 
 if __name__ == "__main__":
