@@ -109,6 +109,7 @@ def test_errors_and_aborts(encoder_paths: dict[str, Path]) -> None:
     engine.add_request(EngineRequest("long", [5] * (MAX_TOKENS + 1), task="embed"))
     engine.add_request(EngineRequest("generate", [5, 6, 7]))
     engine.add_request(EngineRequest("empty", [], task="embed"))
+    engine.add_request(EngineRequest("unknown-token", [2, engine.vocab_size, 3], task="embed"))
     for i in range(6):
         engine.add_request(EngineRequest(f"{'a' if i % 2 else 'b'}{i}", [2, 5 + i, 3], task="embed", group=str(i % 2)))
     assert sorted(engine.abort_group("1")) == ["a1", "a3", "a5"]
@@ -116,12 +117,13 @@ def test_errors_and_aborts(encoder_paths: dict[str, Path]) -> None:
     results = {}
     while engine.has_unfinished_requests():
         results.update((r.request_id, r) for r in engine.step())
-    assert sorted(results) == ["b0", "b2", "empty", "generate", "long"]
+    assert sorted(results) == ["b0", "b2", "empty", "generate", "long", "unknown-token"]
     errors = {rid: r.error.code for rid, r in results.items() if r.error is not None}
     assert errors == {
         "long": "context_length_exceeded",
         "generate": "unsupported_endpoint",
         "empty": "invalid_prompt",
+        "unknown-token": "invalid_prompt",
     }
 
 

@@ -194,6 +194,31 @@ def test_prompt_longer_than_the_context_is_an_error_not_a_crash(
     assert results["ok"].error is None and results["ok"].completion_tokens > 0
 
 
+def test_token_ids_outside_the_vocabulary_are_an_error_not_a_crash(
+    make_engine: Callable[..., LLMEngine], run_to_completion: Run, random_prompts: Run
+) -> None:
+    """The engine checks every token id a request names against the model itself, whoever made the request (on a GPU
+    an id past the embedding is a device-side assert that ends every request on the device)."""
+    engine = make_engine()
+    vocab, fits = engine.vocab_size, random_prompts(1, 5, 5)[0]
+    results = run_to_completion(
+        engine,
+        [
+            EngineRequest("past", [*fits, vocab], SamplingParams(max_tokens=4)),
+            EngineRequest("negative", [-1, *fits], SamplingParams(max_tokens=4)),
+            EngineRequest("stop", fits, SamplingParams(max_tokens=4, stop_token_ids=(vocab + 7,), min_tokens=2)),
+            EngineRequest("bias", fits, SamplingParams(max_tokens=4, logit_bias={-3: 1.0})),
+            EngineRequest("embed", [vocab], task="embed"),
+            EngineRequest("ok", fits, SamplingParams(max_tokens=4, stop_token_ids=(vocab - 1,), logit_bias={0: 1.0})),
+        ],
+    )
+    codes = {rid: result.error.code for rid, result in results.items() if result.error is not None}
+    invalid = {"past": "invalid_prompt", "negative": "invalid_prompt", "embed": "invalid_prompt"}
+    assert codes == {**invalid, "stop": "invalid_value", "bias": "invalid_value"}
+    assert f"(0-{vocab - 1}): [{vocab}]" in results["past"].error.message  # type: ignore[union-attr]
+    assert results["ok"].completion_tokens == 4
+
+
 def test_abort_request_and_group(
     make_engine: Callable[..., LLMEngine], run_to_completion: Run, random_prompts: Run
 ) -> None:

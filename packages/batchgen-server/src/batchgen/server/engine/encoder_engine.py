@@ -32,6 +32,8 @@ class EncoderEngine:
         self.model_name = model_name
         self.model = model
         self.device: torch.device = model.get_input_embeddings().weight.device
+        self.vocab_size: int = model.config.vocab_size
+        """Token ids a request may name: rows of the embedding."""
         model_limit = encoder_context_length(model)
         self.max_context_length: int = min(config.max_model_len or model_limit, model_limit)
         self.pad_token_id: int = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -40,7 +42,7 @@ class EncoderEngine:
         self._prompt_tokens = 0
 
     def add_request(self, request: EngineRequest) -> None:
-        error = admission_error(request, self.max_context_length, self._waiting)
+        error = admission_error(request, self.max_context_length, self._waiting, self.vocab_size)
         if error is None and request.task != "embed":
             error = EngineError("unsupported_endpoint", f"Model {self.model_name!r} is an embedding model.")
         if error is not None:

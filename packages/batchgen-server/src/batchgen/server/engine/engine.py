@@ -68,11 +68,13 @@ class LLMEngine:
         self.sampler = Sampler()
         self.async_scheduling = config.uses_async_scheduling(self.runner.device)
         self.reset()
-        self.eos_token_ids = _eos_ids(model, tokenizer)
         model_limit = config.max_model_len or getattr(model.config.get_text_config(), "max_position_embeddings", None)
         if model_limit is None:
             raise ValueError("the model config names no max_position_embeddings; set max_model_len")
         self.max_context_length: int = min(model_limit, self.runner.num_blocks * config.block_size)
+        self.vocab_size: int = model.config.get_text_config().vocab_size
+        """Token ids a request may name (prompt, stop tokens, logit bias): rows of the embedding and of the logits."""
+        self.eos_token_ids = frozenset(token for token in _eos_ids(model, tokenizer) if token < self.vocab_size)
         self._seeds = random.Random(config.seed)
         self._totals = {"prompt": 0, "cached": 0, "generated": 0}
         if config.self_check:
@@ -108,7 +110,7 @@ class LLMEngine:
         params = request.params
         prompt_len = len(request.prompt_token_ids)
         max_len = min(self.max_context_length, params.max_context_length or self.max_context_length)
-        error = admission_error(request, max_len, self._requests)
+        error = admission_error(request, max_len, self._requests, self.vocab_size)
         if error is not None:
             self._ready.append(EngineResult(request.request_id, prompt_len, error=error, group=request.group))
             return

@@ -118,11 +118,29 @@ class EngineResult:
         return sum(len(output.token_ids) for output in self.outputs)
 
 
-def admission_error(request: EngineRequest, max_len: int, known_ids: Container[str]) -> EngineError | None:
-    """Why ``request`` cannot run at all (empty prompt, over the context, id already known), or ``None``."""
-    prompt_len = len(request.prompt_token_ids)
+def admission_error(
+    request: EngineRequest, max_len: int, known_ids: Container[str], vocab_size: int
+) -> EngineError | None:
+    """Why ``request`` cannot run at all (empty prompt, over the context, a token id the model does not have, id
+    already known), or ``None``. The token ids are checked here, whoever made the request: on a GPU an id past the
+    embedding is a device-side assert, which ends every request on the device, not an error of this one."""
+    prompt, params = request.prompt_token_ids, request.params
+    prompt_len = len(prompt)
     if prompt_len == 0:
         return EngineError("invalid_prompt", "The prompt is empty.")
+    if min(prompt) < 0 or max(prompt) >= vocab_size:
+        outside = [token for token in prompt if not 0 <= token < vocab_size][:5]
+        return EngineError(
+            "invalid_prompt",
+            f"The prompt has token ids outside the model's vocabulary (0-{vocab_size - 1}): {outside}.",
+        )
+    outside = [token for token in (*params.stop_token_ids, *params.logit_bias) if not 0 <= token < vocab_size][:5]
+    if outside:
+        return EngineError(
+            "invalid_value",
+            f"stop_token_ids or logit_bias name token ids outside the model's vocabulary (0-{vocab_size - 1}): "
+            f"{outside}.",
+        )
     if prompt_len > max_len or (request.task == "generate" and prompt_len == max_len):
         return EngineError(
             "context_length_exceeded",
