@@ -583,13 +583,13 @@ def host_work(args: argparse.Namespace, seconds: float) -> list[str]:
     title = f"### The host's work a decode step, us a sequence (the model on {args.device}, `host_overhead.py`)"
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=seconds)
-    except subprocess.TimeoutExpired as stopped:
-        measured = stopped.stdout.decode() if isinstance(stopped.stdout, bytes) else stopped.stdout or ""
-        rows = [line for line in measured.splitlines() if line.startswith("|")]
-        return ["", f"{title}: stopped after {seconds:.0f} s (the budget)", "", *rows]
-    if done.returncode != 0:
-        return ["", f"{title}: failed", "", "```", done.stderr[-2000:], "```"]
-    return ["", title, "", *(line for line in done.stdout.splitlines() if line.startswith("|"))]
+    except subprocess.TimeoutExpired as stopped:  # its stdout comes as bytes, text=True or not
+        title, measured = f"{title}: stopped after {seconds:.0f} s (the budget)", (stopped.stdout or b"").decode()
+    else:
+        if done.returncode != 0:
+            return ["", f"{title}: failed", "", "```", done.stderr[-2000:], "```"]
+        measured = done.stdout
+    return ["", title, "", *(line for line in measured.splitlines() if line.startswith("|"))]
 
 
 def main() -> None:

@@ -93,10 +93,10 @@ def _layout(step: PagedStep) -> _Layout:
     """Built on the host and moved without a wait (only the physical-to-logical map, which is as wide as the cache,
     is made on the device)."""
     device, num_blocks = step.device, step.cache.num_blocks
-    lengths = [-(-s.end // step.cache.block_size) for s in step.seqs]
-    tables = torch.full((len(step.seqs), max(lengths)), -1, dtype=torch.long)
-    for i, (seq, length) in enumerate(zip(step.seqs, lengths, strict=True)):
-        tables[i, :length] = torch.from_numpy(step.blocks(seq))
+    own = [step.blocks(seq) for seq in step.seqs]
+    tables = torch.full((len(own), max(len(blocks) for blocks in own)), -1, dtype=torch.long)
+    for i, blocks in enumerate(own):
+        tables[i, : len(blocks)] = torch.from_numpy(blocks)
     query_seq = torch.tensor([i for i, s in enumerate(step.seqs) for _ in range(s.num_tokens)])
     query_pos = torch.tensor([p for s in step.seqs for p in range(s.start, s.end)])
     tables, query_seq, query_pos = (to_device(t, device) for t in (tables, query_seq, query_pos))
