@@ -62,7 +62,7 @@ from engine_throughput import Clock, Row, make_workload, run_hf_generate, run_hf
 
 from batchgen.server.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams
 from batchgen.server.engine.attention import SeqSlice
-from batchgen.server.engine.attention.decode import DecodeKernel, DecodePairs, paged_decode
+from batchgen.server.engine.attention.decode import DecodeBlocks, DecodeKernel, paged_decode
 from batchgen.server.engine.attention.gather import GatherBackend, _Decodes
 from batchgen.server.engine.attention.layer import LayerAttention
 from batchgen.server.engine.demo_model import build_tokenizer
@@ -267,12 +267,12 @@ def kernels(shape: str, args: argparse.Namespace) -> list[str]:
     compiled = DecodeKernel()
     inductor = torch.compile(paged_decode, dynamic=False)  # the CPU path before the C++ kernel, compiled per batch
     variants: dict[str, Callable[..., torch.Tensor]] = {
-        "DecodeKernel (the engine's)": lambda q, k, v, pairs, _: compiled(q, k, v, pairs, layer),
-        "paged_decode, compiled (inductor)": lambda q, k, v, pairs, _: inductor(q, k, v, pairs, None, dim**-0.5, None),
-        "paged_decode, eager": lambda q, k, v, pairs, _: paged_decode(q, k, v, pairs, None, dim**-0.5, None),
-        "gather + SDPA (eager fallback)": lambda q, k, v, pairs, tables: GatherBackend(None)._decode(
-            q, k, v, tables, bs, layer
+        "DecodeKernel (the engine's)": lambda q, k, v, views: compiled(q, k, v, views.blocks, layer),
+        "paged_decode, compiled (inductor)": lambda q, k, v, views: inductor(
+            q, k, v, views.blocks, None, dim**-0.5, None
         ),
+        "paged_decode, eager": lambda q, k, v, views: paged_decode(q, k, v, views.blocks, None, dim**-0.5, None),
+        "gather + SDPA (eager fallback)": lambda q, k, v, views: GatherBackend(None)._decode(q, k, v, views, bs, layer),
     }
     bw = bandwidth(device)
     lines = [
@@ -284,20 +284,18 @@ def kernels(shape: str, args: argparse.Namespace) -> list[str]:
         "|---:|---|---:|---:|",
     ]
     for batch in settings.decode_batches:
-        blocks = batch * (context // bs + 1)
-        k = torch.randn(kv_heads, blocks * bs, dim, device=device, dtype=dtype)
+        num_blocks = batch * (context // bs + 1)
+        k = torch.randn(kv_heads, num_blocks * bs, dim, device=device, dtype=dtype)
         v = torch.randn_like(k)
-        order = torch.randperm(blocks).view(batch, -1).numpy()  # each sequence's block table, a row
+        order = torch.randperm(num_blocks).view(batch, -1).numpy()  # each sequence's block table, a row
         seqs = [SeqSlice(i, 1, context, i) for i in range(batch)]
-        pairs = DecodePairs.build(seqs, None, bs, order)
-        tables = pairs.padded()
-        pairs = pairs.to(torch.device(device))
-        views = _Decodes(None, tables[0].to(device), tables[1].to(device), None)
+        blocks = DecodeBlocks.build(seqs, None, bs, order).to(torch.device(device))
+        views = _Decodes(None, blocks, blocks.visible())
         q = torch.randn(batch, heads, dim, device=device, dtype=dtype)
         read = 2 * batch * (context + 1) * kv_heads * dim * k.element_size()
         for name, fn in variants.items():
             try:
-                seconds = _median_time(lambda fn=fn, args=(q, k, v, pairs, views): fn(*args), device)
+                seconds = _median_time(lambda fn=fn, args=(q, k, v, views): fn(*args), device)
                 lines.append(f"| {batch} | {name} | {seconds * 1e6:,.0f} | {read / seconds / bw:.0%} |")
             except Exception as exc:
                 lines.append(f"| {batch} | {name} | failed: {type(exc).__name__}: {str(exc)[:200]} | |")

@@ -10,18 +10,18 @@ every step; with async scheduling that work hides behind the device's only while
 model whose forward is cheap (two narrow layers, compiled as the engine compiles a real one, the 32,000-token head):
 each part is timed around its own call, and the host's work is the step's time less what would run on the device
 (the model's forward, without the attention metadata it builds on the host first, and the sampler's argmax). Parts:
-``schedule`` (the scheduler), ``pack`` (token ids, positions, slots), ``decode pairs`` (the decode kernel's layout,
-``DecodePairs.build``), ``sampler`` (its host side), ``settle`` (reading tokens back, stop checks, bookkeeping),
+``schedule`` (the scheduler), ``pack`` (token ids, positions, slots), ``decode tables`` (the decode kernel's input,
+``DecodeBlocks.build``), ``sampler`` (its host side), ``settle`` (reading tokens back, stop checks, bookkeeping),
 ``rest of the step`` (building the step's sample rows, advancing the sequences).
 
 On CPU this is an estimate of a GPU host's work, off both ways: the host's work inside the forward (the layers'
 entry, the attention operator's Python) counts as the device's, and a GPU's decode steps also refill their CUDA
 graphs' inputs; but the CPU forward evicts the host's caches between steps, which makes each numpy and torch call
-several times dearer than on a host whose forward runs elsewhere (``DecodePairs.build`` at batch 1: 40 us hot, 330
-after reading 64 MB). With ``--device cuda`` the model runs on the GPU as the engine runs it there (bfloat16,
-compiled, CUDA graphs, async scheduling), and the measurement is direct: the host's work is the step's time less its
-one wait for the device (reading a step's tokens back, timed apart), and ``rest of the step`` includes launching the
-forward (the CUDA graph's refill and replay).
+several times dearer than on a host whose forward runs elsewhere (the decode kernel's metadata at batch 1: 40 us hot,
+330 after reading 64 MB, measured when it was built as pairs). With ``--device cuda`` the model runs on the GPU as
+the engine runs it there (bfloat16, compiled, CUDA graphs, async scheduling), and the measurement is direct: the
+host's work is the step's time less its one wait for the device (reading a step's tokens back, timed apart), and
+``rest of the step`` includes launching the forward (the CUDA graph's refill and replay).
 
 Each round times ``--steps`` steps of ``batch`` decodes; the table gives the median of ``--rounds`` rounds in
 microseconds a sequence a step. Absolute figures move with the machine (2x between days here): compare versions in
@@ -55,12 +55,12 @@ from batchgen.server.engine import (
     transfer,
 )
 from batchgen.server.engine import engine as engine_module
-from batchgen.server.engine.attention.decode import DecodePairs
+from batchgen.server.engine.attention.decode import DecodeBlocks
 from batchgen.server.engine.demo_model import build_model, build_tokenizer
 from batchgen.server.engine.inputs import InputBuffers
 from batchgen.server.engine.scheduler import Scheduler
 
-PARTS = ["schedule", "pack", "decode pairs", "sampler", "settle", "rest of the step"]
+PARTS = ["schedule", "pack", "decode tables", "sampler", "settle", "rest of the step"]
 
 
 class Timers:
@@ -87,7 +87,7 @@ def instrument() -> Timers:
     timers = Timers()
     timers.wrap(Scheduler, "schedule", "schedule")
     timers.wrap(InputBuffers, "pack", "pack")
-    timers.wrap(DecodePairs, "build", "decode pairs")
+    timers.wrap(DecodeBlocks, "build", "decode tables")
     timers.wrap(sampler.Sampler, "launch", "sampler")
     timers.wrap(sampler, "argmax_first", "argmax")
     timers.wrap(engine_module.LLMEngine, "_settle", "settle")
@@ -141,7 +141,7 @@ def measure(
             us["host"] = us["step"] - us["wait"]
         else:  # the device is this CPU: take out what would run on a GPU
             us["sampler"] -= us["argmax"]
-            us["host"] = us["step"] - (us["forward"] - us["pack"] - us["decode pairs"] + us["argmax"])
+            us["host"] = us["step"] - (us["forward"] - us["pack"] - us["decode tables"] + us["argmax"])
         us["rest of the step"] = us["host"] - sum(us[part] for part in PARTS[:-1])
         per_round.append(us)
     return {key: statistics.median(us[key] for us in per_round) for key in [*PARTS, "host", "step"]}

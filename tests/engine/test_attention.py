@@ -11,6 +11,8 @@ for it, and what the backend does when the call fails or disagrees.
 
 from __future__ import annotations
 
+import itertools
+import os
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -83,8 +85,16 @@ def _varlen_gather(call: object = reference_varlen, verify: bool = False) -> Gat
     return GatherBackend(None, VarlenAttention(call, dtypes=(torch.float64,), verify=verify))  # type: ignore[arg-type]
 
 
+def _paged_decode_gather() -> GatherBackend:
+    """Gather whose decodes run ``paged_decode`` (the kernels' reference and the fallback) in float64."""
+    kernel = decode.DecodeKernel()
+    kernel.failure = "the test runs the plain version"
+    return GatherBackend(kernel)
+
+
 BACKENDS = {
     "gather": lambda: make_backend("gather", torch.device("cpu"), compiled=False),
+    "gather-paged-decode": _paged_decode_gather,
     "gather-compiled": lambda: COMPILED_GATHER,
     "gather-varlen": _varlen_gather,
     "flex": lambda: make_backend("flex", torch.device("cpu"), compiled=False),
@@ -170,11 +180,11 @@ def _must_not_run(*args: object) -> None:
 
 @pytest.mark.parametrize("window", [None, 1, 5, 16])
 @pytest.mark.parametrize("block", [1, BLOCK, 5])
-def test_decode_pairs_name_each_visible_slot_once(window: int | None, block: int) -> None:
-    """``DecodePairs.build`` (built in numpy every step) against the definition, position by position: decode ``i``'s
-    pairs, in order, name the blocks of its table that hold positions ``first_visible`` to its own and mark exactly
-    those slots, whatever else the table holds (its rows in any order, stale blocks past each table's end);
-    ``padded`` (the eager gather's layout) lays out the same."""
+def test_decode_blocks_name_each_visible_slot_once(window: int | None, block: int) -> None:
+    """``DecodeBlocks.build`` (cut from the block tables every step) against the definition, position by position:
+    the slots decode ``i``'s row and bounds make visible are exactly those of its table holding positions
+    ``first_visible`` to its own, whatever else the tables hold (rows in any order, stale blocks past each table's
+    end); ``visible`` (the eager gather's mask) marks the same slots."""
     rng = random.Random(block * 100 + (window or 0))
     starts = [0, 1, block - 1, block, 3 * block + 2, *(rng.randrange(60) for _ in range(8))]
     pool = rng.sample(range(1000), 400)
@@ -186,22 +196,20 @@ def test_decode_pairs_name_each_visible_slot_once(window: int | None, block: int
         tables[table_rows[row], : len(table)] = table
         own_tables.append(table)
         decodes.append(SeqSlice(row, 1, start, table_rows[row]))
-    pairs = decode.DecodePairs.build(decodes, window, block, tables)
-    blocks, visible = pairs.padded()
+    blocks = decode.DecodeBlocks.build(decodes, window, block, tables)
+    assert blocks.tables.shape[1] == max(
+        s.start // block - decode.first_visible(s.start, window) // block + 1 for s in decodes
+    )
+    positions, visible = blocks.positions(), blocks.visible()
     for i, (seq, table) in enumerate(zip(decodes, own_tables, strict=True)):
-        first, end = int(pairs.offsets[i]), int(pairs.offsets[i + 1])
-        assert pairs.seq[first:end].tolist() == [i] * (end - first)
         expected = [
             (table[p // block], p % block) for p in range(decode.first_visible(seq.start, window), seq.start + 1)
         ]
-        listed = [
-            (int(pairs.block[j]), slot) for j in range(first, end) for slot in range(block) if pairs.visible[j, slot]
-        ]
+        assert (blocks.first[i], blocks.last[i]) == (decode.first_visible(seq.start, window), seq.start)
+        seen = (positions[i] >= blocks.first[i]) & (positions[i] <= blocks.last[i])
+        listed = [(int(blocks.tables[i, j // block]), j % block) for j in seen.nonzero().flatten().tolist()]
         assert listed == expected
-        assert all(pairs.visible[first:end].any(dim=1)), "a pair that sees nothing"
-        assert blocks[i, : end - first].tolist() == pairs.block[first:end].tolist()
-        assert torch.equal(visible[i].view(-1, block)[: end - first], pairs.visible[first:end])
-        assert not visible[i].view(-1, block)[end - first :].any() and not blocks[i, end - first :].any()
+        assert torch.equal(visible[i], seen)
 
 
 @pytest.mark.parametrize("layer_name", sorted(LAYERS))
@@ -211,36 +219,59 @@ def test_decode_pairs_name_each_visible_slot_once(window: int | None, block: int
 def test_cpu_decode_kernel(layer_name: str, dtype: torch.dtype, heads: tuple[int, int, int], block: int) -> None:
     """The C++ kernel against ``paged_decode`` (the plain tensor version, in float64) on the shapes its loops treat
     apart: query heads in groups of four and one by one, a head size that is not a multiple of the vector width, an
-    odd block size, bfloat16 caches, a pair that sees nothing, a context of several of its chunks (128 slots); and
-    the same result, to the bit, on two threads."""
+    odd block size, bfloat16 caches, a context of several of its chunks (128 slots), windows that start inside a
+    block; and the same result, to the bit, on two threads."""
     layer = LAYERS[layer_name]
     if layer.sinks is not None:
         layer = LayerAttention(layer.scale, layer.window, None, torch.linspace(-1, 2, heads[0], dtype=torch.float64))
     step, cache, query, key, value = _step(5, [*DECODES, (40, 1), (300, 1), (2, 1)], dtype, heads, block)
     cache.write(0, step.slot_mapping, key[0], value[0])
-    pairs = decode.DecodePairs.build(step.seqs, layer.window, block, step.block_tables)
-    # A pair that sees nothing (as a CUDA graph's padding pairs), first among the second decode's.
-    at = int(pairs.offsets[1])
-    pairs = decode.DecodePairs(
-        torch.cat([pairs.seq[:at], torch.tensor([1]), pairs.seq[at:]]),
-        torch.cat([pairs.block[:at], torch.tensor([0]), pairs.block[at:]]),
-        torch.cat([pairs.visible[:at], torch.zeros(1, block, dtype=torch.bool), pairs.visible[at:]]),
-        pairs.offsets + (torch.arange(len(pairs.offsets)) > 1),
-    )
+    blocks = decode.DecodeBlocks.build(step.seqs, layer.window, block, step.block_tables)
     q = query[0].transpose(0, 1)
     scale = layer.scale or heads[2] ** -0.5
     k_cache, v_cache, sinks = cache.k[0], cache.v[0], layer.sinks
-    expected = decode.paged_decode(q.double(), k_cache.double(), v_cache.double(), pairs, sinks, scale, layer.softcap)
-    out = cpu_decode.paged_decode(q, k_cache, v_cache, pairs, sinks, scale, layer.softcap)
+    expected = decode.paged_decode(q.double(), k_cache.double(), v_cache.double(), blocks, sinks, scale, layer.softcap)
+    out = cpu_decode.paged_decode(q, k_cache, v_cache, blocks, sinks, scale, layer.softcap)
     assert out.dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # the output's own rounding to bfloat16
     torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        assert torch.equal(cpu_decode.paged_decode(q, k_cache, v_cache, pairs, sinks, scale, layer.softcap), out)
+        assert torch.equal(cpu_decode.paged_decode(q, k_cache, v_cache, blocks, sinks, scale, layer.softcap), out)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_triton_decode_kernel_in_its_interpreter() -> None:
+    """The CUDA decode kernel (``triton_decode.py``), run by Triton's interpreter on the CPU, against
+    ``paged_decode`` on ``test_cpu_decode_kernel``'s shapes: its splits' partials, combined, whatever the number of
+    splits (more than a decode has blocks too). Opt-in: CPU-only torch brings no Triton, and the interpreter must be
+    on before Triton is first imported, so it runs with ``TRITON_INTERPRET=1`` and Triton installed
+    (docs/engine.md), and skips otherwise."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("set TRITON_INTERPRET=1 (with Triton installed) to run the CUDA kernel in Triton's interpreter")
+    triton_decode = pytest.importorskip("batchgen.server.engine.attention.triton_decode")
+    for layer_name, heads, block in itertools.product(sorted(LAYERS), [(7, 1, 64), (8, 2, 20)], [BLOCK, 5]):
+        layer = LAYERS[layer_name]
+        if layer.sinks is not None:
+            sinks = torch.linspace(-1, 2, heads[0], dtype=torch.float64)
+            layer = LayerAttention(layer.scale, layer.window, None, sinks)
+        step, cache, query, key, value = _step(6, [*DECODES, (40, 1), (2, 1)], torch.float32, heads, block)
+        cache.write(0, step.slot_mapping, key[0], value[0])
+        blocks = decode.DecodeBlocks.build(step.seqs, layer.window, block, step.block_tables)
+        q = query[0].transpose(0, 1).contiguous()
+        scale = layer.scale or heads[2] ** -0.5
+        k_cache, v_cache, sinks = cache.k[0], cache.v[0], layer.sinks
+        expected = decode.paged_decode(
+            q.double(), k_cache.double(), v_cache.double(), blocks, sinks, scale, layer.softcap
+        )
+        for splits in (1, 3, 16):
+            partials = triton_decode.split_partials(q, k_cache, v_cache, blocks, scale, layer.softcap, splits)
+            out = decode.combine(*partials, q, sinks)
+            torch.testing.assert_close(
+                out.double(), expected, rtol=1e-5, atol=1e-5, msg=f"{layer_name}, {heads}, {block}, {splits} splits"
+            )
 
 
 @pytest.mark.parametrize("window", [None, 5, 1])

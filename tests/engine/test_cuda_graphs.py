@@ -1,4 +1,4 @@
-"""The decode graphs' plumbing, on CPU: static inputs, buckets, padding rows on the scratch block, padding pairs.
+"""The decode graphs' plumbing, on CPU: static inputs, buckets, padding rows on the scratch block.
 
 A CUDA graph cannot be had here, so ``Rerun`` (graph_helpers.py) stands in for one. Everything else is what runs on
 a GPU: the runner routes steps of decodes alone to the graphs, the graphs refill their static inputs, and the outputs
@@ -13,7 +13,7 @@ from typing import Any
 from graph_helpers import Rerun
 
 from batchgen.server.engine import EngineRequest, LLMEngine, SamplingParams
-from batchgen.server.engine.attention.decode import DecodePairs
+from batchgen.server.engine.attention.decode import DecodeBlocks
 from batchgen.server.engine.cuda_graphs import batch_buckets
 
 
@@ -33,7 +33,7 @@ def test_decode_steps_replay_graphs_and_match_hf(
     engine = make_engine(block_size=4, max_num_seqs=24)
     runner = engine.runner
     assert runner.graphs is not None and runner.cache.num_blocks == runner.num_blocks + 1  # the scratch block
-    prompts = random_prompts(21, 2, 40, seed=30)  # batches shrink as they finish: buckets 24, 16, 8, 4, 2, 1
+    prompts = random_prompts(21, 2, 60, seed=30)  # batches shrink as they finish: buckets 24, 16, 8, 4, 2, 1
     lengths = [3 + i % 17 for i in range(len(prompts))]
     requests = [
         EngineRequest(f"r{i}", p, SamplingParams(max_tokens=n, ignore_eos=True))
@@ -45,20 +45,26 @@ def test_decode_steps_replay_graphs_and_match_hf(
     assert runner.graphs is not None, "no fallback to eager"
     buckets = {batch for batch, _ in runner.graphs._graphs}
     assert Rerun.replays > 10 and {1, 2, 4, 8, 16, 24} <= buckets
-    for (bucket, _), graph in runner.graphs._graphs.items():
-        for pairs in graph.pairs.values():
-            _assert_rows_own_their_pairs(pairs, bucket)
+    assert len({width for _, width in runner.graphs._graphs}) > 1, "contexts grew past one width bucket"
+    for (bucket, width), graph in runner.graphs._graphs.items():
+        for blocks in graph.blocks.values():
+            _assert_rows_stay_in_their_tables(blocks, bucket, width, runner.graphs.scratch_block)
 
 
-def _assert_rows_own_their_pairs(pairs: DecodePairs, rows: int) -> None:
-    """As the last replay left a graph's static pairs: row ``i``'s pairs are ``offsets[i]:offsets[i + 1]`` (what the
-    CUDA kernel walks), each range non-empty and seeing something, and nothing after the last range is visible."""
-    offsets = pairs.offsets.tolist()
-    assert len(offsets) == rows + 1 and offsets[0] == 0
+def _assert_rows_stay_in_their_tables(blocks: DecodeBlocks, rows: int, width: int, scratch: int) -> None:
+    """As the last replay left a graph's static tables: every row sees from 1 to ``width`` blocks (what the CUDA
+    kernel walks); a padding row (position 0: a real decode has a token before it) sees the scratch block's first
+    slot alone, and a real row's blocks are never the scratch block."""
+    assert blocks.tables.shape == (rows, width) and blocks.first.shape == blocks.last.shape == (rows,)
+    bs = blocks.block_size
     for row in range(rows):
-        low, high = offsets[row], offsets[row + 1]
-        assert high > low and (pairs.seq[low:high] == row).all() and pairs.visible[low:high].any(), f"row {row}"
-    assert not pairs.visible[offsets[-1] :].any()
+        first, last = int(blocks.first[row]), int(blocks.last[row])
+        seen = blocks.tables[row, : last // bs - first // bs + 1]
+        assert 0 <= first <= last and 1 <= len(seen) <= width, f"row {row}"
+        if last == 0:
+            assert seen.tolist() == [scratch], f"padding row {row}"
+        else:
+            assert (seen != scratch).all(), f"row {row} reads the scratch block"
 
 
 def test_a_one_token_prefill_chunk_keeps_its_step_off_the_graphs(

@@ -1,12 +1,12 @@
 """Every sequence's block table again as a row of one array, kept in step with its list by the block manager.
 
-A step reads its decodes' blocks from here with whole-array indexing (the decode kernel's pairs), not with a Python
-pass over every block: a decode step at batch 256 and 512-token contexts names 8,500 blocks, 0.5 ms of the host's
-time on CPU that way; its prefill chunks' cache slots come from here too. This is vLLM's persistent block table: a
-row is written when its sequence gains a block (once every ``block_size`` tokens), not every step.
+A step cuts its decodes' rows from here with one index (the decode kernel's input, ``attention/decode.py``), not
+with a Python pass over every block: a decode step at batch 256 and 512-token contexts names 8,500 blocks, 0.5 ms of
+the host's time on CPU that way; its prefill chunks' cache slots come from here too. This is vLLM's persistent block
+table: a row is written when its sequence gains a block (once every ``block_size`` tokens), not every step.
 
-A row holds its sequence's blocks from column 0; what lies past them is stale (rows are reused), so readers cut each
-row to the blocks its sequence's tokens fill.
+A row holds its sequence's blocks from column 0; what lies past them is stale (rows are reused): valid block ids, so
+a kernel may be handed them, but readers must not attend to them.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """CUDA graphs of decode steps: a small model's decode step is mostly kernel launches, which a graph replays at once.
 
-A graph is captured on first use for each (batch, pairs) bucket: the batch is rounded up to a bucket size, the
-number of (sequence, block) pairs of the decode kernel to a power of two. Everything the step reads lives in the
-graph's own static tensors, refilled before each replay with one non-blocking copy each: token ids, positions, cache
-slots, and each window's decode pairs (``attention/decode.py``). Padding rows write their keys and values to a
-scratch block no sequence owns and attend to that block alone; padding pairs see nothing. The logits of every row
-come out of the graph; the sampler takes the real rows.
+A graph is captured on first use for each (batch, width) bucket: the batch is rounded up to a bucket size, the most
+blocks a decode sees to a power of two. Everything the step reads lives in the graph's own static tensors, refilled
+before each replay with one non-blocking copy each: token ids, positions, cache slots, and each window's decode
+block tables and bounds (``attention/decode.py``). Padding rows write their keys and values to a scratch block no
+sequence owns and attend to its first slot alone. The logits of every row come out of the graph; the sampler takes
+the real rows.
 
 Only steps of decodes alone use a graph (prefill chunks vary too much in shape); a capture or replay that fails
 turns graphs off for good, with the reason in the log, and the step runs eagerly.
@@ -22,14 +22,15 @@ import numpy as np
 import torch
 
 from .attention import PagedStep, active
-from .attention.decode import DecodeKernel, DecodePairs
+from .attention.decode import DecodeBlocks, DecodeKernel
 from .attention.layer import LayerAttention
 from .inputs import PackedInputs
 from .kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
 
-MIN_PAIRS = 16
+MIN_WIDTH = 16
+"""Blocks a decode sees, at least, in a graph (256 tokens of 16-token blocks)."""
 
 
 def batch_buckets(max_seqs: int) -> list[int]:
@@ -75,16 +76,16 @@ class _Bucket:
     input_ids: torch.Tensor
     positions: torch.Tensor
     slots: torch.Tensor
-    pairs: dict[int | None, DecodePairs]
+    blocks: dict[int | None, DecodeBlocks]
     logits: torch.Tensor | None = None
 
 
 class _StaticDecodes:
-    """The graph's attention backend: the decode kernel over the bucket's static pairs."""
+    """The graph's attention backend: the decode kernel over the bucket's static block tables."""
 
-    def __init__(self, kernel: DecodeKernel, pairs: dict[int | None, DecodePairs]) -> None:
+    def __init__(self, kernel: DecodeKernel, blocks: dict[int | None, DecodeBlocks]) -> None:
         self.kernel = kernel
-        self.pairs = pairs
+        self.blocks = blocks
 
     def attend(
         self,
@@ -96,8 +97,8 @@ class _StaticDecodes:
         layer: LayerAttention,
     ) -> torch.Tensor:
         q = query[0].transpose(0, 1)
-        pairs = self.pairs[layer.window]
-        return self.kernel(q, step.cache.k[layer_index], step.cache.v[layer_index], pairs, layer)
+        blocks = self.blocks[layer.window]
+        return self.kernel(q, step.cache.k[layer_index], step.cache.v[layer_index], blocks, layer)
 
 
 class DecodeGraphs:
@@ -130,13 +131,12 @@ class DecodeGraphs:
         batch = len(packed.seqs)
         bucket = next(size for size in self.buckets if size >= batch)
         bs = self.cache.block_size
-        pairs = {w: DecodePairs.build(packed.seqs, w, bs, packed.block_tables) for w in self.windows}
-        # Each padding row gets one pair: the scratch block's first slot.
-        needed = max(p.seq.shape[0] for p in pairs.values()) + bucket - batch
-        size = max(MIN_PAIRS, 1 << (needed - 1).bit_length())
-        graph = self._graphs.get((bucket, size))
+        blocks = {w: DecodeBlocks.build(packed.seqs, w, bs, packed.block_tables) for w in self.windows}
+        needed = max(b.tables.shape[1] for b in blocks.values())
+        width = max(MIN_WIDTH, 1 << (needed - 1).bit_length())
+        graph = self._graphs.get((bucket, width))
         if graph is None:
-            graph = self._capture(bucket, size)
+            graph = self._capture(bucket, width)
         for static, value in zip(
             (graph.input_ids, graph.positions, graph.slots),
             (packed.input_ids, packed.positions, packed.slots),
@@ -144,55 +144,44 @@ class DecodeGraphs:
         ):
             static[:batch].copy_(value, non_blocking=True)
         graph.slots[batch:].fill_(self.scratch_block * bs)  # padding rows: stale slots would overwrite a sequence
-        for window, static_pairs in graph.pairs.items():
-            self._fill(static_pairs, pairs[window], batch, bucket)
+        for window, static_blocks in graph.blocks.items():
+            self._fill(static_blocks, blocks[window], batch)
         graph.graph.replay()
         assert graph.logits is not None
         return graph.logits[:batch]
 
-    def _fill(self, static: DecodePairs, pairs: DecodePairs, batch: int, bucket: int) -> None:
-        """Real pairs first, then one pair per padding row on the scratch block, then pairs that see nothing."""
-        count, size = pairs.seq.shape[0], static.seq.shape[0]
-        padding = bucket - batch
-        seq = torch.zeros(size, dtype=torch.long)
-        seq[:count] = pairs.seq
-        seq[count : count + padding] = torch.arange(batch, bucket)
-        block = torch.full((size,), self.scratch_block, dtype=torch.long)
-        block[:count] = pairs.block
-        visible = torch.zeros(size, static.visible.shape[1], dtype=torch.bool)
-        visible[:count] = pairs.visible
-        visible[count : count + padding, 0] = True
-        offsets = torch.cat([pairs.offsets, count + torch.arange(1, padding + 1)])
-        for target, source in zip(
-            (static.seq, static.block, static.visible, static.offsets), (seq, block, visible, offsets), strict=True
-        ):
+    def _fill(self, static: DecodeBlocks, blocks: DecodeBlocks, batch: int) -> None:
+        """The real rows, then padding rows that see the scratch block's first slot alone."""
+        bucket, width = static.tables.shape
+        tables = torch.full((bucket, width), self.scratch_block, dtype=torch.long)
+        tables[:batch, : blocks.tables.shape[1]] = blocks.tables
+        first, last = torch.zeros(bucket, dtype=torch.long), torch.zeros(bucket, dtype=torch.long)
+        first[:batch], last[:batch] = blocks.first, blocks.last
+        for target, source in zip((static.tables, static.first, static.last), (tables, first, last), strict=True):
             target.copy_(source.pin_memory() if self.device.type == "cuda" else source, non_blocking=True)
 
-    def _capture(self, bucket: int, size: int) -> _Bucket:
-        """A graph for ``bucket`` decodes over ``size`` pairs, captured on an all-padding step."""
+    def _capture(self, bucket: int, width: int) -> _Bucket:
+        """A graph for ``bucket`` decodes that see up to ``width`` blocks each, captured on an all-padding step."""
         bs, device = self.cache.block_size, self.device
         scratch_slot = self.scratch_block * bs
-        pairs = {
-            window: DecodePairs(
-                torch.zeros(size, dtype=torch.long, device=device),
-                torch.full((size,), self.scratch_block, dtype=torch.long, device=device),
-                torch.zeros(size, bs, dtype=torch.bool, device=device),
-                torch.arange(bucket + 1, device=device),
+        blocks = {
+            window: DecodeBlocks(
+                torch.full((bucket, width), self.scratch_block, dtype=torch.long, device=device),
+                torch.zeros(bucket, dtype=torch.long, device=device),
+                torch.zeros(bucket, dtype=torch.long, device=device),
+                bs,
             )
             for window in self.windows
         }
-        for static in pairs.values():
-            static.seq[:bucket] = torch.arange(bucket, device=device)
-            static.visible[:bucket, 0] = True
         graph = _Bucket(
             self.make_graph(),
             torch.zeros(bucket, dtype=torch.long, device=device),
             torch.zeros(bucket, dtype=torch.long, device=device),
             torch.full((bucket,), scratch_slot, dtype=torch.long, device=device),
-            pairs,
+            blocks,
         )
         step = PagedStep(
-            self.cache, _StaticDecodes(self.kernel, pairs), [], np.empty((0, 0), np.int64), graph.slots, device
+            self.cache, _StaticDecodes(self.kernel, blocks), [], np.empty((0, 0), np.int64), graph.slots, device
         )
 
         def forward() -> torch.Tensor:
@@ -207,6 +196,6 @@ class DecodeGraphs:
             return out.logits[0]
 
         graph.logits = graph.graph.capture(forward)
-        self._graphs[(bucket, size)] = graph
-        logger.info("captured a CUDA graph for %d decodes over %d block pairs", bucket, size)
+        self._graphs[(bucket, width)] = graph
+        logger.info("captured a CUDA graph for %d decodes of up to %d blocks", bucket, width)
         return graph

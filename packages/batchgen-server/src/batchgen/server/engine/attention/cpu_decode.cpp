@@ -199,7 +199,7 @@ struct Shape {
     int64_t kv_heads, groups, dim, vdim, slots, block_size;
 };
 
-// Up to this many slots of consecutive pairs are scored before one softmax update, then weighed: on 16-token blocks,
+// Up to this many slots of consecutive blocks are scored before one softmax update, then weighed: on 16-token blocks,
 // rescaling per block cost as much as the reading on a fragmented cache (benchmarks/RESULTS.md).
 constexpr int64_t CHUNK_SLOTS = 128;
 
@@ -215,14 +215,26 @@ inline void prefetch(const void* p, int64_t n) {
     for (int64_t line = 0; line < n; line += 64) __builtin_prefetch(static_cast<const char*>(p) + line, 0, 3);
 }
 
-// Decode b, KV head k: its `groups` query heads against the visible slots of pairs offsets[b]..offsets[b + 1], a
-// chunk of pairs at a time. `work` holds groups * (chunk_slots(block_size) + 2 + vdim) floats.
+// What decode b sees: columns 0..count - 1 of its row of `tables`, column j the block holding positions from
+// (first / block_size + j) * block_size on; of those, positions first..last.
+struct Visible {
+    const int64_t* row;
+    int64_t count, base, first, last;  // base: the position of column 0's first slot
+
+    Visible(const int64_t* tables, int64_t width, const int64_t* firsts, const int64_t* lasts, int64_t b, int64_t bs)
+        : row(tables + b * width), first(firsts[b]), last(lasts[b]) {
+        base = first / bs * bs;
+        count = last / bs - first / bs + 1;
+    }
+};
+
+// Decode b, KV head k: its `groups` query heads against its visible slots, a chunk of blocks at a time. `work`
+// holds groups * (chunk_slots(block_size) + 2 + vdim) floats.
 template <typename T>
-void attend_one(int64_t b, int64_t k, const float* query, const T* k_cache, const T* v_cache, const int64_t* blocks,
-                const bool* visible, const int64_t* offsets, const float* sinks, float* out, const Shape& s,
-                float scale, float softcap, float* work) {
-    const int64_t G = s.groups, bs = s.block_size, last = offsets[b + 1];
-    const int64_t width = chunk_slots(bs), chunk = width / bs;  // slots, pairs
+void attend_one(int64_t b, int64_t k, const float* query, const T* k_cache, const T* v_cache, const Visible& seen,
+                const float* sinks, float* out, const Shape& s, float scale, float softcap, float* work) {
+    const int64_t G = s.groups, bs = s.block_size, last = seen.count;
+    const int64_t width = chunk_slots(bs), chunk = width / bs;  // slots, blocks
     float* scores = work;              // [G, width]
     float* best = scores + G * width;  // [G] running maximum
     float* total = best + G;           // [G] running sum of exp(score - best)
@@ -233,27 +245,35 @@ void attend_one(int64_t b, int64_t k, const float* query, const T* k_cache, cons
     const T* keys = k_cache + k * s.slots * s.dim;
     const T* values = v_cache + k * s.slots * s.vdim;
     const int64_t key_bytes = s.dim * sizeof(T), value_bytes = s.vdim * sizeof(T);
-    for (int64_t first = offsets[b]; first < last; first += chunk) {
+    for (int64_t first = 0; first < last; first += chunk) {
         const int64_t end = first + chunk < last ? first + chunk : last, n = (end - first) * bs;
         for (int64_t p = first; p < end; ++p) {  // the scores of the chunk's keys
-            const T* kb = keys + blocks[p] * bs * s.dim;
-            const T* vb = values + blocks[p] * bs * s.vdim;
-            const T* next = p + 1 < last ? keys + blocks[p + 1] * bs * s.dim : nullptr;
-            const bool* seen = visible + p * bs;
+            const T* kb = keys + seen.row[p] * bs * s.dim;
+            const T* vb = values + seen.row[p] * bs * s.vdim;
+            const T* next = p + 1 < last ? keys + seen.row[p + 1] * bs * s.dim : nullptr;
+            // slots lo..hi of this block are visible
+            const int64_t at = seen.base + p * bs, lo = seen.first > at ? seen.first - at : 0;
+            const int64_t hi = seen.last - at < bs - 1 ? seen.last - at : bs - 1;
+            const bool whole = lo == 0 && hi == bs - 1;  // all but a decode's first and last blocks
             float* x = scores + (p - first) * bs;
             int64_t t = 0;
             for (; t + 2 <= bs; t += 2) {
                 prefetch(vb + t * s.vdim, 2 * value_bytes);
                 if (next != nullptr) prefetch(next + t * s.dim, 2 * key_bytes);
-                if (seen[t] || seen[t + 1]) dots2(q, G, kb + t * s.dim, kb + (t + 1) * s.dim, s.dim, x + t, width);
+                if (whole) {
+                    dots2(q, G, kb + t * s.dim, kb + (t + 1) * s.dim, s.dim, x + t, width);
+                    continue;
+                }
+                const bool see0 = t >= lo && t <= hi, see1 = t + 1 >= lo && t + 1 <= hi;
+                if (see0 || see1) dots2(q, G, kb + t * s.dim, kb + (t + 1) * s.dim, s.dim, x + t, width);
                 for (int64_t g = 0; g < G; ++g) {
-                    if (!seen[t]) x[g * width + t] = -INFINITY;
-                    if (!seen[t + 1]) x[g * width + t + 1] = -INFINITY;
+                    if (!see0) x[g * width + t] = -INFINITY;
+                    if (!see1) x[g * width + t + 1] = -INFINITY;
                 }
             }
             for (; t < bs; ++t)  // an odd block size's last slot
                 for (int64_t g = 0; g < G; ++g)
-                    x[g * width + t] = seen[t] ? dot(q + g * s.dim, kb + t * s.dim, s.dim) : -INFINITY;
+                    x[g * width + t] = t >= lo && t <= hi ? dot(q + g * s.dim, kb + t * s.dim, s.dim) : -INFINITY;
         }
         for (int64_t g = 0; g < G; ++g) {
             float* row = scores + g * width;
@@ -271,7 +291,7 @@ void attend_one(int64_t b, int64_t k, const float* query, const T* k_cache, cons
             total[g] += exp_minus(row, n, best[g]);  // 0 where not visible
         }
         for (int64_t p = first; p < end; ++p) {  // their values, weighed
-            const T* vb = values + blocks[p] * bs * s.vdim;
+            const T* vb = values + seen.row[p] * bs * s.vdim;
             for (int64_t g = 0; g < G; ++g)
                 add_weighted(acc + g * s.vdim, scores + g * width + (p - first) * bs, vb, bs, s.vdim, s.vdim);
         }
@@ -291,9 +311,9 @@ void attend_one(int64_t b, int64_t k, const float* query, const T* k_cache, cons
 }
 
 template <typename T>
-void attend_all(int64_t batch, const float* query, const void* k_cache, const void* v_cache, const int64_t* blocks,
-                const bool* visible, const int64_t* offsets, const float* sinks, float* out, const Shape& s,
-                float scale, float softcap, int threads) {
+void attend_all(int64_t batch, const float* query, const void* k_cache, const void* v_cache, const int64_t* tables,
+                int64_t width, const int64_t* firsts, const int64_t* lasts, const float* sinks, float* out,
+                const Shape& s, float scale, float softcap, int threads) {
     const int64_t work_size = s.groups * (chunk_slots(s.block_size) + 2 + s.vdim);
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
@@ -301,8 +321,9 @@ void attend_all(int64_t batch, const float* query, const void* k_cache, const vo
 #pragma omp for collapse(2) schedule(dynamic, 1)
         for (int64_t b = 0; b < batch; ++b)
             for (int64_t k = 0; k < s.kv_heads; ++k)
-                attend_one(b, k, query, static_cast<const T*>(k_cache), static_cast<const T*>(v_cache), blocks,
-                           visible, offsets, sinks, out, s, scale, softcap, work);
+                attend_one(b, k, query, static_cast<const T*>(k_cache), static_cast<const T*>(v_cache),
+                           Visible(tables, width, firsts, lasts, b, s.block_size), sinks, out, s, scale, softcap,
+                           work);
         delete[] work;
     }
 }
@@ -310,18 +331,18 @@ void attend_all(int64_t batch, const float* query, const void* k_cache, const vo
 }  // namespace
 
 // query [batch, kv_heads, groups, dim] float32; caches [kv_heads, slots, dim] (float32, or bfloat16 when
-// `bf16_cache`); blocks [P], visible [P, block_size], offsets [batch + 1] as in decode.py's DecodePairs; sinks
+// `bf16_cache`); tables [batch, width], firsts and lasts [batch] as in decode.py's DecodeBlocks; sinks
 // [kv_heads * groups] float32 or null; softcap <= 0 for none. Writes out [batch, kv_heads, groups, vdim] float32.
 extern "C" void batchgen_paged_decode(int64_t batch, int64_t kv_heads, int64_t groups, int64_t dim, int64_t vdim,
                                       int64_t slots, int64_t block_size, const float* query, const void* k_cache,
-                                      const void* v_cache, int bf16_cache, const int64_t* blocks,
-                                      const bool* visible, const int64_t* offsets, const float* sinks, float* out,
+                                      const void* v_cache, int bf16_cache, const int64_t* tables, int64_t width,
+                                      const int64_t* firsts, const int64_t* lasts, const float* sinks, float* out,
                                       float scale, float softcap, int threads) {
     const Shape s{kv_heads, groups, dim, vdim, slots, block_size};
     if (bf16_cache)
-        attend_all<uint16_t>(batch, query, k_cache, v_cache, blocks, visible, offsets, sinks, out, s, scale, softcap,
-                             threads);
+        attend_all<uint16_t>(batch, query, k_cache, v_cache, tables, width, firsts, lasts, sinks, out, s, scale,
+                             softcap, threads);
     else
-        attend_all<float>(batch, query, k_cache, v_cache, blocks, visible, offsets, sinks, out, s, scale, softcap,
+        attend_all<float>(batch, query, k_cache, v_cache, tables, width, firsts, lasts, sinks, out, s, scale, softcap,
                           threads);
 }

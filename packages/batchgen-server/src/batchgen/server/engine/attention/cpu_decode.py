@@ -12,7 +12,7 @@ import torch
 from .. import native
 
 if TYPE_CHECKING:
-    from .decode import DecodePairs
+    from .decode import DecodeBlocks
 
 SOURCE = Path(__file__).with_suffix(".cpp")
 CACHE_TYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -32,7 +32,7 @@ def paged_decode(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    pairs: DecodePairs,
+    blocks: DecodeBlocks,
     sinks: torch.Tensor | None,
     scale: float,
     softcap: float | None,
@@ -40,18 +40,17 @@ def paged_decode(
     """``decode.paged_decode``'s contract (where ``supports`` holds), on the native kernel."""
     batch, heads, dim = query.shape
     kv_heads, slots, vdim = v_cache.shape
-    block_size = pairs.visible.shape[1]
     q = query.to(torch.float32).contiguous()
     out = torch.empty(batch, heads, vdim, dtype=torch.float32)
     if sinks is not None:
         sinks = sinks.to(torch.float32).contiguous()
-    tensors = (k_cache, v_cache, pairs.block, pairs.visible, pairs.offsets)
-    if not all(t.is_contiguous() for t in tensors) or pairs.block.dtype != torch.int64:
+    tensors = (k_cache, v_cache, blocks.tables, blocks.first, blocks.last)
+    if not all(t.is_contiguous() for t in tensors) or any(t.dtype != torch.int64 for t in tensors[2:]):
         raise ValueError("the native decode kernel reads contiguous caches and int64 block tables")
     library().batchgen_paged_decode(
-        batch, kv_heads, heads // kv_heads, dim, vdim, slots, block_size,
+        batch, kv_heads, heads // kv_heads, dim, vdim, slots, blocks.block_size,
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), CACHE_TYPES[k_cache.dtype],
-        pairs.block.data_ptr(), pairs.visible.data_ptr(), pairs.offsets.data_ptr(),
+        blocks.tables.data_ptr(), blocks.tables.shape[1], blocks.first.data_ptr(), blocks.last.data_ptr(),
         None if sinks is None else sinks.data_ptr(), out.data_ptr(),
         scale, 0.0 if softcap is None else softcap, torch.get_num_threads(),
     )  # fmt: skip
@@ -70,6 +69,7 @@ def library() -> ctypes.CDLL:
         ptr,
         ctypes.c_int,
         ptr,
+        i64,
         ptr,
         ptr,
         ptr,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..transfer import indices, to_device
-from .decode import DecodeKernel, DecodePairs, first_visible
+from .decode import DecodeBlocks, DecodeKernel, first_visible
 from .kernels import attend, causal_mask
 from .layer import LayerAttention
 from .step import PagedStep, SeqSlice
@@ -36,13 +36,11 @@ class _Chunk:
 class _Decodes:
     rows: torch.Tensor | None
     """Packed row of each decode; ``None`` when the step is all decodes, in order."""
-    blocks: torch.Tensor | None
-    """``[decodes, width]`` block table of each decode's visible context (padded with block 0), for the eager
-    gather (without the kernel)."""
+    blocks: DecodeBlocks
+    """What each decode sees: the kernel's input, and the eager gather's blocks."""
     visible: torch.Tensor | None
-    """``[decodes, width * block_size]``, the same."""
-    pairs: DecodePairs | None
-    """The fast kernel's layout of the same (when the backend has the kernel)."""
+    """``[decodes, width * block_size]`` which of the gathered slots each decode sees, for the eager gather (without
+    the kernel)."""
 
 
 @dataclass(slots=True)
@@ -167,10 +165,9 @@ class GatherBackend:
     ) -> torch.Tensor:
         device = k_cache.device  # differs from the step's only under device_map
         if self.decode_kernel is not None:
-            assert decodes.pairs is not None
-            return self.decode_kernel(q, k_cache, v_cache, decodes.pairs.to(device), layer)
-        assert decodes.blocks is not None and decodes.visible is not None
-        blocks = decodes.blocks.to(device)
+            return self.decode_kernel(q, k_cache, v_cache, decodes.blocks.to(device), layer)
+        assert decodes.visible is not None
+        blocks = decodes.blocks.tables.to(device)
         kd = _gather(k_cache, blocks, bs, self.buffers.get("k", blocks.numel() * bs * _row_numel(k_cache), k_cache))
         vd = _gather(v_cache, blocks, bs, self.buffers.get("v", blocks.numel() * bs * _row_numel(v_cache), v_cache))
         return attend(q.unsqueeze(2), kd, vd, layer, decodes.visible[:, None, None, :].to(device)).squeeze(2)
@@ -190,7 +187,7 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, block_size: int, out: tor
     return gathered.view(heads, *blocks.shape[:-1], context, dim).movedim(0, -3)
 
 
-def _build_views(step: PagedStep, window: int | None, with_pairs: bool, with_packed_chunks: bool) -> _Views:
+def _build_views(step: PagedStep, window: int | None, with_kernel: bool, with_packed_chunks: bool) -> _Views:
     bs, device = step.cache.block_size, step.device
     decodes = [s for s in step.seqs if s.num_tokens == 1]
     chunks = [s for s in step.seqs if s.num_tokens > 1]
@@ -198,11 +195,9 @@ def _build_views(step: PagedStep, window: int | None, with_pairs: bool, with_pac
     if not decodes:
         return _Views(None, packed)
     rows = None if len(decodes) == len(step.seqs) else indices([s.row for s in decodes], device)
-    pairs = DecodePairs.build(decodes, window, bs, step.block_tables)
-    if with_pairs:
-        return _Views(_Decodes(rows, None, None, pairs.to(device)), packed)
-    blocks, visible = pairs.padded()
-    return _Views(_Decodes(rows, to_device(blocks, device), to_device(visible, device), None), packed)
+    blocks = DecodeBlocks.build(decodes, window, bs, step.block_tables)
+    visible = None if with_kernel else to_device(blocks.visible(), device)
+    return _Views(_Decodes(rows, blocks.to(device), visible), packed)
 
 
 def _chunk_view(step: PagedStep, seq: SeqSlice, window: int | None) -> _Chunk:

@@ -1,23 +1,27 @@
 """The decode kernel's CUDA path: a Triton kernel that walks each sequence's blocks with an online softmax.
 
 One program takes one sequence, one KV head (with the query heads that share it, at most ``GROUP_BLOCK`` of them)
-and one split of the sequence's (sequence, block) pairs: it reads each visible block's keys and values once, where
-they lie, and keeps a running maximum, sum and weighted values. Splits (flash-decoding's) keep the chip busy when
-few sequences decode; their partials are combined by ``decode.combine``, as pairs are on the other paths. No tensor
-cores: with one query per sequence the work is bound by reading the cache, not by arithmetic.
+and one split of the sequence's visible blocks (its row of ``decode.DecodeBlocks``): it reads each block's keys and
+values once, where they lie, and keeps a running maximum, sum and weighted values. Splits (flash-decoding's) keep the
+chip busy when few sequences decode; ``decode.combine`` combines their partials. No tensor cores: with one query per
+sequence the work is bound by reading the cache, not by arithmetic.
 
 Measured on an H200 (``benchmarks/RESULTS.md``): the first version, one program per pair, took 241 us of device time
 a layer for 64 decodes of 512 tokens, plus a combine over every pair's partials; walking the blocks in one program
-writes partials per split only.
+writes partials per split only. Visibility is computed from positions, not read from a mask.
 """
 
 from __future__ import annotations
 
 from contextlib import nullcontext
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
+
+if TYPE_CHECKING:
+    from .decode import DecodeBlocks
 
 GROUP_BLOCK = 16
 """Query heads per program at most (an MQA layer's many heads per KV head take several programs)."""
@@ -29,15 +33,16 @@ def _split_kernel(
     query,
     k_cache,
     v_cache,
-    pair_block,
-    visible,
-    offsets,
+    tables,
+    firsts,
+    lasts,
     out_max,
     out_sum,
     out_acc,
     scale,
     softcap,
     q_stride_b,
+    table_stride,
     k_stride_h,
     v_stride_h,
     SPLITS,
@@ -63,25 +68,29 @@ def _split_kernel(
     t = tl.arange(0, BLOCK_P2)
     g_ok, d_ok, dv_ok, t_ok = g < GROUP, d < DIM, dv < VDIM, t < BLOCK
 
-    first = tl.load(offsets + seq)
-    last = tl.load(offsets + seq + 1)
-    per_split = tl.cdiv(last - first, SPLITS)
-    start = first + split * per_split
-    stop = tl.minimum(last, start + per_split)
+    first = tl.load(firsts + seq)
+    last = tl.load(lasts + seq)
+    first_block = first // BLOCK
+    count = last // BLOCK - first_block + 1
+    per_split = tl.cdiv(count, SPLITS)
+    start = split * per_split
+    stop = tl.minimum(count, start + per_split)
+    row = tables + seq.to(tl.int64) * table_stride
 
     q_rows = query + seq.to(tl.int64) * q_stride_b + (head * GROUP + g)[:, None] * DIM + d[None, :]
     q = tl.load(q_rows, mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # [G, D]
     best = tl.full([GROUP_P2], float("-inf"), tl.float32)
     total = tl.zeros([GROUP_P2], tl.float32)
     acc = tl.zeros([GROUP_P2, VDIM_P2], tl.float32)
-    for pair in range(start, stop):
-        slots = tl.load(pair_block + pair).to(tl.int64) * BLOCK + t  # [BLOCK]
+    for column in range(start, stop):
+        slots = tl.load(row + column).to(tl.int64) * BLOCK + t  # [BLOCK]
         k_rows = k_cache + head_k * k_stride_h + slots[:, None] * DIM + d[None, :]
         k = tl.load(k_rows, mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # [BLOCK, D]
         scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G, BLOCK]
         if HAS_SOFTCAP:
             scores = (2.0 / (1.0 + tl.exp(-2.0 * scores / softcap)) - 1.0) * softcap  # tanh, which tl lacks
-        seen = tl.load(visible + pair * BLOCK + t, mask=t_ok, other=0) != 0
+        position = (first_block + column) * BLOCK + t
+        seen = t_ok & (position >= first) & (position <= last)
         scores = tl.where(seen[None, :], scores, float("-inf"))
         new_best = tl.maximum(best, tl.max(scores, axis=1))
         base = tl.where(new_best == float("-inf"), 0.0, new_best)  # nothing seen yet: no rescaling to do
@@ -93,37 +102,37 @@ def _split_kernel(
         acc = acc * rescale[:, None] + tl.sum(weights[:, :, None] * v[None, :, :], axis=1)
         best = new_best
 
-    row = ((seq * SPLITS + split) * KV_HEADS + head) * GROUP + g
-    tl.store(out_max + row, best, mask=g_ok)
-    tl.store(out_sum + row, total, mask=g_ok)
-    tl.store(out_acc + row[:, None] * VDIM + dv[None, :], acc, mask=g_ok[:, None] & dv_ok[None, :])
+    out = ((seq * SPLITS + split) * KV_HEADS + head) * GROUP + g
+    tl.store(out_max + out, best, mask=g_ok)
+    tl.store(out_sum + out, total, mask=g_ok)
+    tl.store(out_acc + out[:, None] * VDIM + dv[None, :], acc, mask=g_ok[:, None] & dv_ok[None, :])
 
 
 def split_partials(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block: torch.Tensor,
-    visible: torch.Tensor,
-    offsets: torch.Tensor,
+    blocks: DecodeBlocks,
     scale: float,
     softcap: float | None,
-    splits: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``query`` ``[B, H, D]`` (contiguous), caches ``[KVH, slots, D]``, the pairs' blocks and visible slots, and
-    ``offsets`` ``[B + 1]`` (sequence ``i``'s pairs are ``offsets[i]:offsets[i + 1]``). Per split of each sequence,
-    as ``decode.pair_partials`` gives them per pair: the maximum score ``[B * splits, KVH, G]``, the sum and the
-    weighted values, float32, and which sequence each split belongs to."""
+    splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``query`` ``[B, H, D]`` (contiguous), caches ``[KVH, slots, D]``. Per split of each decode's blocks (``splits``
+    of them, by default enough to fill the GPU), in float32: the maximum score ``[B, S, KVH, G]`` (``-inf`` for a
+    split that sees nothing), the sum of ``exp(score - maximum)`` and those weights times the values ``[B, S, KVH, G,
+    Dv]``, for ``decode.combine``."""
     batch = query.shape[0]
     kv_heads, _, dim = k_cache.shape
     vdim = v_cache.shape[-1]
     group = query.shape[1] // kv_heads
-    block_size = visible.shape[1]
-    out_max = query.new_empty(batch * splits, kv_heads, group, dtype=torch.float32)
+    block_size, tables = blocks.block_size, blocks.tables
+    splits = splits or splits_for(batch, kv_heads, query.device)
+    out_max = query.new_empty(batch, splits, kv_heads, group, dtype=torch.float32)
     out_sum = torch.empty_like(out_max)
-    out_acc = query.new_empty(batch * splits, kv_heads, group, vdim, dtype=torch.float32)
-    # The kernel's addressing assumes contiguous rows (the cache's and the queries' own layout).
+    out_acc = query.new_empty(batch, splits, kv_heads, group, vdim, dtype=torch.float32)
+    # The kernel's addressing assumes contiguous rows (the cache's, the queries' and the tables' own layout).
     assert k_cache.stride(1) == dim and v_cache.stride(1) == vdim and query.stride(1) == dim
+    assert tables.stride(1) == 1 and blocks.first.is_contiguous() and blocks.last.is_contiguous()
     group_p2 = min(triton.next_power_of_2(group), GROUP_BLOCK)
     tiles = triton.cdiv(group, group_p2)
     dim_p2, block_p2 = triton.next_power_of_2(max(dim, vdim)), triton.next_power_of_2(block_size)
@@ -136,15 +145,16 @@ def split_partials(
                 query,
                 k_cache,
                 v_cache,
-                block,
-                visible.view(torch.uint8),
-                offsets,
+                tables,
+                blocks.first,
+                blocks.last,
                 out_max,
                 out_sum,
                 out_acc,
                 scale,
                 softcap or 1.0,
                 query.stride(0),
+                tables.stride(0),
                 k_cache.stride(0),
                 v_cache.stride(0),
                 splits,
@@ -161,8 +171,7 @@ def split_partials(
                 HAS_SOFTCAP=softcap is not None,
                 num_warps=warps,
             )
-    owner = torch.arange(batch, device=query.device).repeat_interleave(splits)
-    return out_max, out_sum, out_acc, owner
+    return out_max, out_sum, out_acc
 
 
 def splits_for(batch: int, kv_heads: int, device: torch.device) -> int:
