@@ -233,7 +233,8 @@ struct Visible {
 template <typename T>
 void attend_one(int64_t b, int64_t k, const float* query, const T* k_cache, const T* v_cache, const Visible& seen,
                 const float* sinks, float* out, const Shape& s, float scale, float softcap, float* work) {
-    const int64_t G = s.groups, bs = s.block_size, last = seen.count;
+    const int64_t G = s.groups, bs = s.block_size, count = seen.count, base = seen.base;
+    const int64_t from = seen.first, to = seen.last, *blocks = seen.row;  // locals: the loops read them often
     const int64_t width = chunk_slots(bs), chunk = width / bs;  // slots, blocks
     float* scores = work;              // [G, width]
     float* best = scores + G * width;  // [G] running maximum
@@ -245,35 +246,27 @@ void attend_one(int64_t b, int64_t k, const float* query, const T* k_cache, cons
     const T* keys = k_cache + k * s.slots * s.dim;
     const T* values = v_cache + k * s.slots * s.vdim;
     const int64_t key_bytes = s.dim * sizeof(T), value_bytes = s.vdim * sizeof(T);
-    for (int64_t first = 0; first < last; first += chunk) {
-        const int64_t end = first + chunk < last ? first + chunk : last, n = (end - first) * bs;
+    for (int64_t first = 0; first < count; first += chunk) {
+        const int64_t end = first + chunk < count ? first + chunk : count, n = (end - first) * bs;
         for (int64_t p = first; p < end; ++p) {  // the scores of the chunk's keys
-            const T* kb = keys + seen.row[p] * bs * s.dim;
-            const T* vb = values + seen.row[p] * bs * s.vdim;
-            const T* next = p + 1 < last ? keys + seen.row[p + 1] * bs * s.dim : nullptr;
-            // slots lo..hi of this block are visible
-            const int64_t at = seen.base + p * bs, lo = seen.first > at ? seen.first - at : 0;
-            const int64_t hi = seen.last - at < bs - 1 ? seen.last - at : bs - 1;
-            const bool whole = lo == 0 && hi == bs - 1;  // all but a decode's first and last blocks
+            const T* kb = keys + blocks[p] * bs * s.dim;
+            const T* vb = values + blocks[p] * bs * s.vdim;
+            const T* next = p + 1 < count ? keys + blocks[p + 1] * bs * s.dim : nullptr;
+            const int64_t at = base + p * bs;  // slots lo..hi of this block are visible
+            const int64_t lo = from > at ? from - at : 0, hi = to - at < bs ? to - at : bs - 1;
             float* x = scores + (p - first) * bs;
             int64_t t = 0;
             for (; t + 2 <= bs; t += 2) {
                 prefetch(vb + t * s.vdim, 2 * value_bytes);
                 if (next != nullptr) prefetch(next + t * s.dim, 2 * key_bytes);
-                if (whole) {
-                    dots2(q, G, kb + t * s.dim, kb + (t + 1) * s.dim, s.dim, x + t, width);
-                    continue;
-                }
-                const bool see0 = t >= lo && t <= hi, see1 = t + 1 >= lo && t + 1 <= hi;
-                if (see0 || see1) dots2(q, G, kb + t * s.dim, kb + (t + 1) * s.dim, s.dim, x + t, width);
-                for (int64_t g = 0; g < G; ++g) {
-                    if (!see0) x[g * width + t] = -INFINITY;
-                    if (!see1) x[g * width + t + 1] = -INFINITY;
-                }
+                if (t + 1 >= lo && t <= hi) dots2(q, G, kb + t * s.dim, kb + (t + 1) * s.dim, s.dim, x + t, width);
             }
             for (; t < bs; ++t)  // an odd block size's last slot
+                for (int64_t g = 0; g < G; ++g) x[g * width + t] = dot(q + g * s.dim, kb + t * s.dim, s.dim);
+            if (lo > 0 || hi < bs - 1)  // a decode's first or last block: what it does not see weighs nothing
                 for (int64_t g = 0; g < G; ++g)
-                    x[g * width + t] = t >= lo && t <= hi ? dot(q + g * s.dim, kb + t * s.dim, s.dim) : -INFINITY;
+                    for (int64_t u = 0; u < bs; ++u)
+                        if (u < lo || u > hi) x[g * width + u] = -INFINITY;
         }
         for (int64_t g = 0; g < G; ++g) {
             float* row = scores + g * width;
@@ -291,7 +284,7 @@ void attend_one(int64_t b, int64_t k, const float* query, const T* k_cache, cons
             total[g] += exp_minus(row, n, best[g]);  // 0 where not visible
         }
         for (int64_t p = first; p < end; ++p) {  // their values, weighed
-            const T* vb = values + seen.row[p] * bs * s.vdim;
+            const T* vb = values + blocks[p] * bs * s.vdim;
             for (int64_t g = 0; g < G; ++g)
                 add_weighted(acc + g * s.vdim, scores + g * width + (p - first) * bs, vb, bs, s.vdim, s.vdim);
         }
