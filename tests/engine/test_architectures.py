@@ -324,7 +324,7 @@ def test_a_failing_fast_forward_falls_back_to_eager_for_good(
 
 def test_cuda_graph_path(tokenizer: Any, tmp_path: Path, graphs_on_cpu: None) -> None:
     """Decode steps through the CUDA-graph path's static inputs (``Rerun`` for the graph itself) on a
-    model whose layers alternate sliding and full attention: each window has its own static decode pairs."""
+    model whose layers alternate sliding and full attention: each window has its own static decode tables."""
     path = _build("gemma3_text", ARCHITECTURES["gemma3_text"], tokenizer, tmp_path)
     engine = _engine(path, tokenizer, block_size=8, max_num_batched_tokens=16)
     assert engine.runner.graphs is not None and engine.runner.graphs.windows == {WINDOW, None}

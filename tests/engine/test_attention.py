@@ -243,6 +243,19 @@ def test_cpu_decode_kernel(layer_name: str, dtype: torch.dtype, heads: tuple[int
         torch.set_num_threads(threads)
 
 
+def test_paged_decode_in_groups_gives_what_it_gives_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``paged_decode`` gathers its decodes in groups when their padded rows would take too much memory at once."""
+    layer = LAYERS["sinks"]
+    step, cache, query, key, value = _step(7, [*DECODES, (40, 1), (2, 1)])
+    cache.write(0, step.slot_mapping, key[0], value[0])
+    blocks = decode.DecodeBlocks.build(step.seqs, layer.window, BLOCK, step.block_tables)
+    q, args = query[0].transpose(0, 1), (layer.sinks, 0.7, 1.5)
+    at_once = decode.paged_decode(q, cache.k[0], cache.v[0], blocks, *args)
+    for elements in (1, 3 * KV_HEADS * blocks.tables.shape[1] * BLOCK * DIM):  # one decode a group; three
+        monkeypatch.setattr(decode, "GATHER_ELEMENTS", elements)
+        assert torch.equal(decode.paged_decode(q, cache.k[0], cache.v[0], blocks, *args), at_once)
+
+
 def test_triton_decode_kernel_in_its_interpreter() -> None:
     """The CUDA decode kernel (``triton_decode.py``), run by Triton's interpreter on the CPU, against
     ``paged_decode`` on ``test_cpu_decode_kernel``'s shapes: its splits' partials, combined, whatever the number of

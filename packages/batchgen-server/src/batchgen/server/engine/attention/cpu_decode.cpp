@@ -270,11 +270,7 @@ void attend_one(int64_t b, int64_t k, const float* query, const T* k_cache, cons
         }
         for (int64_t g = 0; g < G; ++g) {
             float* row = scores + g * width;
-            float m = scale_and_max(row, n, scale, softcap);
-            if (m == -INFINITY && best[g] == -INFINITY) {  // nothing visible so far: this chunk weighs nothing
-                for (int64_t t = 0; t < n; ++t) row[t] = 0.f;
-                continue;
-            }
+            float m = scale_and_max(row, n, scale, softcap);  // finite: every block walked holds a visible slot
             if (m > best[g]) {  // rescale what came before to the new maximum
                 float r = std::exp(best[g] - m);
                 total[g] *= r;

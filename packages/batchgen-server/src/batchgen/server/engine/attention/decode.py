@@ -28,7 +28,8 @@ logger = logging.getLogger(__name__)
 class DecodeBlocks:
     """What a step's decodes see, for one window size. Decode ``i`` sees positions ``first[i]`` to ``last[i]`` (its
     own); column ``j`` of its row in ``tables`` is the block holding positions from ``(first[i] // block_size + j) *
-    block_size`` on. A row's columns past the decode's last block are stale (valid block ids, never read)."""
+    block_size`` on. A row's columns past the decode's last block are stale: valid block ids, never attended (the
+    kernels stop at each decode's last block; the plain versions read them and mask them out)."""
 
     tables: torch.Tensor
     """``[B, W]`` int64 (``W`` the most blocks any decode sees)."""
@@ -61,6 +62,10 @@ class DecodeBlocks:
             view = tables[rows[:, None], np.minimum(columns, tables.shape[1] - 1)]  # past a row's end: stale
         return cls(torch.from_numpy(view), torch.from_numpy(first), torch.from_numpy(last), bs)
 
+    def rows(self, start: int, stop: int) -> DecodeBlocks:
+        """Decodes ``start`` to ``stop``."""
+        return DecodeBlocks(self.tables[start:stop], self.first[start:stop], self.last[start:stop], self.block_size)
+
     def positions(self) -> torch.Tensor:
         """``[B, W * block_size]`` the position each slot of ``tables`` holds."""
         bs, width = self.block_size, self.tables.shape[1]
@@ -78,6 +83,11 @@ def first_visible(position: int, window: int | None) -> int:
     return 0 if window is None else max(0, position - window + 1)
 
 
+GATHER_ELEMENTS = 1 << 25
+"""The most cache elements ``paged_decode`` gathers at once (each decode's row is padded to the longest): decodes
+go in groups under it, so one long context among many short ones does not multiply the memory it takes."""
+
+
 def paged_decode(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -90,6 +100,27 @@ def paged_decode(
     """``query`` ``[B, H, D]``; caches ``[KVH, slots, D]``; ``sinks`` ``[H]`` or ``None``. Returns ``[B, H, Dv]`` in
     the query's dtype. Each decode's blocks are gathered and attended in at least float32, so that a sum over many
     blocks does not lose bf16 precision; a sink is one more softmax column that carries no value."""
+    batch, (kv_heads, _, dim) = query.shape[0], k_cache.shape
+    per_decode = kv_heads * blocks.tables.shape[1] * blocks.block_size * max(dim, v_cache.shape[-1])
+    group = max(1, GATHER_ELEMENTS // per_decode)
+    if batch > group:
+        parts = [
+            _gathered_decode(query[i : i + group], k_cache, v_cache, blocks.rows(i, i + group), sinks, scale, softcap)
+            for i in range(0, batch, group)
+        ]
+        return torch.cat(parts)
+    return _gathered_decode(query, k_cache, v_cache, blocks, sinks, scale, softcap)
+
+
+def _gathered_decode(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    blocks: DecodeBlocks,
+    sinks: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
     batch = query.shape[0]
     kv_heads, _, dim = k_cache.shape
     bs, acc = blocks.block_size, torch.promote_types(query.dtype, torch.float32)
