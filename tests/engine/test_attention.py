@@ -221,24 +221,17 @@ def test_cpu_decode_kernel(layer_name: str, dtype: torch.dtype, heads: tuple[int
     apart: query heads in groups of four and one by one, a head size that is not a multiple of the vector width, an
     odd block size, bfloat16 caches, a context of several of its chunks (128 slots), windows that start inside a
     block; and the same result, to the bit, on two threads."""
-    layer = LAYERS[layer_name]
-    if layer.sinks is not None:
-        layer = LayerAttention(layer.scale, layer.window, None, torch.linspace(-1, 2, heads[0], dtype=torch.float64))
-    step, cache, query, key, value = _step(5, [*DECODES, (40, 1), (300, 1), (2, 1)], dtype, heads, block)
-    cache.write(0, step.slot_mapping, key[0], value[0])
-    blocks = decode.DecodeBlocks.build(step.seqs, layer.window, block, step.block_tables)
-    q = query[0].transpose(0, 1)
-    scale = layer.scale or heads[2] ** -0.5
-    k_cache, v_cache, sinks = cache.k[0], cache.v[0], layer.sinks
-    expected = decode.paged_decode(q.double(), k_cache.double(), v_cache.double(), blocks, sinks, scale, layer.softcap)
-    out = cpu_decode.paged_decode(q, k_cache, v_cache, blocks, sinks, scale, layer.softcap)
+    q, k_cache, v_cache, blocks, args, expected = _decode_case(
+        5, [*DECODES, (40, 1), (300, 1), (2, 1)], layer_name, heads, block, dtype
+    )
+    out = cpu_decode.paged_decode(q, k_cache, v_cache, blocks, *args)
     assert out.dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # the output's own rounding to bfloat16
     torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        assert torch.equal(cpu_decode.paged_decode(q, k_cache, v_cache, blocks, sinks, scale, layer.softcap), out)
+        assert torch.equal(cpu_decode.paged_decode(q, k_cache, v_cache, blocks, *args), out)
     finally:
         torch.set_num_threads(threads)
 
@@ -266,25 +259,37 @@ def test_triton_decode_kernel_in_its_interpreter() -> None:
         pytest.skip("set TRITON_INTERPRET=1 (with Triton installed) to run the CUDA kernel in Triton's interpreter")
     triton_decode = pytest.importorskip("batchgen.server.engine.attention.triton_decode")
     for layer_name, heads, block in itertools.product(sorted(LAYERS), [(7, 1, 64), (8, 2, 20)], [BLOCK, 5]):
-        layer = LAYERS[layer_name]
-        if layer.sinks is not None:
-            sinks = torch.linspace(-1, 2, heads[0], dtype=torch.float64)
-            layer = LayerAttention(layer.scale, layer.window, None, sinks)
-        step, cache, query, key, value = _step(6, [*DECODES, (40, 1), (2, 1)], torch.float32, heads, block)
-        cache.write(0, step.slot_mapping, key[0], value[0])
-        blocks = decode.DecodeBlocks.build(step.seqs, layer.window, block, step.block_tables)
-        q = query[0].transpose(0, 1).contiguous()
-        scale = layer.scale or heads[2] ** -0.5
-        k_cache, v_cache, sinks = cache.k[0], cache.v[0], layer.sinks
-        expected = decode.paged_decode(
-            q.double(), k_cache.double(), v_cache.double(), blocks, sinks, scale, layer.softcap
-        )
+        case = _decode_case(6, [*DECODES, (40, 1), (2, 1)], layer_name, heads, block, torch.float32)
+        q, k_cache, v_cache, blocks, (sinks, scale, softcap), expected = case
         for splits in (1, 3, 16):
-            partials = triton_decode.split_partials(q, k_cache, v_cache, blocks, scale, layer.softcap, splits)
+            partials = triton_decode.split_partials(q.contiguous(), k_cache, v_cache, blocks, scale, softcap, splits)
             out = decode.combine(*partials, q, sinks)
             torch.testing.assert_close(
                 out.double(), expected, rtol=1e-5, atol=1e-5, msg=f"{layer_name}, {heads}, {block}, {splits} splits"
             )
+
+
+def _decode_case(
+    seed: int,
+    shapes: list[tuple[int, int]],
+    layer_name: str,
+    heads: tuple[int, int, int],
+    block: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, decode.DecodeBlocks, tuple[Any, float, Any], torch.Tensor]:
+    """A step of decodes alone, their keys and values in the cache, for a decode kernel: the queries ``[B, H, D]``,
+    the caches, what the decodes see, the layer's (sinks, scale, soft-cap), and ``paged_decode``'s output in
+    float64 (a sinks layer's sinks widened to ``heads``)."""
+    layer = LAYERS[layer_name]
+    if layer.sinks is not None:
+        layer = LayerAttention(layer.scale, layer.window, None, torch.linspace(-1, 2, heads[0], dtype=torch.float64))
+    step, cache, query, key, value = _step(seed, shapes, dtype, heads, block)
+    cache.write(0, step.slot_mapping, key[0], value[0])
+    blocks = decode.DecodeBlocks.build(step.seqs, layer.window, block, step.block_tables)
+    q, k_cache, v_cache = query[0].transpose(0, 1), cache.k[0], cache.v[0]
+    args = (layer.sinks, layer.scale or heads[2] ** -0.5, layer.softcap)
+    expected = decode.paged_decode(q.double(), k_cache.double(), v_cache.double(), blocks, *args)
+    return q, k_cache, v_cache, blocks, args, expected
 
 
 @pytest.mark.parametrize("window", [None, 5, 1])
