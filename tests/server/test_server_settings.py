@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from batchgen.server.cli import build_parser, main, settings_from_args
 from batchgen.server.engine.config import EngineConfig
 from batchgen.server.options import add_flags, build, options, setting
 from batchgen.server.settings import Settings
+from batchgen.server.storage.database import Database
 
 
 def test_environment_variables() -> None:
@@ -180,3 +182,32 @@ def test_a_bad_variable_is_a_usage_error(monkeypatch: pytest.MonkeyPatch, capsys
     with pytest.raises(SystemExit) as exited:
         main(["serve"])
     assert exited.value.code == 2 and "BATCHGEN_PORT='ten': not a valid int" in capsys.readouterr().err
+
+
+@pytest.fixture
+def read_only_disk(tmp_path: Path) -> Iterator[Path]:
+    """A small tmpfs that a test fills, then remounts read-only (root only: the storage-fault tests mount one too)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.decode().strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+@pytest.mark.parametrize("with_database", [False, True])
+def test_read_only_storage_is_one_line_and_exit_1(
+    read_only_disk: Path, with_database: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    storage = read_only_disk / "storage"
+    if with_database:
+        storage.mkdir()
+        Database(storage / "batchgen.db").close()
+    subprocess.run(["mount", "-o", "remount,ro", str(read_only_disk)], check=True)
+    assert main(["serve", "--storage", str(storage), "--port", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "cannot be written: Read-only file system" in err

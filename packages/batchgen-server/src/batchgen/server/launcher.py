@@ -34,6 +34,7 @@ class ServerProcess:
         model: str = "demo",
         startup_timeout_s: float = 180.0,
         env: Mapping[str, str] | None = None,
+        open_files: int | None = None,
     ) -> None:
         self.storage_dir = Path(storage_dir)
         self.port = free_port()
@@ -43,6 +44,8 @@ class ServerProcess:
         self._startup_timeout_s = startup_timeout_s
         self._env = dict(env or {})
         """Added to the child's environment (a test's fault injection, say)."""
+        self._open_files = open_files
+        """The child's descriptor limit, soft and hard (``ulimit -n``), if set."""
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self, *, wait: bool = True) -> ServerProcess:
@@ -52,10 +55,18 @@ class ServerProcess:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), **self._env}
         command = [sys.executable, "-m", "batchgen.server.cli", "serve", "--storage", str(self.storage_dir)]
         with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen([*command, *self._args], stdout=log, stderr=subprocess.STDOUT, env=env)
+            self.process = subprocess.Popen(
+                [*command, *self._args], stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=self._limits
+            )
         if wait:
             self._wait_healthy()
         return self
+
+    def _limits(self) -> None:
+        if self._open_files is not None:
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_NOFILE, (self._open_files, self._open_files))
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self._startup_timeout_s

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import socket
 import sqlite3
 import sys
 import threading
 from types import FrameType
+from typing import Any
 
 import uvicorn
 
+from .connections import ConnectionGuard, connection_limits, descriptor_limit, guarded_protocol
 from .observability.logs import configure as configure_logs
 from .security.auth import InsecureBindError, check_bind_address
 from .settings import Settings
@@ -40,43 +44,78 @@ def serve(settings: Settings) -> int:
         print(f"batchgen-server: {exc}", file=sys.stderr)
         return 1
     app = create_app(settings, engine)
+    max_connections, backlog = connection_limits(descriptor_limit())
+    guard = ConnectionGuard(settings.max_connections or max_connections, settings.request_start_timeout_s)
     config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
+        http=guarded_protocol(guard),
+        backlog=backlog,
         log_level=settings.log_level,
         # Half the deadline for requests in flight, the rest for the engine and the batch loop (app.py).
         timeout_graceful_shutdown=max(1, round(settings.shutdown_timeout_s / 2)),
         access_log=False,
         log_config=None,  # uvicorn's own lines go through the root logger, in the chosen format
     )
-    _DrainingServer(config, app.state.draining).run()
+    _DrainingServer(config, app.state.draining, guard).run()
     return 0
 
 
 def storage_problem(settings: Settings) -> str | None:
-    """Why the storage directory or its database cannot be used, in one line; ``None`` when they can."""
+    """Why the storage cannot be used, in one line; ``None`` when it can. Every directory the server writes is
+    written to once, and the database opened for writing, so that a read-only or full disk is this line and exit 1,
+    not a failed start-up's traceback."""
     from .storage.database import Database
 
     try:
-        settings.storage_dir.mkdir(parents=True, exist_ok=True)
+        for directory in (settings.storage_dir, settings.blobs_dir / ".tmp"):
+            directory.mkdir(parents=True, exist_ok=True)
+            probe = directory / ".batchgen-write-check"
+            probe.write_bytes(b"")
+            probe.unlink()
+    except OSError as exc:
+        return f"the storage directory {settings.storage_dir} cannot be written: {exc.strerror or exc}"
+    try:
         Database(settings.database_path).close()
     except sqlite3.DatabaseError as exc:
+        if (getattr(exc, "sqlite_errorcode", 0) or 0) & 0xFF in _UNWRITABLE:
+            return f"the database {settings.database_path} cannot be opened for writing ({exc})"
         return (
             f"the database {settings.database_path} cannot be read ({exc}); "
             "restore it from a backup, or move it away to start with an empty one"
         )
-    except OSError as exc:
-        return f"the storage directory {settings.storage_dir} cannot be used: {exc.strerror or exc}"
     return None
 
 
-class _DrainingServer(uvicorn.Server):
-    """uvicorn's server, plus: on the first SIGTERM/SIGINT stop admitting new work (503)."""
+_UNWRITABLE = (
+    sqlite3.SQLITE_CANTOPEN,
+    sqlite3.SQLITE_READONLY,
+    sqlite3.SQLITE_PERM,
+    sqlite3.SQLITE_IOERR,
+    sqlite3.SQLITE_FULL,
+)
+"""SQLite's codes for a database file that is fine but cannot be written where it is (not one to restore)."""
 
-    def __init__(self, config: uvicorn.Config, draining: threading.Event) -> None:
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's server, plus: on the first SIGTERM/SIGINT stop admitting new work (503); failed accepts logged by
+    the connection guard, once per episode."""
+
+    def __init__(self, config: uvicorn.Config, draining: threading.Event, guard: ConnectionGuard) -> None:
         super().__init__(config)
         self._draining = draining
+        self._guard = guard
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        loop = asyncio.get_running_loop()
+
+        def handle(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+            if not self._guard.accept_failed(context):
+                loop.default_exception_handler(context)
+
+        loop.set_exception_handler(handle)
+        await super().startup(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if not self._draining.is_set():

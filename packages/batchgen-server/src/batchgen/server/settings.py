@@ -44,6 +44,14 @@ class Settings:
         "host completion callbacks may reach, exact name or IP, repeat for several; none: callbacks off",
         flags=("--callback-allowed-host",),
     )
+    max_connections: int | None = setting(
+        None,
+        "most HTTP connections held at once; past it a new one replaces the one idle the longest, or gets 503 if all "
+        "are busy (default: the descriptor limit, raised to the hard limit, less a quarter)",
+    )
+    request_start_timeout_s: float = setting(
+        15.0, "a connection that sends no whole request head for this long after opening or its last answer is closed"
+    )
     shutdown_timeout_s: float = setting(
         30.0, "after SIGTERM, requests in flight, the engine and the batch loop stop within this many seconds"
     )
@@ -64,8 +72,14 @@ class Settings:
         "most sequences (prompts x n) of online requests inside the engine at once; more answer 429 "
         "(default: 2 x --max-num-seqs)",
     )
+    max_stream_backlog_tokens: int = setting(
+        65536, "generated tokens a streamed request's reader may leave unread; past it the request is stopped"
+    )
     retry_after_s: int = setting(30, "Retry-After of a 429")
     max_upload_bytes: int = setting(200 * MIB, "largest uploaded file (413 above)")
+    max_online_body_bytes: int = setting(
+        4 * MIB, "largest body of an online request (chat, completions, embeddings; 413 above): a batch takes more"
+    )
     max_requests_per_file: int = setting(50_000, "most requests in one input file")
     max_line_bytes: int = setting(8 * MIB, "longest input line")
     upload_idle_timeout_s: float = setting(60.0, "an upload that sends nothing for this long is dropped (408)")
