@@ -25,8 +25,12 @@ from litestar.types import ASGIApp
 from server_helpers import LiveServer, assert_exactly_once, chat_line, jsonl
 
 from batchgen.server.app import create_app
+from batchgen.server.batches import crashes
+from batchgen.server.batches.stores import DatabaseStore
 from batchgen.server.engine import EngineConfig
 from batchgen.server.launcher import ServerProcess
+from batchgen.server.run_batch import offline_batch
+from batchgen.server.serving import BatchDefaults
 from batchgen.server.settings import Settings
 from batchgen.server.storage import blobs
 from batchgen.server.storage.database import Database
@@ -52,16 +56,22 @@ def both_report(http: httpx.Client, fault: str) -> bool:
     return reason is not None and reason.startswith("storage fault") and fault in reason and fault in (pool or "")
 
 
-def assert_upload_refused_and_nothing_left(server: LiveServer) -> None:
+def assert_upload_refused_and_nothing_left(
+    server: LiveServer, status: int = 507, code: str = "insufficient_storage"
+) -> httpx.Response:
     before = server.http.get("/v1/files").json()["data"]
     refused = server.http.post(
         "/v1/files", data={"purpose": "batch"}, files={"file": ("late.jsonl", jsonl([chat_line("late")]))}
     )
-    assert refused.status_code == 507, refused.text
+    assert refused.status_code == status, refused.text
     error = refused.json()["error"]
-    assert (error["type"], error["code"]) == ("server_error", "insufficient_storage")
-    assert server.http.get("/v1/files").json()["data"] == before
-    assert list((server.storage_dir / "blobs" / ".tmp").iterdir()) == []
+    assert (error["type"], error["code"]) == ("server_error", code)
+    after = server.http.get("/v1/files").json()["data"]
+    assert after == before
+    blobs_dir = server.storage_dir / "blobs"
+    assert list((blobs_dir / ".tmp").iterdir()) == []
+    assert {path.name for path in blobs_dir.iterdir()} - {".tmp"} <= {file["id"] for file in after}, "a stray blob"
+    return refused
 
 
 # ---- the real thing: a small tmpfs ----------------------------------------------------------------------------------
@@ -113,15 +123,32 @@ def test_a_full_disk_pauses_the_batch_and_it_completes_exactly_once_when_space_r
 
 
 class FaultyOs:
-    """``os`` as the blob store sees it, failing on demand: a write is cut short then fails, an fsync fails."""
+    """``os`` as the blob store sees it, failing on demand: a write is cut short then fails, an fsync fails, opening
+    a file fails (``os.open`` and, through ``open_file``, the builtin ``open``)."""
 
     def __init__(self) -> None:
         self.write_error: int | None = None
         self.fsync_error: int | None = None
+        self.open_error: int | None = None
         self.cut_short = 0
+        self.refused_opens = 0
+        self.refused_fsyncs = 0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(os, name)
+
+    def open(self, path: Any, flags: int, mode: int = 0o777) -> int:
+        self._check_open(path)
+        return os.open(path, flags, mode)
+
+    def open_file(self, file: Any, *args: Any, **kwargs: Any) -> Any:
+        self._check_open(file)
+        return open(file, *args, **kwargs)
+
+    def _check_open(self, path: Any) -> None:
+        if self.open_error is not None:
+            self.refused_opens += 1
+            raise OSError(self.open_error, os.strerror(self.open_error), str(path))
 
     def write(self, fd: int, data: bytes | memoryview) -> int:
         if self.write_error is None:
@@ -134,6 +161,7 @@ class FaultyOs:
 
     def fsync(self, fd: int) -> None:
         if self.fsync_error is not None:
+            self.refused_fsyncs += 1
             raise OSError(self.fsync_error, os.strerror(self.fsync_error))
         os.fsync(fd)
 
@@ -143,6 +171,7 @@ def faulty() -> Iterator[FaultyOs]:
     with pytest.MonkeyPatch.context() as patch:
         faulty_os = FaultyOs()
         patch.setattr(blobs, "os", faulty_os)
+        patch.setattr(blobs, "open", faulty_os.open_file, raising=False)  # shadows the builtin there only
         yield faulty_os
 
 
@@ -210,3 +239,190 @@ def test_a_delete_the_database_cannot_record_answers_507_and_changes_nothing(
     monkeypatch.undo()
     assert in_process.http.get(f"/v1/files/{file['id']}").json() == file
     assert in_process.raw(file["id"]) == jsonl([chat_line("kept")])
+
+
+def test_a_failed_upload_leaves_no_blob_even_once_its_content_was_in_place(
+    in_process: LiveServer, faulty: FaultyOs
+) -> None:
+    faulty.open_error = errno.ENOSPC  # the content is renamed into place; fsyncing its directory fails
+    try:
+        assert_upload_refused_and_nothing_left(in_process)
+    finally:
+        faulty.open_error = None
+
+
+# ---- results files changed under a running batch ---------------------------------------------------------------------
+
+
+def running_with_lines_durable(server: LiveServer, name: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A batch whose short lines are durable while its one long line still decodes (for seconds): what the test does
+    next happens while it runs, and takes effect when that line's answer is written."""
+    lines = [chat_line(f"{name}{i}", content=f"request {i}", max_tokens=2, ignore_eos=True) for i in range(40)]
+    lines.append(chat_line(f"{name}-long", content="a long answer", max_tokens=800, ignore_eos=True))
+    batch_id = server.create_batch(server.upload(lines)["id"])["id"]
+    wait_for(lambda: server.batch(batch_id)["request_counts"]["completed"] >= 40, what="the short lines durable")
+    running = server.batch(batch_id)
+    assert running["status"] == "in_progress", running
+    return running, lines
+
+
+@pytest.mark.parametrize("change", ["deleted", "replaced"])
+def test_a_results_file_deleted_or_replaced_under_a_running_batch_is_put_back_and_nothing_is_lost(
+    in_process: LiveServer, faulty: FaultyOs, change: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    server = in_process
+    running, lines = running_with_lines_durable(server, change)
+    blob = server.storage_dir / "blobs" / running["output_file_id"]
+    blob.unlink()
+    if change == "replaced":
+        blob.write_bytes(b'{"not": "ours"}\n')
+    faulty.fsync_error = errno.EIO  # putting it back fails at first: the batch pauses, and retries
+    try:
+        wait_for(lambda: both_report(server.http, "Input/output error"), what="the pause")
+        refused = faulty.refused_fsyncs
+        wait_for(lambda: faulty.refused_fsyncs > refused, what="a retry")
+        assert server.batch(running["id"])["status"] == "in_progress"
+    finally:
+        faulty.fsync_error = None
+    batch = server.wait(running["id"], timeout_s=60)
+    assert_exactly_once(server, batch, lines)
+    assert f"{running['output_file_id']} was deleted or replaced while its batch ran" in caplog.text
+    assert list((server.storage_dir / "blobs" / ".tmp").iterdir()) == []  # no copy left behind
+    assert reported_faults(server.http) == (None, None)
+
+
+def test_a_results_file_cut_short_under_a_running_batch_fails_it_with_a_clear_error(in_process: LiveServer) -> None:
+    server = in_process
+    running, _ = running_with_lines_durable(server, "cut")
+    blob = server.storage_dir / "blobs" / running["output_file_id"]
+    os.truncate(blob, blob.stat().st_size // 2)  # lines counted as done are gone: no copy of them anywhere
+    batch = server.wait(running["id"], timeout_s=60)
+    assert batch["status"] == "failed", batch
+    [error] = batch["errors"]["data"]
+    assert error["code"] == "internal_error"
+    assert f"{running['output_file_id']} was cut short outside the server" in error["message"]
+    assert str(server.storage_dir) not in error["message"]
+    server.raw(batch["output_file_id"])  # what is left is published as it is: its download matches its checksum
+    assert reported_faults(server.http) == (None, None)
+
+
+def test_completing_a_batch_whose_results_file_is_missing_is_refused(tmp_path: Path) -> None:
+    store = DatabaseStore(Database(tmp_path / "db.sqlite"), blobs.BlobStore(tmp_path / "blobs"))
+    batch = offline_batch(BatchDefaults())
+    store.insert(batch, "")
+    started = store.start(batch, "", status="in_progress")
+    assert started.output_file_id is not None
+    store.blobs.delete(started.output_file_id)
+    with pytest.raises(blobs.ResultsLost, match="disappeared"):
+        store.finish(started, status="completed")
+    store.finish(started, status="failed")  # what failed anyway publishes what there is: nothing
+    finished = store.get(batch.id, "")
+    assert finished is not None and (finished.status, finished.output_file_id) == ("failed", None)
+
+
+# ---- downloads and inputs --------------------------------------------------------------------------------------------
+
+
+def test_a_download_is_checked_against_the_files_size_and_checksum(
+    in_process: LiveServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    content = jsonl([chat_line(f"d{i}") for i in range(50)])
+    file = in_process.upload(content)
+    blob = in_process.storage_dir / "blobs" / file["id"]
+    digests = 0
+    digest = blobs._digest
+
+    def counted(f: Any) -> str:
+        nonlocal digests
+        digests += 1
+        return digest(f)
+
+    monkeypatch.setattr(blobs, "_digest", counted)
+    assert in_process.raw(file["id"]) == in_process.raw(file["id"]) == content
+    assert digests == 1, "hashed again although the file did not change"
+    # Shorter, the same size, longer:
+    for damaged in (content[: len(content) // 2], content[:-2] + b"!\n", content + b"{}\n"):
+        blob.write_bytes(damaged)
+        response = in_process.http.get(f"/v1/files/{file['id']}/content")
+        assert response.status_code == 500, response.text
+        error = response.json()["error"]
+        assert (error["type"], error["code"]) == ("server_error", "file_content_corrupt")
+        assert file["id"] in error["message"] and str(in_process.storage_dir) not in error["message"]
+    blob.write_bytes(content)
+    assert in_process.raw(file["id"]) == content
+
+
+def test_a_batch_whose_input_is_missing_fails_without_showing_server_paths(in_process: LiveServer) -> None:
+    file = in_process.upload([chat_line("lost")])
+    (in_process.storage_dir / "blobs" / file["id"]).unlink()
+    batch = in_process.wait(in_process.create_batch(file["id"])["id"])
+    assert batch["status"] == "failed", batch
+    [error] = batch["errors"]["data"]
+    assert error["message"] == f"The server could not run the batch: No such file or directory: {file['id']}"
+
+
+# ---- out of file descriptors -----------------------------------------------------------------------------------------
+
+
+def pauses_logged(caplog: pytest.LogCaptureFixture, batch_id: str) -> int:
+    return sum(batch_id in r.getMessage() and "paused by a storage fault" in r.getMessage() for r in caplog.records)
+
+
+def test_no_descriptor_left_pauses_the_batch_and_refuses_requests_503_until_they_return(
+    in_process: LiveServer, faulty: FaultyOs, caplog: pytest.LogCaptureFixture
+) -> None:
+    server = in_process
+    kept = server.upload([chat_line("kept")])
+    lines = [chat_line(f"e{i}", content=f"request {i}", max_tokens=2, ignore_eos=True) for i in range(30)]
+    file_id = server.upload(lines)["id"]
+    faulty.open_error, faulty.refused_opens = errno.EMFILE, 0
+    try:
+        batch_id = server.create_batch(file_id)["id"]  # its results files cannot be opened
+        wait_for(lambda: both_report(server.http, "Too many open files"), what="the fault")
+        assert server.batch(batch_id)["status"] == "in_progress"
+        refused = assert_upload_refused_and_nothing_left(server, 503, "resources_exhausted")
+        download = server.http.get(f"/v1/files/{kept['id']}/content")
+        for response in (refused, download):
+            assert response.status_code == 503 and response.headers["retry-after"] == "1", response.text
+            assert response.json()["error"]["code"] == "resources_exhausted"
+        wait_for(lambda: faulty.refused_opens >= 5, what="retries")
+    finally:
+        faulty.open_error = None
+    batch = server.wait(batch_id, timeout_s=60)
+    assert_exactly_once(server, batch, lines)
+    assert reported_faults(server.http) == (None, None)
+    assert pauses_logged(caplog, batch_id) == 1
+
+
+def test_no_descriptor_left_while_finalizing_pauses_the_batch_and_it_completes_by_itself(
+    in_process: LiveServer, faulty: FaultyOs, caplog: pytest.LogCaptureFixture
+) -> None:
+    server = in_process
+    running, lines = running_with_lines_durable(server, "f")
+    faulty.open_error, faulty.refused_opens = errno.EMFILE, 0  # its files are open: it runs, and cannot publish them
+    try:
+        wait_for(lambda: server.batch(running["id"])["status"] == "finalizing", what="finalizing")
+        wait_for(lambda: both_report(server.http, "Too many open files"), what="the fault")
+        wait_for(lambda: faulty.refused_opens >= 3, what="retries")
+        assert server.batch(running["id"])["status"] == "finalizing"
+    finally:
+        faulty.open_error = None
+    batch = server.wait(running["id"], timeout_s=60)
+    assert_exactly_once(server, batch, lines)
+    assert reported_faults(server.http) == (None, None)
+    assert pauses_logged(caplog, running["id"]) == 1
+
+
+def test_the_crash_journal_goes_on_when_no_descriptor_is_left(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    journal = crashes.CrashJournal(tmp_path / "inflight.journal")
+    monkeypatch.setattr(crashes, "COMPACT_BYTES", 0)  # every append compacts: the file is closed and reopened
+
+    def no_descriptor(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+
+    monkeypatch.setattr(crashes, "open", no_descriptor, raising=False)
+    journal.entered("b", "c1")  # its reopen fails: logged, not raised (the journal is advisory)
+    journal.entered("b", "c2")
+    monkeypatch.delattr(crashes, "open")
+    journal.entered("b", "c3")  # descriptors are back: so is the journal
+    assert set(crashes.CrashJournal(tmp_path / "inflight.journal").strikes) == {("b", "c1"), ("b", "c2"), ("b", "c3")}

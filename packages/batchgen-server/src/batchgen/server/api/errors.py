@@ -18,7 +18,7 @@ from batchgen.schemas import ErrorDetail, ErrorResponse
 
 from ..security.auth import UNAUTHORIZED_HEADERS, ApiKeyAuthMiddleware
 from ..security.limits import LimitError
-from ..storage.faults import storage_fault
+from ..storage.faults import out_of_descriptors, storage_fault
 
 log = logging.getLogger("batchgen.server")
 
@@ -146,10 +146,19 @@ def _http_error(request: Request[Any, Any, Any], exc: HTTPException) -> Response
     return error_response(status_code, message, code=code, headers=exc.headers)
 
 
+def _too_deep(_: Request[Any, Any, Any], exc: RecursionError) -> Response[ErrorResponse]:
+    """msgspec's decoder refuses JSON nested past Python's recursion limit with a RecursionError, raised while the
+    body is decoded (anything shallower that nests deeply is refused by ``request_problem``)."""
+    return error_response(400, "The JSON body is nested too deeply.", code="invalid_json")
+
+
 def _unexpected_error(request: Request[Any, Any, Any], exc: Exception) -> Response[ErrorResponse]:
     reason = storage_fault(exc)
-    if reason is not None:  # a full or failing disk: the request changed nothing, and can be retried later
+    if reason is not None:  # the request changed nothing, and can be retried
         log.warning("%s %s refused: storage fault (%s)", request.method, request.url.path, reason)
+        if out_of_descriptors(exc):  # the disk is fine: descriptors come back as other requests finish
+            message = f"The server is out of resources for the moment ({reason}); nothing was stored. Retry shortly."
+            return error_response(503, message, code="resources_exhausted", headers={"Retry-After": "1"})
         message = f"The server's storage cannot take this now ({reason}); nothing was stored. Retry later."
         return error_response(507, message, code="insufficient_storage")
     log.exception("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
@@ -161,6 +170,7 @@ EXCEPTION_HANDLERS: ExceptionHandlersMap = {
     LimitError: _limit_error,
     ValidationException: _validation_error,
     HTTPException: _http_error,
+    RecursionError: _too_deep,
     Exception: _unexpected_error,
 }
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -10,7 +11,16 @@ from urllib.parse import quote
 
 from litestar import Controller, Request, Response, delete, get, post
 from litestar.openapi import ResponseSpec
-from litestar.openapi.spec import OpenAPIFormat, OpenAPIMediaType, OpenAPIType, Operation, RequestBody, Schema
+from litestar.openapi.spec import (
+    Encoding,
+    OpenAPIFormat,
+    OpenAPIMediaType,
+    OpenAPIResponse,
+    OpenAPIType,
+    Operation,
+    RequestBody,
+    Schema,
+)
 from litestar.params import Parameter
 from litestar.response import Stream
 
@@ -18,7 +28,7 @@ from batchgen.schemas import FileDeleted, FileList, FileObject
 
 from ..ids import new_file_id
 from ..security.limits import is_valid_id
-from ..storage.blobs import UploadWriter
+from ..storage.blobs import ContentCorrupt, UploadWriter
 from .deps import ServerContext, ensure_admitting, now
 from .errors import ERROR_RESPONSES, APIError, invalid, not_found
 from .idempotency import IDEMPOTENCY_KEY, idempotent
@@ -27,6 +37,7 @@ from .uploads import read_upload
 MIN_EXPIRY_S = 3600
 MAX_EXPIRY_S = 30 * 24 * 3600
 JSONL = "application/jsonl"
+log = logging.getLogger("batchgen.server.files")
 
 
 @dataclass
@@ -59,8 +70,18 @@ class UploadOperation(Operation):
                     description="Seconds after the upload at which the file is deleted.",
                 ),
             },
+            dependent_required={
+                "expires_after[anchor]": ["expires_after[seconds]"],
+                "expires_after[seconds]": ["expires_after[anchor]"],
+            },
         )
-        self.request_body = RequestBody(content={"multipart/form-data": OpenAPIMediaType(schema=form)}, required=True)
+        media_type = OpenAPIMediaType(schema=form, encoding={"file": Encoding(content_type=JSONL)})
+        self.request_body = RequestBody(content={"multipart/form-data": media_type}, required=True)
+        # Litestar does not read this body (uploads.py does), so it does not document the answer to another kind.
+        if self.responses is not None and isinstance(error := self.responses["400"], OpenAPIResponse):
+            self.responses["415"] = OpenAPIResponse(
+                description="The body is not multipart/form-data", content=error.content
+            )
 
 
 async def owned_file(context: ServerContext, file_id: str, owner: str) -> FileObject:
@@ -148,13 +169,21 @@ class FilesController(Controller):
     async def content(self, context: ServerContext, owner: str, file_id: str) -> Response[Any]:
         file = await owned_file(context, file_id, owner)
         try:
-            # Opened before answering: a missing blob is a clear error, not a 200 cut short.
+            # Opened and checked before answering: a missing or damaged blob is a clear error, not a 200 cut short.
             length, chunks = await asyncio.to_thread(_open_content, context, file)
         except FileNotFoundError:
             raise APIError(
                 500,
                 f"The content of file {file_id!r} is missing from the server's storage.",
                 code="file_content_missing",
+            ) from None
+        except ContentCorrupt as exc:
+            log.error("file content not served: %s", exc)
+            raise APIError(
+                500,
+                f"The content of file {file_id!r} in the server's storage is not what was stored (its size or "
+                "checksum differs), so it is not served.",
+                code="file_content_corrupt",
             ) from None
         return Stream(
             chunks,
@@ -174,9 +203,12 @@ def content_disposition(filename: str) -> str:
 
 
 def _open_content(context: ServerContext, file: FileObject) -> tuple[int, Iterator[bytes]]:
-    """A results file still being appended to is served up to its last complete line."""
-    length = context.blobs.complete_lines_length(file.id) if file.status == "uploaded" else file.bytes
-    return length, context.blobs.read(file.id, length=length)
+    """A results file still being appended to is served up to its last complete line; a finished file once its
+    content is checked against its size and checksum."""
+    if file.status == "uploaded":
+        length = context.blobs.complete_lines_length(file.id)
+        return length, context.blobs.read(file.id, length=length)
+    return file.bytes, context.blobs.read_verified(file.id, size=file.bytes, checksum=file.checksum)
 
 
 def _delete_unless_in_use(context: ServerContext, file_id: str) -> bool:
@@ -226,9 +258,10 @@ async def _store_upload(request: Request[Any, Any, Any], context: ServerContext,
 
 
 def _commit(context: ServerContext, writer: UploadWriter, file: FileObject, owner: str, work: dict[str, int]) -> None:
-    """The content durable under its id, then its row; on a failure (a full disk) neither is left behind."""
-    writer.commit(file.id)
+    """The content durable under its id, then its row; on a failure (a full disk, even once the content is in place)
+    neither is left behind."""
     try:
+        writer.commit(file.id)
         context.db.insert_file(file, owner=owner, **work)
     except BaseException:
         context.blobs.delete(file.id)

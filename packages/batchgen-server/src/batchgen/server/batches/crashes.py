@@ -88,6 +88,8 @@ class CrashJournal:
         """Advisory: a full disk must not cost an answer, so a failed write is logged, never raised (a line it cut
         short is skipped when read back)."""
         try:
+            if self._file.closed:  # reopening it after a compaction failed (no descriptor left, say)
+                self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
             if self._file.tell() > COMPACT_BYTES:
@@ -98,8 +100,6 @@ class CrashJournal:
             if not self._failing:
                 log.warning("the crash journal could not be written (%s): a crash now is not pinned on a request", exc)
             self._failing = True
-            if self._file.closed:
-                self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
         else:
             self._failing = False
 

@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Protocol, TypeVar
 
 import msgspec
@@ -50,7 +51,7 @@ from batchgen.schemas.validation import DEFAULT_LIMITS, LineError, ValidationLim
 from ..engine.request import EngineRequest, EngineResult
 from ..ids import new_line_id, new_request_id
 from ..serving import BatchDefaults, OpenAIServing, RequestRejected
-from ..storage.blobs import ResultsFile
+from ..storage.blobs import ResultsFile, ResultsLost
 from ..storage.faults import storage_fault
 from . import lifecycle
 from .crashes import STRIKES_TO_QUARANTINE, CrashJournal, Key
@@ -521,18 +522,19 @@ class BatchLoop:
             answer.file.append(answer.data)
             answer.end = answer.file.size
             batch.unsynced.append(batch.unwritten.popleft())
-        if batch.unsynced and (sync or time.monotonic() - batch.synced_at >= self.flush_interval_s):
+        # ``sync`` (before a batch finishes) also checks its files with nothing new in them: deleted, cut short?
+        if sync or (batch.unsynced and time.monotonic() - batch.synced_at >= self.flush_interval_s):
             self._sync(batch)
         if not batch.published:
             self.store.update(batch.id, **batch.tally.counters())
             batch.published = True
 
     def _sync(self, batch: _Batch) -> None:
-        failure: OSError | None = None
+        failure: Exception | None = None
         for file in batch.files():
             try:
                 file.sync()
-            except OSError as exc:
+            except (OSError, ResultsLost) as exc:
                 failure = failure or exc
         durable = [answer for answer in batch.unsynced if answer.end <= answer.file.synced_size]
         lost = [answer for answer in batch.unsynced if answer.end > answer.file.synced_size]
@@ -596,7 +598,7 @@ class BatchLoop:
             self._forget(batch)
             return
         log.exception("batch %s failed", batch.id, exc_info=exc)
-        batch.failure = f"{type(exc).__name__}: {exc}"
+        batch.failure = _describe(exc)
         self._stop(batch, "cancelled")
         batch.stopping = None
         self._advance_safely(batch)
@@ -667,14 +669,15 @@ class BatchLoop:
             requests = self.serving.to_engine_requests(
                 line.body, request_id=request_id, defaults=batch.defaults, group=batch.id
             )
-        except RequestRejected as exc:
+        except Exception as exc:
+            rejected = exc if isinstance(exc, RequestRejected) else _line_bug(batch, line, exc)
             error = self.serving.error_line(
                 line.custom_id,
                 request_id=request_id,
-                code=exc.code,
-                message=exc.message,
-                param=exc.param,
-                status_code=exc.status_code,
+                code=rejected.code,
+                message=rejected.message,
+                param=rejected.param,
+                status_code=rejected.status_code,
             )
             self._answer(batch, error, work)
             return []
@@ -729,6 +732,13 @@ def _running(batch: _Batch) -> int:
     return batch.running
 
 
+def _line_bug(batch: _Batch, line: BatchInputLine, exc: Exception) -> RequestRejected:
+    """A line the serving layer failed on other than by refusing it (a bug, or a body the validation let through):
+    that line's 500, not the batch's failure."""
+    log.error("batch %s: %s could not be turned into engine requests", batch.id, line.custom_id, exc_info=exc)
+    return RequestRejected("server_error", "The server had an error while processing the request.", status_code=500)
+
+
 def _run_task(task: Callable[[], None]) -> None:
     try:
         task()
@@ -745,6 +755,14 @@ def _expired_line(custom_id: str) -> BatchOutputLine:
         code="batch_expired", message="This request could not be executed before the completion window expired."
     )
     return BatchOutputLine(id=new_line_id(), custom_id=custom_id, response=None, error=error)
+
+
+def _describe(exc: Exception) -> str:
+    """What went wrong, for the batch's ``errors``: a file error by its reason and the file's name (a file id), never
+    the server's path; any other exception by its type and message (ours, with no path in them)."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.strerror}: {Path(exc.filename).name}" if isinstance(exc.filename, str) else exc.strerror
+    return str(exc) if isinstance(exc, ResultsLost) else f"{type(exc).__name__}: {exc}"
 
 
 def _internal_error(detail: str) -> BatchErrors:

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 from batchgen.schemas import BatchObject, FileObject
 
 from ..ids import new_file_id
-from ..storage.blobs import BlobStore, ResultsFile
+from ..storage.blobs import BlobStore, ResultsFile, ResultsLost
 from ..storage.database import Database
 
 Results = tuple[ResultsFile, ResultsFile]
@@ -103,23 +103,29 @@ class DatabaseStore:
         return started
 
     def open_results(self, batch: BatchObject) -> Results:
-        output, errors = (self.blobs.path(file_id) for file_id in _results_ids(batch))
-        return ResultsFile(output), ResultsFile(errors)
+        output, errors = (self.blobs.open_results(file_id) for file_id in _results_ids(batch))
+        return output, errors
 
     def update(self, batch_id: str, **fields: Any) -> None:
         self.db.update_batch(batch_id, **fields)
 
     def finish(self, batch: BatchObject, **fields: Any) -> None:
-        """An empty results file is dropped (``null`` in the batch); the batch's row and its files' rows change in
-        one transaction, so a crash leaves the unfinished batch (resumed, published again) or the finished one."""
+        """An empty results file is dropped (``null`` in the batch); so is a missing one, unless the batch completes
+        (``ResultsLost``: ``completed`` needs its lines). The batch's row and its files' rows change in one
+        transaction, so a crash leaves the unfinished batch (resumed, published again) or the finished one."""
         publish: dict[str, tuple[int, str]] = {}
         drop: list[str] = []
         for column, file_id in (("output_file_id", batch.output_file_id), ("error_file_id", batch.error_file_id)):
             if file_id is None:
                 continue
-            size = self.blobs.size(file_id)
+            try:
+                size, checksum = self.blobs.fingerprint(file_id)
+            except FileNotFoundError:
+                if fields["status"] == "completed":
+                    raise ResultsLost(f"{file_id} disappeared from the server's storage before completion") from None
+                size = 0
             if size:
-                publish[file_id] = (size, self.blobs.checksum(file_id))
+                publish[file_id] = (size, checksum)
             else:
                 drop.append(file_id)
                 fields[column] = None

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
+import logging
 import os
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +17,15 @@ from typing import BinaryIO
 from ..security.limits import is_valid_id
 
 CHUNK = 1024 * 1024
+log = logging.getLogger("batchgen.server.blobs")
+
+
+class ContentCorrupt(Exception):
+    """A finished file's content on disk is not what was stored: another size, or another checksum."""
+
+
+class ResultsLost(Exception):
+    """A results file was cut short outside the server: lines already counted as done are gone."""
 
 
 class BlobStore:
@@ -23,6 +35,8 @@ class BlobStore:
         self.tmp.mkdir(parents=True, exist_ok=True)
         for stale in self.tmp.iterdir():  # uploads cut short by a crash
             stale.unlink(missing_ok=True)
+        self._verified: dict[str, tuple[_Identity, str | None]] = {}
+        """Finished files whose content was hashed, and the checksum found: not hashed again until they change."""
 
     def path(self, file_id: str) -> Path:
         """Where a file's content lives; only ever built from an id the server made, so it stays in ``root``."""
@@ -30,28 +44,40 @@ class BlobStore:
             raise ValueError(f"not a file id: {file_id!r}")
         return self.root / file_id
 
-    def size(self, file_id: str) -> int:
-        try:
-            return self.path(file_id).stat().st_size
-        except FileNotFoundError:
-            return 0
-
     def new_upload(self) -> UploadWriter:
         return UploadWriter(self)
 
     def open_results(self, file_id: str) -> ResultsFile:
-        return ResultsFile(self.path(file_id))
+        return ResultsFile(self.path(file_id), tmp=self.tmp)
 
     def read(self, file_id: str, *, length: int) -> Iterator[bytes]:
         """The first ``length`` bytes, in chunks; the file is opened at once (``FileNotFoundError`` here, not later
         while the chunks are read)."""
         return _chunks(open(self.path(file_id), "rb"), length)
 
-    def checksum(self, file_id: str) -> str:
-        digest = hashlib.sha256()
-        for chunk in self.read(file_id, length=self.size(file_id)):
-            digest.update(chunk)
-        return f"sha256:{digest.hexdigest()}"
+    def read_verified(self, file_id: str, *, size: int, checksum: str | None) -> Iterator[bytes]:
+        """A finished file's content, in chunks, once it is known to be the ``size`` bytes of ``checksum``
+        (``ContentCorrupt`` otherwise, before any chunk). Hashed the first time, then only after it changed."""
+        with contextlib.ExitStack() as on_error:
+            f = on_error.enter_context(open(self.path(file_id), "rb"))
+            identity = _identity(f)
+            if identity[2] != size:
+                raise ContentCorrupt(f"{file_id} holds {identity[2]} bytes, not {size}")
+            if checksum is not None and self._verified.get(file_id) != (identity, checksum):
+                if _digest(f) != checksum:
+                    raise ContentCorrupt(f"{file_id} does not match its checksum")
+                self._verified[file_id] = (identity, checksum)
+                f.seek(0)
+            on_error.pop_all()  # verified: the chunks close it
+        return _chunks(f, size)
+
+    def fingerprint(self, file_id: str) -> tuple[int, str]:
+        """A finished file's size and checksum (``FileNotFoundError`` if it is missing), remembered as verified."""
+        with open(self.path(file_id), "rb") as f:
+            identity = _identity(f)
+            checksum = _digest(f)
+        self._verified[file_id] = (identity, checksum)
+        return identity[2], checksum
 
     def complete_lines_length(self, file_id: str) -> int:
         """Bytes up to the last newline: what a reader may see of a file still being appended to."""
@@ -74,6 +100,7 @@ class BlobStore:
 
     def delete(self, file_id: str) -> None:
         self.path(file_id).unlink(missing_ok=True)
+        self._verified.pop(file_id, None)
 
 
 class UploadWriter:
@@ -116,20 +143,23 @@ class ResultsFile:
     (a full disk, an I/O error) cuts the file back before raising: to where it was for an append, to the last
     durable size for an fsync (the caller appends those lines again). A line is never glued to a torn one, and if the
     cut itself fails, nothing more is appended until a later cut succeeds.
+
+    Each ``sync`` also checks that the file at ``path`` is still ours and whole: one deleted or replaced is put back
+    from our descriptor, which still holds every byte (a copy made in ``tmp``, renamed into place); one cut short
+    raises ``ResultsLost``, since lines counted as done are gone and no copy of them exists.
     """
 
-    def __init__(self, path: Path, *, fresh: bool = False) -> None:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_TRUNC if fresh else 0)
-        self._fd = os.open(path, flags, 0o644)
+    def __init__(self, path: Path, *, tmp: Path | None = None) -> None:
+        self.path = path
+        self._tmp = tmp or path.parent
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)  # read back by ``_restore``
         self.size = self.synced_size = os.fstat(self._fd).st_size
         self._torn = False
 
     def append(self, line: bytes) -> None:
         self._cut(self.size)  # only if an earlier cut failed
-        view = memoryview(line)
         try:
-            while view:
-                view = view[os.write(self._fd, view) :]
+            _write_all(self._fd, line)
         except OSError:
             self._torn = True
             self._cut(self.size)
@@ -137,15 +167,57 @@ class ResultsFile:
         self.size += len(line)
 
     def sync(self) -> None:
-        if self.synced_size == self.size:
-            return
         try:
+            self._check()
+            if self.synced_size == self.size:
+                return
             os.fsync(self._fd)
-        except OSError:  # what was written since the last fsync may be lost: write it again
+        except OSError:  # what was written since the last fsync may be lost (or not put back): write it again
             self.size, self._torn = self.synced_size, True
             self._cut(self.size)
             raise
         self.synced_size = self.size
+
+    def _check(self) -> None:
+        mine = os.fstat(self._fd)
+        if mine.st_size < self.size:
+            raise self._lost(mine.st_size)
+        try:
+            there: os.stat_result | None = os.stat(self.path)
+        except FileNotFoundError:
+            there = None
+        if there is None or (there.st_dev, there.st_ino) != (mine.st_dev, mine.st_ino):
+            self._restore(stat.S_IMODE(mine.st_mode))
+
+    def _restore(self, mode: int) -> None:
+        """Copy our whole lines to a new file, durably, put it at ``path`` and append to it from now on; on a failure
+        nothing changes here (our descriptor still holds everything) and a later ``sync`` tries again."""
+        fd, name = tempfile.mkstemp(dir=self._tmp)
+        try:
+            offset = 0
+            while offset < self.size:
+                chunk = os.pread(self._fd, min(CHUNK, self.size - offset), offset)
+                if not chunk:
+                    raise self._lost(offset)
+                _write_all(fd, chunk)
+                offset += len(chunk)
+            os.fchmod(fd, mode)
+            os.fsync(fd)
+            os.replace(name, self.path)
+            _fsync_dir(self.path.parent)
+            appending = os.open(self.path, os.O_RDWR | os.O_APPEND)  # as ``__init__`` opens it
+        except BaseException:
+            os.close(fd)
+            Path(name).unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        os.close(self._fd)
+        self._fd, self.synced_size, self._torn = appending, self.size, False
+        log.warning("%s was deleted or replaced while its batch ran; restored from the open file", self.path.name)
+
+    def _lost(self, size: int) -> ResultsLost:
+        lost = self.size - size
+        return ResultsLost(f"{self.path.name} was cut short outside the server: {lost} bytes of results are gone")
 
     def _cut(self, size: int) -> None:
         if self._torn:
@@ -161,6 +233,27 @@ def _chunks(f: BinaryIO, length: int) -> Iterator[bytes]:
         while length > 0 and (chunk := f.read(min(CHUNK, length))):
             length -= len(chunk)
             yield chunk
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+_Identity = tuple[int, int, int, int, int]
+
+
+def _identity(f: BinaryIO) -> _Identity:
+    """Device, inode, size, and modification and change times: one of them differs once the content may have changed
+    (the change time cannot be set by hand)."""
+    st = os.fstat(f.fileno())
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def _digest(f: io.BufferedReader) -> str:
+    f.seek(0)
+    return f"sha256:{hashlib.file_digest(f, 'sha256').hexdigest()}"
 
 
 def _fsync_dir(path: Path) -> None:

@@ -1,0 +1,59 @@
+"""A line the serving layer fails on other than by refusing it (a bug, or a body the validation let through) is that
+line's 500 ``server_error`` line, logged once with its traceback: every other line of the batch is answered, and the
+batch completes. The fault is injected into the in-process server's ``OpenAIServing``."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from litestar.types import ASGIApp
+from server_helpers import LiveServer, chat_line
+
+from batchgen.server.app import create_app
+from batchgen.server.engine import EngineConfig
+from batchgen.server.serving import OpenAIServing
+from batchgen.server.settings import Settings
+
+
+@pytest.fixture
+def server(serve: Callable[[ASGIApp], AbstractContextManager[str]], tmp_path: Path) -> Iterator[LiveServer]:
+    settings = Settings(
+        storage_dir=tmp_path, flush_interval_s=0.05, engine=EngineConfig(torch_threads=1, cpu_kv_cache_gib=0.0625)
+    )
+    with serve(create_app(settings)) as base_url:
+        live = LiveServer(base_url=base_url, storage_dir=tmp_path)
+        yield live
+        live.http.close()
+
+
+def test_a_line_the_server_fails_to_prepare_fails_alone(
+    server: LiveServer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    to_engine_requests = OpenAIServing.to_engine_requests
+
+    def buggy(self: OpenAIServing, body: Any, **kwargs: Any) -> Any:
+        if b"trips a bug" in msgspec.json.encode(body):
+            raise ValueError("injected bug")
+        return to_engine_requests(self, body, **kwargs)
+
+    monkeypatch.setattr(OpenAIServing, "to_engine_requests", buggy)
+    lines = [chat_line(f"r{i}", content=f"request {i}", max_tokens=2, ignore_eos=True) for i in range(200)]
+    lines.insert(17, chat_line("bug", content="this trips a bug", max_tokens=2))
+    batch = server.run(lines)
+
+    assert batch["status"] == "completed", batch
+    assert batch["request_counts"] == {"total": 201, "completed": 200, "failed": 1}
+    output, [error] = server.lines(batch["output_file_id"]), server.lines(batch["error_file_id"])
+    assert Counter(line["custom_id"] for line in output) == Counter(f"r{i}" for i in range(200))
+    assert error["custom_id"] == "bug" and error["response"]["status_code"] == 500
+    detail = error["response"]["body"]["error"]
+    assert (detail["type"], detail["code"]) == ("server_error", "server_error")
+    assert "injected bug" not in detail["message"]  # the bug is the server's to read, in its log
+    logged = [r for r in caplog.records if "bug" in r.getMessage() and r.exc_info is not None]
+    assert len(logged) == 1 and "injected bug" in str(logged[0].exc_info[1])  # type: ignore[index]
