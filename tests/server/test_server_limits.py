@@ -13,6 +13,7 @@ import socket
 import sqlite3
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 import pytest
@@ -143,6 +144,39 @@ def test_filenames_are_sanitized(server: LiveServer) -> None:
     assert file["filename"] == "[31mevil.jsonl"
     content = server.http.get(f"/v1/files/{file['id']}/content")
     assert content.headers["content-disposition"] == 'attachment; filename="[31mevil.jsonl"'
+
+
+def test_a_10000_character_filename_is_sanitized_not_refused(server: LiveServer) -> None:
+    raw = "é" * 10_000 + ".jsonl"
+    response = server.http.post("/v1/files", data={"purpose": "batch"}, files={"file": (raw, jsonl([chat_line("f")]))})
+    assert response.status_code == 200, response.text
+    assert response.json()["filename"] == "é" * 124 + ".jsonl"  # 255 bytes at most, the extension kept
+
+
+def _rss_mib(server: LiveServer) -> int:
+    status = Path(f"/proc/{server.process.process.pid}/status").read_text()  # type: ignore[union-attr]
+    return int(status.split("VmRSS:")[1].split()[0]) // 1024
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_50_mb_online_body_is_refused_at_once(live_server: LiveServer, chunked: bool) -> None:
+    """The online limit (--max-online-body-bytes, 4 MiB) is checked before the body is read whole: from its
+    Content-Length, or as a chunked body streams in."""
+    text = "x" * (50 * 2**20)
+    body = json.dumps({"model": "demo", "messages": [{"role": "user", "content": text}]}).encode()
+    before, started = _rss_mib(live_server), time.monotonic()
+    content = (body[i : i + 2**20] for i in range(0, len(body), 2**20)) if chunked else body
+    try:
+        response = live_server.http.post(
+            "/v1/chat/completions", content=content, headers={"content-type": "application/json"}
+        )
+    except httpx.RemoteProtocolError:  # the server answered and closed while the client still sent
+        response = None
+    assert time.monotonic() - started < 10
+    if response is not None:
+        assert_error(response, 413, "request_too_large")
+    assert _rss_mib(live_server) - before < 500
+    assert live_server.http.get("/health").status_code == 200
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,7 @@ from .api.legacy import legacy_inference
 from .api.models import ModelsController
 from .api.online import OnlineController
 from .api.openapi import BEARER_AUTH, openapi_config
+from .api.options import allow_route_methods
 from .batches.crashes import CrashJournal
 from .batches.loop import BatchLoop
 from .batches.stores import DatabaseStore
@@ -87,7 +88,8 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Litestar:
             ModelObject(id=name, created=created, max_context_length=engine.max_context_length)
             for name in serving.model_names
         ]
-        online = OnlineRequests(worker, settings.max_online_sequences or 2 * settings.engine.max_num_seqs)
+        capacity = settings.max_online_sequences or 2 * settings.engine.max_num_seqs
+        online = OnlineRequests(worker, capacity, settings.max_stream_backlog_tokens)
         metrics = Metrics(
             engine.model_name,
             ServerState(
@@ -125,13 +127,15 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Litestar:
             await notifier.stop()
             db.close()
 
+    # Online bodies are read whole before they are decoded: their own, smaller limit (uploads stream to disk).
+    online = Router(path="/", route_handlers=[OnlineController], request_max_body_size=settings.max_online_body_bytes)
     api = Router(
         path="/",
         route_handlers=[
             ModelsController,
             FilesController,
             BatchesController,
-            OnlineController,
+            online,
             PoolController,
             legacy_inference,
         ],
@@ -144,7 +148,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Litestar:
         middleware=[auth],
         dependencies=DEPENDENCIES,
         exception_handlers=EXCEPTION_HANDLERS,
-        before_send=[add_request_id],
+        before_send=[add_request_id, allow_route_methods],
         lifespan=[lifespan],
         # ``auth`` also answers unrouted requests (errors.py); ``draining`` is set by the SIGTERM handler (serve.py).
         state=State({"auth": auth, "draining": threading.Event()}),

@@ -1,14 +1,21 @@
 """Online requests inside the engine: admitted while they fit the capacity, their results reaching the event loop
-as they come, aborted when their caller leaves."""
+as they come, aborted when their caller leaves.
+
+A streamed request's partial results are merged while its reader has not taken them (one pending result per prompt,
+not one per engine step), so a client that reads slowly costs the tokens it has not read, not a queue of every
+step; past ``max_backlog_tokens`` unread tokens its requests are aborted and its stream ends with an error.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import dataclasses
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from ..engine import EngineRequest, EngineResult, EngineWorker
+from ..engine.request import CompletionOutput
 from .errors import APIError
 
 RETRY_AFTER_S = 1
@@ -23,6 +30,8 @@ class OnlineRequests:
 
     worker: EngineWorker
     capacity: int
+    max_backlog_tokens: int
+    """Most generated tokens a stream's reader may leave unread before the request is stopped."""
     sequences: int = 0
     """Sequences (prompts x n) of the online requests inside the engine now."""
 
@@ -48,15 +57,17 @@ class OnlineRequests:
 
     @contextlib.asynccontextmanager
     async def run(self, requests: list[EngineRequest]) -> AsyncIterator[EngineCall]:
-        """Submit ``requests``; on leaving, abort whatever has not finished and give their place back."""
-        sequences = sum(request.params.n for request in requests)
-        self.sequences += sequences
-        call = EngineCall(self.worker, requests)
+        """Submit ``requests``; on leaving, abort whatever has not finished. Their place is given back as soon as
+        they have left the engine (a stream's reader may still be reading)."""
+        self.sequences += sum(request.params.n for request in requests)
+        call = EngineCall(self.worker, requests, self.max_backlog_tokens, on_left=self._left)
         try:
             yield call
         finally:
             call.abort_unfinished()
-            self.sequences -= sequences
+
+    def _left(self, request: EngineRequest) -> None:
+        self.sequences -= request.params.n
 
 
 @dataclass(eq=False)
@@ -65,23 +76,35 @@ class EngineCall:
 
     worker: EngineWorker
     requests: list[EngineRequest]
+    max_backlog_tokens: int
+    on_left: Callable[[EngineRequest], None]
+    """Called once per engine request, when it has left the engine (finished or aborted)."""
     _unfinished: dict[str, int] = field(init=False)
     """Engine request id -> its prompt's index, until its final result."""
-    _results: asyncio.Queue[EngineResult] = field(init=False, default_factory=asyncio.Queue)
+    _pending: dict[int, EngineResult] = field(init=False, default_factory=dict)
+    """Results not taken yet, by prompt index: a streamed request's partial ones merged into one."""
+    _backlog: int = field(init=False, default=0)
+    """Generated tokens in ``_pending``."""
+    _overflow: bool = field(init=False, default=False)
+    _arrived: asyncio.Event = field(init=False, default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
         self._unfinished = {request.request_id: index for index, request in enumerate(self.requests)}
         loop = asyncio.get_running_loop()
-        self.worker.submit(self.requests, lambda result: loop.call_soon_threadsafe(self._results.put_nowait, result))
+        self.worker.submit(self.requests, lambda result: loop.call_soon_threadsafe(self._arrive, result))
 
     async def results(self) -> AsyncIterator[tuple[int, EngineResult]]:
-        """Each result, partial or final, with its prompt's index, until every request has its final one."""
-        while self._unfinished:
-            result = await self._next()
-            index = self._unfinished[result.request_id]
-            if result.finished:
-                del self._unfinished[result.request_id]
-            yield index, result
+        """Each prompt's result, partial or final, with its prompt's index, until every request has its final one;
+        the partial results that came while the caller was busy arrive merged. ``StreamBacklog`` once the caller
+        has left more than ``max_backlog_tokens`` unread."""
+        while self._pending or self._unfinished:
+            if not self._pending:
+                await self._wait()
+            if self._overflow:
+                raise StreamBacklog(self.max_backlog_tokens)
+            pending, self._pending, self._backlog = self._pending, {}, 0
+            for index, result in pending.items():
+                yield index, result
 
     async def final_results(self) -> list[EngineResult]:
         """Every request's final result, in prompt order."""
@@ -94,14 +117,65 @@ class EngineCall:
     def abort_unfinished(self) -> None:
         if self._unfinished:
             self.worker.abort(list(self._unfinished))
+            for request_id in list(self._unfinished):
+                self._leave(request_id)
 
-    async def _next(self) -> EngineResult:
+    def _arrive(self, result: EngineResult) -> None:
+        index = self._unfinished.get(result.request_id)
+        if index is None:
+            return  # aborted meanwhile
+        if result.finished:
+            self._leave(result.request_id)
+        earlier = self._pending.get(index)
+        self._pending[index] = result if earlier is None else _merged(earlier, result)
+        self._backlog += result.completion_tokens if not result.finished else 0
+        self._arrived.set()
+        if self._backlog > self.max_backlog_tokens and not self._overflow:
+            self._overflow = True
+            self.abort_unfinished()
+
+    def _leave(self, request_id: str) -> None:
+        index = self._unfinished.pop(request_id)
+        self.on_left(self.requests[index])
+
+    async def _wait(self) -> None:
         while True:
             try:
-                return await asyncio.wait_for(self._results.get(), ENGINE_CHECK_S)
+                await asyncio.wait_for(self._arrived.wait(), ENGINE_CHECK_S)
             except TimeoutError:
                 if self.worker.state == "dead":
                     raise engine_stopped(self.worker) from None
+                continue
+            self._arrived.clear()
+            return
+
+
+def _merged(earlier: EngineResult, later: EngineResult) -> EngineResult:
+    """Two results of one request as one: a final result holds everything already; partial ones hold what is new
+    for the choices that moved, so their outputs are joined choice by choice."""
+    if later.finished:
+        return later
+    outputs = {output.index: output for output in earlier.outputs}
+    for output in later.outputs:
+        before = outputs.get(output.index)
+        if before is None:
+            outputs[output.index] = output
+            continue
+        logprobs = None if before.logprobs is None else before.logprobs + (output.logprobs or [])
+        outputs[output.index] = CompletionOutput(
+            output.index, before.token_ids + output.token_ids, before.text + output.text, output.finish_reason, logprobs
+        )
+    return dataclasses.replace(later, outputs=list(outputs.values()))
+
+
+class StreamBacklog(Exception):
+    """A stream's reader left more generated tokens unread than the server keeps for it."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            f"The client read the stream too slowly: more than {limit} generated tokens waited unread "
+            "(--max-stream-backlog-tokens), so the request was stopped."
+        )
 
 
 def engine_stopped(worker: EngineWorker) -> APIError:

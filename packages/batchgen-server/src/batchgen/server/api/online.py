@@ -12,11 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 from litestar import Controller, Request, post
-from litestar.openapi.spec import OpenAPIMediaType, OpenAPIResponse, OpenAPIType, Operation, Schema
 from litestar.response import Stream
 
 from batchgen.schemas import (
@@ -36,24 +34,10 @@ from ..serving import BatchDefaults, RequestRejected, failed
 from ..serving.openai_serving import ResponseBody
 from ..serving.streaming import DONE, StreamedResponse, error_event
 from .deps import ServerContext
+from .engine_calls import StreamBacklog
 from .errors import ERROR_RESPONSES, APIError
 
 NO_DEFAULTS = BatchDefaults()
-
-
-@dataclass
-class _StreamableOperation(Operation):
-    """The OpenAPI operation of an endpoint that answers ``stream: true`` with server-sent events."""
-
-    def __post_init__(self) -> None:
-        answer = (self.responses or {}).get("200")
-        if isinstance(answer, OpenAPIResponse) and answer.content is not None:
-            answer.content["text/event-stream"] = OpenAPIMediaType(
-                schema=Schema(
-                    type=OpenAPIType.STRING,
-                    description="With `stream: true`: `data: <chunk JSON>` events, then `data: [DONE]`.",
-                )
-            )
 
 
 class OnlineController(Controller):
@@ -64,7 +48,6 @@ class OnlineController(Controller):
         status_code=200,
         summary="Create a chat completion now (stream: true for server-sent events)",
         responses=ERROR_RESPONSES,
-        operation_class=_StreamableOperation,
     )
     async def chat(
         self, data: ChatCompletionRequest, request: Request[Any, Any, Any], context: ServerContext
@@ -76,7 +59,6 @@ class OnlineController(Controller):
         status_code=200,
         summary="Create a completion now (stream: true for server-sent events)",
         responses=ERROR_RESPONSES,
-        operation_class=_StreamableOperation,
     )
     async def completions(
         self, data: CompletionRequest, request: Request[Any, Any, Any], context: ServerContext
@@ -133,6 +115,10 @@ async def _events(
                     yield event
     except APIError as error:  # the engine stopped: the status is sent already
         yield error_event(error.code or "server_error", error.message, error.status_code)
+        yield DONE
+        return
+    except StreamBacklog as backlog:
+        yield error_event("stream_backlog", str(backlog), 400)
         yield DONE
         return
     for event in stream.end():

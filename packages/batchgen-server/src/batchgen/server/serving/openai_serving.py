@@ -82,6 +82,10 @@ class OpenAIServing:
         """Most sequences (prompts x n) one request may ask for; a request over it is rejected before tokenizing."""
         self.generation_defaults = dict(generation_defaults or {})
         """The model's sampling defaults by request field (``--generation-config``), beneath a batch's own."""
+        self.max_prompt_chars = max_context_length * max(map(len, tokenizer.get_vocab()), default=1)
+        """A text prompt longer than this cannot fit the context: every token covers at most as many characters as
+        the longest entry of the vocabulary (unless the tokenizer's normalizer drops characters). Checked before
+        tokenizing, which takes memory and time in proportion to the text."""
         self._token_text = lru_cache(maxsize=65536)(self._decode_token)
 
     @classmethod
@@ -152,7 +156,7 @@ class OpenAIServing:
         params = self._sampling_params(body, defaults)
         if isinstance(body, ChatCompletionRequest):
             text = render_chat(self.tokenizer, body, self.model_name)
-            prompts = [list(self.tokenizer.encode(text, add_special_tokens=_first(body.add_special_tokens, False)))]
+            prompts = [self._tokenize(text, "messages", _first(body.add_special_tokens, False))]
         else:
             prompts = self._prompts(body.prompt, "prompt", _first(body.add_special_tokens, True))
         return [
@@ -237,7 +241,7 @@ class OpenAIServing:
         prompts = []
         for item in items:
             if isinstance(item, str):
-                ids = list(self.tokenizer.encode(item, add_special_tokens=add_special_tokens))
+                ids = self._tokenize(item, param, add_special_tokens)
             elif isinstance(item, list) and all(isinstance(t, int) for t in item):
                 bad = [t for t in item if not 0 <= t < len(self.tokenizer)]
                 if bad:
@@ -253,6 +257,16 @@ class OpenAIServing:
                 raise RequestRejected("invalid_value", f"{param} must not be empty", param)
             prompts.append(ids)
         return prompts
+
+    def _tokenize(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
+        if len(text) > self.max_prompt_chars:
+            raise RequestRejected(
+                "context_length_exceeded",
+                f"'{param}' has {len(text)} characters: more than the model's context of {self.max_context_length} "
+                f"tokens can hold (at most {self.max_prompt_chars} characters with this tokenizer).",
+                param,
+            )
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     # ---- engine results -> response body, output line ---------------------------------------------------------
 
