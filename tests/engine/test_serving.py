@@ -340,6 +340,7 @@ def test_tools_and_template_variables_are_rendered(tools_serving: OpenAIServing)
         ({"tools": [WEATHER], "tool_choice": "required"}, "unsupported_parameter", "tool_choice"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": WEATHER["function"]}}, "", "tool_choice"),
         ({"chat_template_kwargs": {"enable_thinking": False}}, "", "chat_template_kwargs.enable_thinking"),
+        ({"chat_template_kwargs": {"e": 1}}, "", "chat_template_kwargs.e"),  # in the source's text, not a variable
         ({"chat_template_kwargs": {"tokenize": True}}, "invalid_value", "chat_template_kwargs"),
         ({"chat_template_kwargs": {"add_generation_prompt": False}}, "invalid_value", "chat_template_kwargs"),
     ],
@@ -349,6 +350,50 @@ def test_what_the_template_would_drop_is_refused(
 ) -> None:
     error = _refused(tools_serving, "/v1/chat/completions", body)
     assert (error.code, error.param) == (code or "unsupported_parameter", param)
+
+
+def test_tool_calls_and_results_a_template_would_drop_are_refused(tokenizer: Any) -> None:
+    """The demo template renders roles and contents only: a conversation's tool calls would be lost; a template that
+    skips the 'tool' role would lose tool results."""
+    serving = OpenAIServing(tokenizer, ("demo",), 2048)
+    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}
+    with_call = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    error = _refused(serving, "/v1/chat/completions", {"messages": with_call})
+    assert (error.code, error.param) == ("unsupported_parameter", "messages[1].tool_calls")
+    chatty = copy.deepcopy(tokenizer)
+    chatty.chat_template = (
+        "{% for m in messages if m.role in ['user', 'assistant'] %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    )
+    with_result = [*with_call[:1], {"role": "tool", "content": "-3 C", "tool_call_id": "c1"}]
+    error = _refused(OpenAIServing(chatty, ("demo",), 2048), "/v1/chat/completions", {"messages": with_result})
+    assert (error.code, error.param) == ("unsupported_parameter", "messages[1].role")
+    assert serving.to_engine_requests(_line("/v1/chat/completions", {"messages": with_result}).body, **ARGS)
+
+
+@pytest.mark.parametrize("url", list(PROMPTS))
+def test_a_text_too_long_for_the_context_is_refused_before_it_is_tokenized(tokenizer: Any, url: str) -> None:
+    serving = OpenAIServing(tokenizer, ("demo",), 64)
+    assert serving.max_prompt_chars == 64 * max(map(len, tokenizer.get_vocab()))
+    encoded = 0
+
+    class Counting(type(tokenizer)):  # type: ignore[misc]
+        def encode(self, *args: Any, **kwargs: Any) -> Any:
+            nonlocal encoded
+            encoded += 1
+            return super().encode(*args, **kwargs)
+
+    serving.tokenizer = copy.deepcopy(tokenizer)
+    serving.tokenizer.__class__ = Counting
+    text = "y" * (serving.max_prompt_chars + 1)
+    body = (
+        {"messages": [{"role": "user", "content": text}]}
+        if "chat" in url
+        else {"prompt" if "/c" in url else "input": text}
+    )
+    error = _refused(serving, url, body)
+    assert error.code == "context_length_exceeded"
+    assert "characters: more than the model's context of 64 tokens can hold" in error.message
+    assert encoded == 0
 
 
 def test_tools_for_a_template_without_them_are_refused(tokenizer: Any) -> None:

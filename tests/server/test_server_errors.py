@@ -327,3 +327,16 @@ def test_huge_integers_are_refused(live_server: LiveServer, input_file_id: str, 
     response = live_server.http.post("/v1/batches", json={"input_file_id": input_file_id, field: value})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == field
+
+
+JSON_ROUTES = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/batches"]
+
+
+@pytest.mark.parametrize("path", JSON_ROUTES)
+@pytest.mark.parametrize("depth", [100, 1000, 100_000])
+def test_json_nested_past_any_limit_is_refused(live_server: LiveServer, path: str, depth: int) -> None:
+    nested = "[" * depth + "]" * depth
+    for body in (nested, '{"model": "demo", "input": ' + nested + ', "metadata": {"a": ' + nested + "}}"):
+        response = live_server.http.post(path, content=body, headers={"content-type": "application/json"})
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["message"]

@@ -431,9 +431,17 @@ class _RequestValidator:
         return None
 
 
+MAX_NESTING = 64
+"""Deepest nesting of a free-form value (tools, a JSON schema, template variables): code that walks them recursively
+(a chat template's ``tojson``, a grammar compiler) must never meet Python's recursion limit."""
+_TOKEN_ID = re.compile(r"0|[1-9][0-9]{0,9}")
+"""A token id as OpenAI's ``logit_bias`` keys write it: ASCII digits, no sign, no leading zero (``str.isdigit``
+also accepts ``"²"``, which ``int()`` refuses)."""
+
+
 def request_problem(body: RequestBody) -> tuple[str, str] | None:
     """What makes a body invalid beyond its fields' types, as ``(field, problem)``: the same checks for a batch line
-    and an online request."""
+    and an online request. A body without a problem hands the server nothing it could raise on."""
     if isinstance(body, EmbeddingRequest):
         problem = _prompt_problem(body.input)
         return None if problem is None else ("input", problem)
@@ -441,11 +449,42 @@ def request_problem(body: RequestBody) -> tuple[str, str] | None:
         return "top_logprobs", "it requires 'logprobs' to be true."
     if body.stream_options is not None and not body.stream:
         return "stream_options", "it is only allowed when 'stream' is true."
-    if body.logit_bias and not all(key.isdigit() for key in body.logit_bias):
-        return "logit_bias", "its keys must be token ids (non-negative integers, as strings)."
+    if body.logit_bias and not all(_TOKEN_ID.fullmatch(key) and int(key) <= INT32_MAX for key in body.logit_bias):
+        return "logit_bias", f"its keys must be token ids: integers from 0 to {INT32_MAX} written in plain digits."
     if isinstance(body, CompletionRequest) and (problem := _prompt_problem(body.prompt)) is not None:
         return "prompt", problem
+    for name, value in _free_form(body):
+        if _too_deep(value):
+            return name, f"it is nested more than {MAX_NESTING} levels deep."
     return None
+
+
+def _free_form(body: ChatCompletionRequest | CompletionRequest) -> Iterator[tuple[str, object]]:
+    """The values of ``body`` that no type bounds, by field name."""
+    for name in body.__struct_fields__:
+        value = getattr(body, name)
+        if isinstance(value, dict | list) and name not in ("prompt", "messages", "stop", "stop_token_ids"):
+            yield name, value
+        elif isinstance(value, msgspec.Struct):  # response_format's json_schema
+            yield from ((f"{name}.{inner}", v) for inner, v in msgspec.structs.asdict(value).items())
+    if isinstance(body, ChatCompletionRequest):
+        for index, message in enumerate(body.messages):
+            if message.tool_calls is not None:
+                yield f"messages[{index}].tool_calls", message.tool_calls
+
+
+def _too_deep(value: object) -> bool:
+    """Whether ``value`` nests lists and dicts deeper than ``MAX_NESTING`` (walked without recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        for child in children:
+            if isinstance(child, dict | list):
+                if depth + 1 > MAX_NESTING:
+                    return True
+                stack.append((child, depth + 1))
+    return False
 
 
 def _prompt_problem(prompt: Prompt) -> str | None:

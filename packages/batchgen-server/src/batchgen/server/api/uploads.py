@@ -20,6 +20,8 @@ from .errors import APIError, invalid
 
 MAX_FIELD_BYTES = 4096
 MAX_PARTS = 16
+MAX_HEADER_BYTES = 64 * 1024
+"""Longest header line of a part: room for a long file name (sanitized and cut to 255 bytes, not refused)."""
 PIECE_BYTES = 1024 * 1024
 """File bytes gathered before they go to the worker thread: few thread hops, little memory."""
 
@@ -79,7 +81,7 @@ async def _parse(
     piece = bytearray()
     size = 0
     try:
-        with PushMultipartParser(boundary, max_segment_count=MAX_PARTS) as parser:
+        with PushMultipartParser(boundary, max_header_size=MAX_HEADER_BYTES, max_segment_count=MAX_PARTS) as parser:
             async for chunk in chunks:
                 for part in parser.parse(chunk):
                     if isinstance(part, MultipartSegment):
@@ -110,7 +112,8 @@ async def _parse(
                         segment = None
             parser.parse(b"")
     except ParserLimitReached as exc:
-        raise invalid(f"Too many form parts (at most {MAX_PARTS}).", param=None, code="invalid_multipart") from exc
+        limits = f"at most {MAX_PARTS} parts, each header line at most {MAX_HEADER_BYTES} bytes"
+        raise invalid(f"The form is over a limit: {exc} ({limits}).", param=None, code="invalid_multipart") from exc
     except ParserError as exc:
         raise invalid(f"Malformed multipart body: {exc}", param=None, code="invalid_multipart") from exc
     await _store(form, piece, last=True)

@@ -1,13 +1,22 @@
 """A chat request's prompt: its messages, tools and template variables rendered by the tokenizer's chat template.
 
-Nothing is dropped silently: tools or a template variable that the template never mentions are refused, as is a
-``tool_choice`` that needs guided decoding.
+Nothing is dropped silently: tools or a template variable that the template never reads (jinja2's own analysis of
+the template), assistant tool calls or tool results that it does not render (found once per template, by rendering
+a probe conversation), are refused by name, as is a ``tool_choice`` that needs guided decoding.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.meta
+import jinja2.nodes
+import jinja2.parser
 
 from batchgen.schemas import ChatCompletionRequest, ChatMessage
 
@@ -40,7 +49,9 @@ def render_chat(tokenizer: Any, body: ChatCompletionRequest, model: str) -> str:
     if template is None:
         raise RequestRejected("unsupported_endpoint", f"model {model!r} has no chat template", "messages")
     source = template if isinstance(template, str) else "\n".join(template.values())  # named templates
-    tools, variables = _tools(body, source), _variables(body, source)
+    facts = _facts(tokenizer, source)
+    tools, variables = _tools(body, facts), _variables(body, facts)
+    _check_messages(body, facts)
     try:
         return str(
             tokenizer.apply_chat_template(
@@ -52,11 +63,76 @@ def render_chat(tokenizer: Any, body: ChatCompletionRequest, model: str) -> str:
                 **variables,
             )
         )
+    except OSError:  # the machine's fault (no descriptor left, say), not the conversation's: not the request's error
+        raise
     except Exception as exc:  # the template itself may reject a conversation (e.g. roles out of order)
         raise RequestRejected("invalid_value", f"chat template rejected the messages: {exc}", "messages") from exc
 
 
-def _tools(body: ChatCompletionRequest, source: str) -> list[dict[str, Any]] | None:
+@dataclass(frozen=True, slots=True)
+class _TemplateFacts:
+    variables: frozenset[str]
+    """What the template reads from its context (``messages``, ``tools``, ``enable_thinking``...)."""
+    renders_tool_calls: bool
+    renders_tool_results: bool
+
+
+_PROBE_CALL, _PROBE_RESULT = "batchgen_probe_call", "batchgen probe result"
+_PROBE = [
+    {"role": "user", "content": "?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"id": "call_0", "type": "function", "function": {"name": _PROBE_CALL, "arguments": {}}}],
+    },
+    {"role": "tool", "tool_call_id": "call_0", "name": _PROBE_CALL, "content": _PROBE_RESULT},
+]
+
+
+@lru_cache(maxsize=16)
+def _facts(tokenizer: Any, source: str) -> _TemplateFacts:
+    try:
+        variables = frozenset(jinja2.meta.find_undeclared_variables(_PARSER.parse(source)))
+    except jinja2.TemplateSyntaxError:
+        variables = frozenset()  # apply_chat_template fails on it too, and says why
+    try:
+        probe = str(tokenizer.apply_chat_template(_PROBE, tokenize=False, add_generation_prompt=False))
+    except Exception:  # a template that refuses tool messages refuses the request's too, and says why
+        probe = f"{_PROBE_CALL} {_PROBE_RESULT}"
+    return _TemplateFacts(variables, _PROBE_CALL in probe, _PROBE_RESULT in probe)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """transformers' ``{% generation %}...{% endgeneration %}`` (marks assistant text), parsed as its body."""
+
+    tags = frozenset({"generation"})
+
+    def parse(self, parser: jinja2.parser.Parser) -> list[jinja2.nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+_PARSER = jinja2.Environment(extensions=[jinja2.ext.loopcontrols, _GenerationTag])
+"""Parses templates as transformers compiles them, for their variables only (it never renders)."""
+
+
+def _check_messages(body: ChatCompletionRequest, facts: _TemplateFacts) -> None:
+    for index, message in enumerate(body.messages):
+        if message.tool_calls and not facts.renders_tool_calls:
+            raise RequestRejected(
+                "unsupported_parameter",
+                "the model's chat template does not render an assistant message's tool_calls",
+                f"messages[{index}].tool_calls",
+            )
+        if message.role == "tool" and not facts.renders_tool_results:
+            raise RequestRejected(
+                "unsupported_parameter",
+                "the model's chat template does not render messages with the role 'tool'",
+                f"messages[{index}].role",
+            )
+
+
+def _tools(body: ChatCompletionRequest, facts: _TemplateFacts) -> list[dict[str, Any]] | None:
     if body.tool_choice not in (None, "auto", "none"):
         raise RequestRejected(
             "unsupported_parameter",
@@ -66,12 +142,12 @@ def _tools(body: ChatCompletionRequest, source: str) -> list[dict[str, Any]] | N
         )
     if not body.tools or body.tool_choice == "none":
         return None
-    if "tools" not in source:
+    if "tools" not in facts.variables:
         raise RequestRejected("unsupported_parameter", "the model's chat template does not render tools", "tools")
     return body.tools
 
 
-def _variables(body: ChatCompletionRequest, source: str) -> dict[str, Any]:
+def _variables(body: ChatCompletionRequest, facts: _TemplateFacts) -> dict[str, Any]:
     variables = body.chat_template_kwargs or {}
     for name in variables:
         if name in RESERVED_KWARGS:
@@ -81,7 +157,7 @@ def _variables(body: ChatCompletionRequest, source: str) -> dict[str, Any]:
                 + (" (set the request field instead)" if name in ChatCompletionRequest.__struct_fields__ else ""),
                 "chat_template_kwargs",
             )
-        if name not in source:
+        if name not in facts.variables:
             raise RequestRejected(
                 "unsupported_parameter",
                 f"the model's chat template does not use the variable {name!r}",
