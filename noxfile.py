@@ -96,6 +96,16 @@ def demo(session: nox.Session) -> None:
 
 
 @nox.session(venv_backend="none")
+def schemathesis(session: nox.Session) -> None:
+    """Every schemathesis check (`--checks all`: no 5xx, answers as published, valid requests accepted and invalid ones
+    refused, the API key enforced, OPTIONS and 405 answers) in every phase, against a server with the demo model and an
+    API key, from the server's own OpenAPI document; schemathesis.toml lists what the document cannot state. A few
+    minutes; arguments go to `schemathesis run`: `nox -s schemathesis -- --max-examples 100 --seed 1`."""
+    install_project(session, "test")
+    run(session, "benchmarks/fuzz_api.py", *(session.posargs or ["--max-examples", "30", "--continue-on-failure"]))
+
+
+@nox.session(venv_backend="none")
 def bench(session: nox.Session) -> None:
     """Run one benchmark script: `nox -s bench -- benchmarks/validator.py`."""
     install_project(session, "test")

@@ -17,7 +17,7 @@ from .errors import ERROR_RESPONSES, APIError
     status_code=410,
     tags=["legacy"],
     summary="Removed: use the batch API",
-    include_in_schema=True,
+    include_in_schema=False,  # a removed endpoint is no part of the API
     responses={
         **ERROR_RESPONSES,
         410: ResponseSpec(
