@@ -4,6 +4,7 @@ batch completes. The fault is injected into the in-process server's ``OpenAIServ
 
 from __future__ import annotations
 
+import errno
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -57,3 +58,26 @@ def test_a_line_the_server_fails_to_prepare_fails_alone(
     assert "injected bug" not in detail["message"]  # the bug is the server's to read, in its log
     logged = [r for r in caplog.records if "bug" in r.getMessage() and r.exc_info is not None]
     assert len(logged) == 1 and "injected bug" in str(logged[0].exc_info[1])  # type: ignore[index]
+
+
+def test_a_line_that_meets_no_descriptor_left_waits_and_runs(
+    server: LiveServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """EMFILE while a line is prepared (the chat template, the tokenizer) is the machine's fault, not the line's:
+    the batch pauses, and the line runs once descriptors return."""
+    to_engine_requests = OpenAIServing.to_engine_requests
+    failures = iter([OSError(errno.EMFILE, "Too many open files")] * 3)
+
+    def starved(self: OpenAIServing, body: Any, **kwargs: Any) -> Any:
+        if b"starved" in msgspec.json.encode(body) and (failure := next(failures, None)) is not None:
+            raise failure
+        return to_engine_requests(self, body, **kwargs)
+
+    monkeypatch.setattr(OpenAIServing, "to_engine_requests", starved)
+    lines = [chat_line(f"r{i}", max_tokens=2) for i in range(5)]
+    lines.insert(2, chat_line("starved", content="starved", max_tokens=2))
+    batch = server.run(lines)
+
+    assert batch["status"] == "completed", batch
+    assert batch["request_counts"] == {"total": 6, "completed": 6, "failed": 0}
+    assert next(failures, None) is None  # it was tried until it ran

@@ -670,6 +670,9 @@ class BatchLoop:
                 line.body, request_id=request_id, defaults=batch.defaults, group=batch.id
             )
         except Exception as exc:
+            if storage_fault(exc) is not None:  # no descriptor left, say: the machine's, not the line's; it waits
+                batch.held = line
+                raise
             rejected = exc if isinstance(exc, RequestRejected) else _line_bug(batch, line, exc)
             error = self.serving.error_line(
                 line.custom_id,
