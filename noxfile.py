@@ -84,7 +84,7 @@ def tests(session: nox.Session) -> None:
     install_chromium(session)
     run(session, "-m", "ruff", "check", ".")
     run(session, "-m", "ruff", "format", "--check", ".")
-    run(session, "-m", "mypy", "packages/batchgen-schemas/src", "packages/batchgen-client/src")
+    run(session, "-m", "mypy", *(f"{package}/src" for package in PACKAGES))
     run(session, "-m", "pytest", *session.posargs)
 
 

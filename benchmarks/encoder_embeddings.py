@@ -30,7 +30,7 @@ from transformers import BertConfig, BertModel, BertTokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages" / "batchgen-server" / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages" / "batchgen-schemas" / "src"))
 
-from batchgen.server.engine import EncoderEngine, EngineConfig, EngineRequest, LLMEngine
+from batchgen.server.engine import EncoderEngine, EngineConfig, EngineRequest, build_engine
 
 
 def build(path: Path) -> None:
@@ -88,7 +88,7 @@ def main() -> None:
     tokens = sum(map(len, prompts))
     with tempfile.TemporaryDirectory() as tmp:
         build(Path(tmp))
-        engine = LLMEngine.from_config(EngineConfig(model=tmp, device=args.device, dtype=args.dtype))
+        engine = build_engine(EngineConfig(model=tmp, device=args.device, dtype=args.dtype))
     assert isinstance(engine, EncoderEngine)
     model, device = engine.model, engine.device
     rows = {

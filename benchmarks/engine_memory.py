@@ -27,7 +27,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages" / "batchgen-server" / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages" / "batchgen-schemas" / "src"))
 
-from batchgen.server.engine import EngineConfig, EngineRequest, EngineResult, EngineWorker, LLMEngine, SamplingParams
+from batchgen.server.engine import (
+    EngineConfig,
+    EngineRequest,
+    EngineResult,
+    EngineWorker,
+    LLMEngine,
+    SamplingParams,
+    build_engine,
+)
 
 WORDS = [
     "the",
@@ -96,7 +104,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     start_rss = rss_mib()
-    engine = LLMEngine.from_config(EngineConfig(model="demo", device="cpu"))
+    engine = build_engine(EngineConfig(model="demo", device="cpu"))
     worker = EngineWorker(engine)
     worker.start()
     rng = random.Random(0)

@@ -202,7 +202,8 @@ def decode_rate(engine: LLMEngine, batch: int, context: int, steps: int, vocab: 
         engine.step()
     sync(device)
     rate = batch * steps / (time.perf_counter() - start)
-    engine.abort_group("d")
+    for i in range(batch):
+        engine.abort_request(f"d{i}")
     return rate
 
 

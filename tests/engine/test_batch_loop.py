@@ -1,76 +1,10 @@
-"""The batch loop in-process, with run-batch's plain-file store and real engine workers: an engine replaced mid-batch
-gets every request that was inside it again. And the order of turns (tenants, then their batches)."""
+"""The batch loop's order of turns (tenants, then their batches), and its table of status moves."""
 
 from __future__ import annotations
 
-import json
-import time
-from collections import Counter
-from collections.abc import Callable
-from pathlib import Path
-
-from batchgen.server.batches.loop import BatchLoop
-from batchgen.server.batches.stores import FileStore
+from batchgen.schemas import ACTIVE_STATUSES, STATUSES, TERMINAL_STATUSES
+from batchgen.server.batches import lifecycle
 from batchgen.server.batches.turns import Turns
-from batchgen.server.engine import EngineRequest, EngineResult, EngineWorker, LLMEngine
-from batchgen.server.run_batch import offline_batch
-from batchgen.server.serving import BatchDefaults, OpenAIServing
-
-
-class CountingWorker(EngineWorker):
-    """A real worker that also counts the requests it was given."""
-
-    def __init__(self, engine: LLMEngine) -> None:
-        super().__init__(engine)
-        self.submitted: list[str] = []
-
-    def submit(self, requests: list[EngineRequest], on_result: Callable[[EngineResult], None]) -> None:
-        self.submitted += [request.request_id for request in requests]
-        super().submit(requests, on_result)
-
-
-def test_a_replaced_engine_gets_what_was_inside(make_engine: Callable[..., LLMEngine], tmp_path: Path) -> None:
-    source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    lines = [
-        {
-            "custom_id": f"r{i}",
-            "method": "POST",
-            "url": "/v1/completions",
-            "body": {"model": "demo", "prompt": f"request {i}", "max_tokens": 2 if i < 3 else 40, "ignore_eos": True},
-        }
-        for i in range(12)
-    ]
-    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    engine = make_engine()
-    serving = OpenAIServing(engine.tokenizer, ("demo",), engine.max_context_length)
-    first = CountingWorker(engine)
-    store = FileStore(source, output, None)
-    loop = BatchLoop(store, serving, first, capacity=1000, window=4, flush_interval_s=0.05)
-    first.start()
-    loop.start()
-    replacement = CountingWorker(make_engine())
-    try:
-        loop.admit(offline_batch(BatchDefaults()), "", 12).result(timeout=10)
-        deadline = time.monotonic() + 30
-        while store.fields.get("completed", 0) < 3:  # the short ones; long ones fill the window now
-            assert time.monotonic() < deadline, store.fields
-            time.sleep(0.01)
-        first.stop(timeout=10)  # the engine "dies": whatever was inside it is lost
-        replacement.start()
-        loop.engine_restarted(replacement)
-        assert store.finished.wait(60), store.fields
-    finally:
-        loop.stop(timeout=10)
-        replacement.stop(timeout=10)
-    assert store.fields["status"] == "completed"
-    answered = _custom_ids(output)
-    assert Counter(answered) == Counter(line["custom_id"] for line in lines)  # each exactly once
-    assert store.fields["completed"] == 12 and store.fields["failed"] == 0
-    assert set(replacement.submitted) & set(first.submitted), "what was inside the first engine went to the second"
-
-
-def _custom_ids(path: Path) -> list[str]:
-    return [json.loads(line)["custom_id"] for line in path.read_text().splitlines()]
 
 
 def test_turns_even_out_the_engine_between_tenants_then_batches() -> None:
@@ -96,3 +30,10 @@ def test_turns_even_out_the_engine_between_tenants_then_batches() -> None:
     turns.remove("b", "b1")
     assert turns.next(lambda item: item.startswith("c"), running.__getitem__) == "c1"
     assert turns.next(lambda item: False, running.__getitem__) is None
+
+
+def test_the_transition_table_covers_the_schemas_statuses() -> None:
+    """Every status the wire knows has its moves; the active ones (that the loop resumes) are those that move on."""
+    assert set(lifecycle.TRANSITIONS) == set(STATUSES)
+    assert {status for status, moves in lifecycle.TRANSITIONS.items() if moves} == set(ACTIVE_STATUSES)
+    assert set(STATUSES) - set(ACTIVE_STATUSES) == TERMINAL_STATUSES

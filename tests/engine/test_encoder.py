@@ -6,6 +6,7 @@ import base64
 import json
 import random
 import struct
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from transformers import AutoModel, AutoTokenizer, BertConfig, BertModel, BertTo
 from batchgen.schemas import BatchInputLine, EmbeddingList, ErrorResponse, parse_output_line
 from batchgen.schemas.validation import BODY_TYPES
 from batchgen.server.cli import main
-from batchgen.server.engine import EncoderEngine, EngineConfig, EngineRequest, EngineResult, LLMEngine
+from batchgen.server.engine import EncoderEngine, EngineConfig, EngineRequest, EngineResult, EngineWorker, build_engine
 from batchgen.server.serving import BatchDefaults, OpenAIServing, RequestRejected
 
 SPECIAL = ["[UNK]", "[PAD]", "[CLS]", "[SEP]", "[MASK]"]  # [PAD] is 1, as RoBERTa's position numbering expects
@@ -60,7 +61,7 @@ def _texts(count: int, seed: int = 0) -> list[str]:
 
 
 def _engine(path: Path, **overrides: Any) -> EncoderEngine:
-    engine = LLMEngine.from_config(EngineConfig(model=str(path), device="cpu", **overrides))
+    engine = build_engine(EngineConfig(model=str(path), device="cpu", **overrides))
     assert isinstance(engine, EncoderEngine)
     return engine
 
@@ -112,7 +113,7 @@ def test_errors_and_aborts(encoder_paths: dict[str, Path]) -> None:
     engine.add_request(EngineRequest("unknown-token", [2, engine.vocab_size, 3], task="embed"))
     for i in range(6):
         engine.add_request(EngineRequest(f"{'a' if i % 2 else 'b'}{i}", [2, 5 + i, 3], task="embed", group=str(i % 2)))
-    assert sorted(engine.abort_group("1")) == ["a1", "a3", "a5"]
+    assert all(engine.abort_request(request_id) for request_id in ("a1", "a3", "a5"))
     assert engine.abort_request("b4") and not engine.abort_request("b4")
     results = {}
     while engine.has_unfinished_requests():
@@ -194,3 +195,73 @@ def test_run_batch_end_to_end(encoder_paths: dict[str, Path], tmp_path: Path) ->
         assert line.response.status_code == 400 and isinstance(line.response.body, ErrorResponse)
         assert line.response.body.error.code == "unsupported_endpoint"
         assert "is an embedding model" in line.response.body.error.message
+
+
+POISON = 7  # a token id ("sat") that makes the injected forward fail
+
+
+def _poisoned(engine: EncoderEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model's forward raises for any batch holding ``POISON``, as a device fault on one input would."""
+    forward = engine.model.forward
+
+    def failing(input_ids: torch.Tensor, **kwargs: Any) -> Any:
+        if (input_ids == POISON).any():
+            raise RuntimeError("injected fault")
+        return forward(input_ids=input_ids, **kwargs)
+
+    monkeypatch.setattr(engine.model, "forward", failing)
+
+
+def test_a_failing_input_fails_alone(encoder_paths: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch whose forward raises runs again in halves: only the request that breaks it fails, the others get the
+    embeddings they get alone."""
+    engine = _engine(encoder_paths["bert"], max_num_seqs=8)
+    _poisoned(engine, monkeypatch)
+    prompts = {f"r{i}": [2, 10 + i, 3] for i in range(7)} | {"bad": [2, POISON, 3]}
+    for request_id, prompt in prompts.items():
+        engine.add_request(EngineRequest(request_id, prompt, task="embed"))
+    results = {r.request_id: r for r in engine.step()}
+    assert not engine.has_unfinished_requests()
+    error = results.pop("bad").error
+    assert error is not None and error.code == "server_error" and "injected fault" in error.message
+    reference = _reference(encoder_paths["bert"])
+    for request_id, result in results.items():
+        assert result.error is None and result.embedding is not None
+        expected = reference(prompts[request_id])
+        assert torch.allclose(torch.tensor(result.embedding), expected, atol=1e-5)
+
+
+def test_a_worker_whose_encoder_step_fails_restarts_and_answers_everyone(
+    encoder_paths: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fault outside the isolation (the step itself raises) restarts the engine in the worker: every request is
+    answered, the one that keeps failing quarantined, and online callers never wait on a worker stuck restarting."""
+    engine = _engine(encoder_paths["bert"], max_num_seqs=4)
+    run = engine._run
+
+    def failing(batch: list[EngineRequest], finished: list[EngineResult]) -> None:
+        if any(POISON in request.prompt_token_ids for request in batch):
+            raise RuntimeError("injected fault outside the isolation")
+        run(batch, finished)
+
+    monkeypatch.setattr(engine, "_run", failing)
+    worker = EngineWorker(engine)
+    answered: dict[str, EngineResult] = {}
+    done = threading.Event()
+    prompts = {f"r{i}": [2, 10 + i, 3] for i in range(6)} | {"bad": [2, POISON, 3]}
+
+    def take(result: EngineResult) -> None:
+        answered[result.request_id] = result
+        if len(answered) == len(prompts):
+            done.set()
+
+    worker.start()
+    try:
+        worker.submit([EngineRequest(rid, prompt, task="embed") for rid, prompt in prompts.items()], take)
+        assert done.wait(30), (worker.state, worker.error, sorted(answered))
+    finally:
+        worker.stop(timeout=10)
+    assert worker.state == "running" and worker.restarts == 2  # struck once, then quarantined alone on probation
+    bad = answered.pop("bad").error
+    assert bad is not None and bad.code == "server_error" and "each of the two times" in bad.message
+    assert all(result.error is None and result.embedding is not None for result in answered.values())

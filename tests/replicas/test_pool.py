@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from batchgen.server.engine.config import EngineConfig
+from batchgen.server.engine.interface import ClientState
 from batchgen.server.engine.request import EngineRequest, EngineResult
-from batchgen.server.engine.worker import State
 from batchgen.server.replicas import pool as pool_module
 from batchgen.server.replicas.pool import ReplicaLost, ReplicaPool
 from batchgen.server.replicas.replica import ModelInfo, Report
@@ -60,7 +60,7 @@ class ScriptedReplica:
         pass
 
 
-def report(incarnation: str, *done: str, state: State = "running") -> Report:
+def report(incarnation: str, *done: str, state: ClientState = "running") -> Report:
     results = [EngineResult(request_id, prompt_tokens=3) for request_id in done]
     return Report(incarnation, pid=100, node="node", state=state, error=None, stats=None, results=results)
 

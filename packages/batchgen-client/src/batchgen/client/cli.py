@@ -20,7 +20,6 @@ import functools
 import itertools
 import os
 import sys
-import typing
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -28,6 +27,7 @@ from typing import Any, NoReturn
 import msgspec
 
 from batchgen.schemas import ENDPOINTS, TERMINAL_STATUSES, BatchObject, FileObject, GenerationDefaults
+from batchgen.schemas.arguments import add_generation_defaults
 from batchgen.schemas.validation import ValidationLimits, validate_input_file
 
 from ._core import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT_S, VERSION
@@ -306,34 +306,6 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE)
 
 
-def _generation_options(parser: argparse.ArgumentParser) -> None:
-    """One option per ``GenerationDefaults`` field, checked against the field's own type and bounds."""
-    group = parser.add_argument_group("batch-level defaults", "for the requests that do not set their own value")
-    hints = typing.get_type_hints(GenerationDefaults, include_extras=True)
-    struct = msgspec.inspect.type_info(GenerationDefaults)
-    assert isinstance(struct, msgspec.inspect.StructType)
-    for field in struct.fields:
-        assert isinstance(field.type, msgspec.inspect.UnionType)  # Annotated[int | float, Meta(...)] | None
-        (meta,) = (kind for kind in field.type.types if isinstance(kind, msgspec.inspect.Metadata))
-        is_int = isinstance(meta.type, msgspec.inspect.IntType)
-        group.add_argument(
-            "--" + field.name.replace("_", "-"),
-            type=_checked(hints[field.name]),
-            metavar="N" if is_int else "X",
-            help=(meta.extra_json_schema or {}).get("description"),
-        )
-
-
-def _checked(hint: Any) -> Callable[[str], Any]:
-    def convert(text: str) -> Any:
-        try:
-            return msgspec.convert(text, hint, strict=False)
-        except msgspec.ValidationError as exc:
-            raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
-
-    return convert
-
-
 def _parser(output: Output) -> argparse.ArgumentParser:
     # Connection options are accepted before or after the command; SUPPRESS keeps a sub-parser from resetting them.
     common = _Parser(add_help=False, output=output)
@@ -380,7 +352,7 @@ def _parser(output: Output) -> argparse.ArgumentParser:
     submit.add_argument(
         "--wait", action=argparse.BooleanOptionalAction, default=True, help="wait for the batch to finish (default)"
     )
-    _generation_options(submit)
+    add_generation_defaults(submit)
 
     for name, parents, help in (
         ("status", [common], "show a batch"),

@@ -1,7 +1,9 @@
 """Wire types of the batchgen batch inference API (OpenAI Batch API plus batchgen extensions)."""
 
 from .batches import (
+    ACTIVE_STATUSES,
     ENDPOINTS,
+    STATUSES,
     TERMINAL_STATUSES,
     BatchEndpoint,
     BatchError,
@@ -67,6 +69,8 @@ from .responses import (
 __all__ = [
     "BODY_TYPES",
     "ENDPOINTS",
+    "ACTIVE_STATUSES",
+    "STATUSES",
     "TERMINAL_STATUSES",
     "BatchEndpoint",
     "BatchError",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import typing
 from typing import Annotated, Literal
 
 import msgspec
@@ -12,7 +13,10 @@ from ._base import Body, Wire
 BatchStatus = Literal[
     "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"
 ]
+STATUSES: tuple[BatchStatus, ...] = typing.get_args(BatchStatus)
 TERMINAL_STATUSES: frozenset[str] = frozenset({"failed", "completed", "expired", "cancelled"})
+ACTIVE_STATUSES: tuple[str, ...] = tuple(status for status in STATUSES if status not in TERMINAL_STATUSES)
+"""Unfinished: the server's batch loop owns the batch, and picks it up again after a restart."""
 
 BatchEndpoint = Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
 ENDPOINTS: tuple[str, ...] = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")

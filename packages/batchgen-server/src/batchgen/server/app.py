@@ -32,7 +32,7 @@ from .batches.loop import BatchLoop
 from .batches.stores import DatabaseStore
 from .callbacks import CallbackNotifier
 from .console import console_assets, console_page
-from .engines import load_engine, replica_states, window_for, worker_for
+from .engines import load_engine, replica_states, window_for
 from .observability.logs import log_activity
 from .observability.metrics import Metrics, ServerState
 from .security.auth import ApiKeyAuthMiddleware
@@ -43,10 +43,10 @@ from .storage.database import Database
 from .storage.expiry import sweep_forever
 
 if TYPE_CHECKING:
-    from .engines import Engine
+    from .engine import EngineClient
 
 
-def create_app(settings: Settings, engine: Engine | None = None) -> Litestar:
+def create_app(settings: Settings, engine: EngineClient | None = None) -> Litestar:
     """The app; it loads ``settings.engine``'s model at start-up (on ``settings.cluster``'s replicas, if any) unless
     given the ``engine`` (``serve`` loads it first, so that a model that cannot be loaded is one line and an exit
     status, not a failed start-up)."""
@@ -62,7 +62,6 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Litestar:
         nonlocal engine
         if engine is None:
             engine = await asyncio.to_thread(load_engine, settings.engine, settings.cluster)
-        worker = worker_for(engine)
         serving = await asyncio.to_thread(
             OpenAIServing.for_engine, engine, settings.engine, settings.max_line_sequences
         )
@@ -76,7 +75,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Litestar:
         loop = BatchLoop(
             DatabaseStore(db, blobs, on_finished=on_finished),
             serving,
-            worker,
+            engine,
             capacity=settings.max_queued_requests,
             window=settings.engine_window or window_for(engine),
             flush_interval_s=settings.flush_interval_s,
@@ -89,26 +88,26 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Litestar:
             for name in serving.model_names
         ]
         capacity = settings.max_online_sequences or 2 * settings.engine.max_num_seqs
-        online = OnlineRequests(worker, capacity, settings.max_stream_backlog_tokens)
+        online = OnlineRequests(engine, capacity, settings.max_stream_backlog_tokens)
         metrics = Metrics(
             engine.model_name,
             ServerState(
-                engine=worker.stats,
-                engine_state=lambda: worker.state,
-                engine_restarts=lambda: worker.restarts,
+                engine=engine.stats,
+                engine_state=lambda: engine.state,
+                engine_restarts=lambda: engine.restarts,
                 queued_sequences=lambda: loop.status.queued_sequences,
                 storage_fault=lambda: loop.status.storage_fault,
                 batch_counts=db.batch_status_counts,
                 line_counts=db.request_totals,
-                replicas=lambda: replica_states(worker),
+                replicas=lambda: replica_states(engine),
             ),
         )
-        worker.observer = metrics.observe_request
-        app.state.context = ServerContext(settings, db, blobs, models, worker, loop, metrics, serving, online)
-        worker.start()
+        engine.observer = metrics.observe_request
+        app.state.context = ServerContext(settings, db, blobs, models, engine, loop, metrics, serving, online)
+        engine.start()
         loop.start()
         activity = (
-            asyncio.create_task(log_activity(worker.stats, lambda: loop.status.active_batches, settings.log_interval_s))
+            asyncio.create_task(log_activity(engine.stats, lambda: loop.status.active_batches, settings.log_interval_s))
             if settings.log_interval_s > 0
             else None
         )
@@ -119,7 +118,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> Litestar:
                 activity.cancel()
             # In-flight requests are done (uvicorn drained them); the rest of the shutdown deadline is for these.
             deadline_s = settings.shutdown_timeout_s / 2
-            await asyncio.to_thread(worker.stop, deadline_s / 2)
+            await asyncio.to_thread(engine.stop, deadline_s / 2)
             await asyncio.to_thread(loop.stop, deadline_s / 2)
             sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from importlib.metadata import version
 from pathlib import Path
 
+from batchgen.schemas.arguments import add_generation_defaults
+
 from .engine.config import EngineConfig
 from .options import add_flags, build
 from .replicas.config import ClusterConfig
@@ -89,16 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("-i", "--input", type=Path, required=True, help="batch input JSONL")
     run.add_argument("-o", "--output", type=Path, required=True, help="output JSONL (successful requests)")
     run.add_argument("--errors-output", type=Path, default=None, help="error JSONL (default: into --output)")
-    run.add_argument("--max-decoding-length", type=int, default=None, help="default max tokens per request")
-    run.add_argument("--max-context-length", type=int, default=None, help="cap on prompt + generated tokens")
-    run.add_argument(
-        "--temperature",
-        type=float,
-        default=None,
-        help="default temperature (unset: the model's generation config, else greedy)",
-    )
-    run.add_argument("--top-p", type=float, default=None, help="default top_p")
-    run.add_argument("--top-k", type=int, default=None, help="default top_k")
+    add_generation_defaults(run)
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_flags(run, EngineConfig, "engine")
     add_flags(run, ClusterConfig, "replicas (docs/scaling.md)")

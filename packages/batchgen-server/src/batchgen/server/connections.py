@@ -145,7 +145,7 @@ def guarded_protocol(guard: ConnectionGuard) -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol (h11 or httptools, whichever it would pick), its connections kept by ``guard``."""
     base: Any = AutoHTTPProtocol
 
-    class GuardedHTTPProtocol(base):  # type: ignore[misc,valid-type]
+    class GuardedHTTPProtocol(base):  # type: ignore[misc]
         _refused = False
 
         def connection_made(self, transport: asyncio.Transport) -> None:

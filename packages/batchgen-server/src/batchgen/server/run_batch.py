@@ -13,12 +13,12 @@ from batchgen.schemas import BatchError, BatchObject, BatchRequestCounts
 
 from .batches.loop import BatchLoop
 from .batches.stores import FileStore
-from .engines import window_for, worker_for
+from .engines import window_for
 from .ids import new_batch_id
 from .serving import BatchDefaults, OpenAIServing
 
 if TYPE_CHECKING:
-    from .engines import Engine
+    from .engine import EngineClient
 
 
 class InvalidInputFile(Exception):
@@ -40,7 +40,7 @@ class RunBatchSummary:
 
 
 def run_batch(
-    engine: Engine,
+    engine: EngineClient,
     input_path: Path,
     output_path: Path,
     errors_path: Path | None = None,
@@ -63,20 +63,19 @@ def run_batch(
 
         store = FileStore(input_path, output_path, errors_path, on_update=show)
         serving = OpenAIServing.for_engine(engine, engine.config)
-        worker = worker_for(engine)
-        loop = BatchLoop(store, serving, worker, capacity=2**62, window=window_for(engine))
-        worker.start()
+        loop = BatchLoop(store, serving, engine, capacity=2**62, window=window_for(engine))
+        engine.start()
         start = time.monotonic()  # the engine is ready: from here on is the batch's time
         loop.start()
         try:
             loop.admit(offline_batch(defaults or BatchDefaults()), owner="", sequences=0).result()
             while not store.finished.wait(0.5):
-                if worker.state == "dead":
-                    raise RuntimeError(f"the engine stopped: {worker.error}") from worker.error
+                if engine.state == "dead":
+                    raise RuntimeError(f"the engine stopped: {engine.error}") from engine.error
             seconds = time.monotonic() - start  # not the shutdown: ending replicas on Ray takes seconds
         finally:
             loop.stop()
-            worker.stop()
+            engine.stop()
     fields = store.fields
     if fields["status"] == "failed":
         errors = fields["errors"].data

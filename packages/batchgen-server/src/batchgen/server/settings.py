@@ -98,7 +98,10 @@ class Settings:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
         """Defaults, then ``BATCHGEN_*`` variables (the engine's and the replicas' too), then ``overrides``."""
-        nested = {"engine": build(EngineConfig, environ=environ), "cluster": build(ClusterConfig, environ=environ)}
+        nested: dict[str, Any] = {
+            "engine": build(EngineConfig, environ=environ),
+            "cluster": build(ClusterConfig, environ=environ),
+        }
         settings = build(cls, environ=environ, **nested)
         for name, value in overrides.items():
             setattr(settings, name, value)

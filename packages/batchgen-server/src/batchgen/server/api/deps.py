@@ -17,7 +17,7 @@ from litestar.handlers import BaseRouteHandler
 from batchgen.schemas import ModelObject
 
 from ..batches.loop import BatchLoop
-from ..engines import EngineFront
+from ..engine.interface import EngineClient
 from ..observability.metrics import Metrics
 from ..security.auth import provide_tenant
 from ..serving import OpenAIServing
@@ -35,7 +35,7 @@ class ServerContext:
     blobs: BlobStore
     models: list[ModelObject]
     """The served model under each of its names, its id first."""
-    worker: EngineFront
+    engine: EngineClient
     loop: BatchLoop
     metrics: Metrics
     serving: OpenAIServing

@@ -14,8 +14,8 @@ import dataclasses
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from ..engine import EngineRequest, EngineResult, EngineWorker
-from ..engine.request import CompletionOutput
+from ..engine.interface import EngineClient
+from ..engine.request import CompletionOutput, EngineRequest, EngineResult
 from .errors import APIError
 
 RETRY_AFTER_S = 1
@@ -28,7 +28,7 @@ ENGINE_CHECK_S = 1.0
 class OnlineRequests:
     """The online requests inside the engine: admitted while their sequences fit ``capacity``."""
 
-    worker: EngineWorker
+    engine: EngineClient
     capacity: int
     max_backlog_tokens: int
     """Most generated tokens a stream's reader may leave unread before the request is stopped."""
@@ -37,8 +37,8 @@ class OnlineRequests:
 
     def check(self, sequences: int) -> None:
         """429 when ``sequences`` more would not fit now; 400 when they never would; 503 when the engine is dead."""
-        if self.worker.state == "dead":
-            raise engine_stopped(self.worker)
+        if self.engine.state == "dead":
+            raise engine_stopped(self.engine)
         if sequences > self.capacity:
             raise APIError(
                 400,
@@ -60,7 +60,7 @@ class OnlineRequests:
         """Submit ``requests``; on leaving, abort whatever has not finished. Their place is given back as soon as
         they have left the engine (a stream's reader may still be reading)."""
         self.sequences += sum(request.params.n for request in requests)
-        call = EngineCall(self.worker, requests, self.max_backlog_tokens, on_left=self._left)
+        call = EngineCall(self.engine, requests, self.max_backlog_tokens, on_left=self._left)
         try:
             yield call
         finally:
@@ -72,9 +72,9 @@ class OnlineRequests:
 
 @dataclass(eq=False)
 class EngineCall:
-    """One request's engine requests inside the worker; their results reach the event loop as they come."""
+    """One request's engine requests inside the engine; their results reach the event loop as they come."""
 
-    worker: EngineWorker
+    engine: EngineClient
     requests: list[EngineRequest]
     max_backlog_tokens: int
     on_left: Callable[[EngineRequest], None]
@@ -91,7 +91,11 @@ class EngineCall:
     def __post_init__(self) -> None:
         self._unfinished = {request.request_id: index for index, request in enumerate(self.requests)}
         loop = asyncio.get_running_loop()
-        self.worker.submit(self.requests, lambda result: loop.call_soon_threadsafe(self._arrive, result))
+
+        def deliver(result: EngineResult) -> None:  # from the engine's thread
+            loop.call_soon_threadsafe(self._arrive, result)
+
+        self.engine.submit(self.requests, deliver)
 
     async def results(self) -> AsyncIterator[tuple[int, EngineResult]]:
         """Each prompt's result, partial or final, with its prompt's index, until every request has its final one;
@@ -116,7 +120,7 @@ class EngineCall:
 
     def abort_unfinished(self) -> None:
         if self._unfinished:
-            self.worker.abort(list(self._unfinished))
+            self.engine.abort(list(self._unfinished))
             for request_id in list(self._unfinished):
                 self._leave(request_id)
 
@@ -143,8 +147,8 @@ class EngineCall:
             try:
                 await asyncio.wait_for(self._arrived.wait(), ENGINE_CHECK_S)
             except TimeoutError:
-                if self.worker.state == "dead":
-                    raise engine_stopped(self.worker) from None
+                if self.engine.state == "dead":
+                    raise engine_stopped(self.engine) from None
                 continue
             self._arrived.clear()
             return
@@ -178,11 +182,11 @@ class StreamBacklog(Exception):
         )
 
 
-def engine_stopped(worker: EngineWorker) -> APIError:
+def engine_stopped(engine: EngineClient) -> APIError:
     """The answer to an online request once the engine has stopped for good (``/health`` says why too)."""
     return APIError(
         503,
-        f"The engine stopped ({worker.error!r}); the server must be restarted. Retry shortly.",
+        f"The engine stopped ({engine.error!r}); the server must be restarted. Retry shortly.",
         code="engine_stopped",
         headers={"Retry-After": "5"},
     )

@@ -31,13 +31,13 @@ class HealthController(Controller):
         },
     )
     async def health(self, context: ServerContext) -> Response[HealthStatus]:
-        worker, fault, replicas = context.worker, context.loop.status.storage_fault, replica_states(context.worker)
-        if worker.healthy and fault is None:
+        engine, fault, replicas = context.engine, context.loop.status.storage_fault, replica_states(context.engine)
+        if engine.healthy and fault is None:
             body = HealthStatus(status="healthy", model=context.model.id, replicas=replicas)
             return Response(body, status_code=HTTP_200_OK)
-        if not worker.healthy:
-            state = "restarting after a failure" if worker.state == "restarting" else "stopped"
-            reason = f"engine {state}: {worker.error!r}" if worker.error else "engine not running"
+        if not engine.healthy:
+            state = "restarting after a failure" if engine.state == "restarting" else "stopped"
+            reason = f"engine {state}: {engine.error!r}" if engine.error else "engine not running"
         else:
             reason = f"storage fault: {fault}; batches are paused until results can be written again"
         body = HealthStatus(status="unhealthy", reason=reason, model=context.model.id, replicas=replicas)
@@ -54,7 +54,7 @@ class PoolController(Controller):
 
     @get("/status", summary="Queued and running requests, capacity and active batches", responses=ERROR_RESPONSES)
     async def status(self, context: ServerContext) -> PoolStatus:
-        stats, loop = context.worker.stats(), context.loop.status
+        stats, loop = context.engine.stats(), context.loop.status
         return PoolStatus(
             queued_requests=_queued(context, stats.running),
             running_requests=stats.running,
@@ -65,7 +65,7 @@ class PoolController(Controller):
             prompt_tokens=stats.prompt_tokens,
             generated_tokens=stats.generated_tokens,
             storage_fault=loop.storage_fault,
-            replicas=replica_states(context.worker),
+            replicas=replica_states(context.engine),
         )
 
 

@@ -51,8 +51,10 @@ class OnlineController(Controller):
     )
     async def chat(
         self, data: ChatCompletionRequest, request: Request[Any, Any, Any], context: ServerContext
-    ) -> ChatCompletion:
-        return await _serve(context, request, data)
+    ) -> ChatCompletion | Stream:
+        response = await _serve(context, request, data)
+        assert isinstance(response, ChatCompletion | Stream)
+        return response
 
     @post(
         "/v1/completions",
@@ -62,14 +64,18 @@ class OnlineController(Controller):
     )
     async def completions(
         self, data: CompletionRequest, request: Request[Any, Any, Any], context: ServerContext
-    ) -> TextCompletion:
-        return await _serve(context, request, data)
+    ) -> TextCompletion | Stream:
+        response = await _serve(context, request, data)
+        assert isinstance(response, TextCompletion | Stream)
+        return response
 
     @post("/v1/embeddings", status_code=200, summary="Create embeddings now", responses=ERROR_RESPONSES)
     async def embeddings(
         self, data: EmbeddingRequest, request: Request[Any, Any, Any], context: ServerContext
     ) -> EmbeddingList:
-        return await _serve(context, request, data)
+        response = await _serve(context, request, data)
+        assert isinstance(response, EmbeddingList)
+        return response
 
 
 async def _serve(context: ServerContext, request: Request[Any, Any, Any], body: RequestBody) -> ResponseBody | Stream:

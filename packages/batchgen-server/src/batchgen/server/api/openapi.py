@@ -26,12 +26,14 @@ from openapi_ui_bundles import redoc, swagger_ui
 
 from batchgen.schemas import (
     ENDPOINTS,
+    ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
     CompletionRequest,
     CreateBatchRequest,
     EmbeddingRequest,
     ErrorResponse,
+    TextCompletion,
     TextCompletionChunk,
 )
 from batchgen.schemas.requests import NO_OP_VALUES, ChoiceCount, Prompt, TokenId, Unsupported
@@ -100,8 +102,12 @@ def openapi_config() -> OpenAPIConfig:
 
 REF = "#/components/schemas/{name}"
 REQUEST_BODIES = (ChatCompletionRequest, CompletionRequest, EmbeddingRequest, CreateBatchRequest)
-STREAMS = {"/v1/chat/completions": ChatCompletionChunk, "/v1/completions": TextCompletionChunk}
-"""The endpoints that answer ``stream: true`` with server-sent events, and the chunk each event carries."""
+STREAMS = {
+    "/v1/chat/completions": (ChatCompletion, ChatCompletionChunk),
+    "/v1/completions": (TextCompletion, TextCompletionChunk),
+}
+"""The endpoints that answer ``stream: true`` with server-sent events: their whole answer, and the chunk each event
+carries (their handlers return either, which Litestar cannot describe)."""
 
 _TEXT = {"type": "string", "minLength": 1}
 _TOKEN_IDS = {"type": "array", "items": msgspec.json.schema(TokenId), "minItems": 1}
@@ -148,7 +154,7 @@ def _completed(document: dict[str, Any]) -> dict[str, Any]:
     checks the server makes beyond the types, the Idempotency-Key's length and the event streams."""
     schemas = document["components"]["schemas"]
     _, components = msgspec.json.schema_components(
-        (*REQUEST_BODIES, *STREAMS.values(), ErrorResponse), ref_template=REF
+        (*REQUEST_BODIES, *(chunk for _, chunk in STREAMS.values()), ErrorResponse), ref_template=REF
     )
     schemas.update(components)
     for body in REQUEST_BODIES:
@@ -166,7 +172,9 @@ def _completed(document: dict[str, Any]) -> dict[str, Any]:
                     parameter["schema"] = {"type": "string", "minLength": 1, "maxLength": MAX_KEY_LENGTH}
         if path in STREAMS:
             answer = item["post"]["responses"]["200"]
-            answer["content"]["text/event-stream"] = {"schema": _event(STREAMS[path].__name__)}
+            whole, chunk = STREAMS[path]
+            answer["content"]["application/json"] = {"schema": {"$ref": REF.format(name=whole.__name__)}}
+            answer["content"]["text/event-stream"] = {"schema": _event(chunk.__name__)}
     return document
 
 

@@ -112,8 +112,8 @@ async def _parse(
                         segment = None
             parser.parse(b"")
     except ParserLimitReached as exc:
-        limits = f"at most {MAX_PARTS} parts, each header line at most {MAX_HEADER_BYTES} bytes"
-        raise invalid(f"The form is over a limit: {exc} ({limits}).", param=None, code="invalid_multipart") from exc
+        bounds = f"at most {MAX_PARTS} parts, each header line at most {MAX_HEADER_BYTES} bytes"
+        raise invalid(f"The form is over a limit: {exc} ({bounds}).", param=None, code="invalid_multipart") from exc
     except ParserError as exc:
         raise invalid(f"Malformed multipart body: {exc}", param=None, code="invalid_multipart") from exc
     await _store(form, piece, last=True)

@@ -14,9 +14,6 @@ TRANSITIONS: dict[str, frozenset[str]] = {
 }
 """What each status may become. ``failed`` after validation means the server could not run the batch."""
 
-STATUSES = tuple(TRANSITIONS)
-ACTIVE = tuple(status for status, moves in TRANSITIONS.items() if moves)
-"""Unfinished: the batch loop owns the batch, and picks it up again after a restart."""
 CANCELLABLE = tuple(status for status, moves in TRANSITIONS.items() if "cancelling" in moves)
 
 

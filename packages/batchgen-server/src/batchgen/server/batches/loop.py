@@ -1,7 +1,7 @@
 """The batch loop: one thread owns every batch from its admission to its final status.
 
-The API (admit, cancel), the engine worker (each finished request, an engine restarted) and the clock only post
-messages to it; every change to a batch happens here, one at a time, so no state is shared and nothing is locked.
+The API (admit, cancel), the engine (each finished request) and the clock only post messages to it; every change to
+a batch happens here, one at a time, so no state is shared and nothing is locked.
 Per batch the loop
 
 1. prepares: reads back the results files of a batch resumed after a restart (the files are the truth), then makes
@@ -33,7 +33,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 import msgspec
 
@@ -48,6 +48,7 @@ from batchgen.schemas import (
 )
 from batchgen.schemas.validation import DEFAULT_LIMITS, LineError, ValidationLimits, iter_input_lines
 
+from ..engine.interface import EngineSubmitter
 from ..engine.request import EngineRequest, EngineResult
 from ..ids import new_line_id, new_request_id
 from ..serving import BatchDefaults, OpenAIServing, RequestRejected
@@ -76,14 +77,6 @@ def default_window(max_num_seqs: int) -> int:
     """The engine's running set and a quarter more: enough queued to keep it full while the loop refills, few enough
     that a newcomer's requests wait in the engine behind a quarter of a running set at most."""
     return max_num_seqs + max(1, max_num_seqs // 4)
-
-
-class Engine(Protocol):
-    """What the loop needs of the engine worker."""
-
-    def submit(self, requests: list[EngineRequest], on_result: Callable[[EngineResult], None]) -> None: ...
-
-    def abort(self, request_ids: list[str]) -> None: ...
 
 
 class CapacityExceeded(Exception):
@@ -187,7 +180,7 @@ class BatchLoop:
         self,
         store: Store,
         serving: OpenAIServing,
-        engine: Engine,
+        engine: EngineSubmitter,
         *,
         capacity: int,
         window: int,
@@ -240,10 +233,6 @@ class BatchLoop:
     def cancel(self, batch_id: str, owner: str) -> Future[BatchObject | None]:
         """Cancel the batch if it can be; the batch as it now is (``None`` if ``owner`` has no such batch)."""
         return self._ask(partial(self._cancel, batch_id, owner))
-
-    def engine_restarted(self, engine: Engine) -> None:
-        """The engine was replaced, losing what was inside it: resubmit every request still awaited."""
-        self._inbox.put(partial(self._restarted, engine))
 
     def _on_result(self, result: EngineResult) -> None:
         self._inbox.put(partial(self._take_result, result))
@@ -395,13 +384,6 @@ class BatchLoop:
             if due and batch.stopping is None and batch.status in ("validating", "in_progress"):
                 log.info("batch %s: the completion window has passed", batch.id)
                 self._stop(batch, "expired")
-
-    def _restarted(self, engine: Engine) -> None:
-        self.engine = engine
-        awaited = [entry.requests[index] for entry, index in self._requests.values()]
-        log.warning("engine restarted: resubmitting %d request(s) that were inside it", len(awaited))
-        if awaited:
-            engine.submit(awaited, self._on_result)
 
     # ---- one batch's progress -----------------------------------------------------------------------------------
 

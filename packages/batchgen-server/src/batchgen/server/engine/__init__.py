@@ -12,7 +12,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .config import EngineConfig
     from .encoder_engine import EncoderEngine
-    from .engine import EngineStats, LLMEngine
+    from .engine import LLMEngine
+    from .factory import build_engine
+    from .interface import EngineClient, EngineStats, ServedModel, SteppingEngine
     from .request import CompletionOutput, EngineError, EngineRequest, EngineResult, SamplingParams, TokenLogprob
     from .worker import EngineWorker
 
@@ -23,7 +25,11 @@ _MODULES = {
     "EngineError": ".request",
     "EngineRequest": ".request",
     "EngineResult": ".request",
-    "EngineStats": ".engine",
+    "EngineClient": ".interface",
+    "EngineStats": ".interface",
+    "ServedModel": ".interface",
+    "SteppingEngine": ".interface",
+    "build_engine": ".factory",
     "EngineWorker": ".worker",
     "LLMEngine": ".engine",
     "SamplingParams": ".request",
@@ -33,6 +39,7 @@ _MODULES = {
 __all__ = [
     "CompletionOutput",
     "EncoderEngine",
+    "EngineClient",
     "EngineConfig",
     "EngineError",
     "EngineRequest",
@@ -41,7 +48,10 @@ __all__ = [
     "EngineWorker",
     "LLMEngine",
     "SamplingParams",
+    "ServedModel",
+    "SteppingEngine",
     "TokenLogprob",
+    "build_engine",
 ]
 
 

@@ -62,8 +62,8 @@ def _panel_width() -> int:
 
 # Registered with ``torch.library.Library`` rather than ``custom_op``: its wrapper costs 20 us a call, where a decode
 # step makes seven calls a layer.
-_LIBRARY = torch.library.Library("batchgen", "FRAGMENT")
-_LIBRARY.define("panel_linear(Tensor x, Tensor weight, Tensor panels, Tensor? bias) -> Tensor")
+_LIBRARY = torch.library.Library("batchgen", "FRAGMENT")  # type: ignore[no-untyped-call]
+_LIBRARY.define("panel_linear(Tensor x, Tensor weight, Tensor panels, Tensor? bias) -> Tensor")  # type: ignore[no-untyped-call]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -100,7 +100,7 @@ def _shape(x: torch.Tensor, weight: torch.Tensor, panels: torch.Tensor, bias: to
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-_LIBRARY.impl("panel_linear", _cpu_implementation, "CPU")
+_LIBRARY.impl("panel_linear", _cpu_implementation, "CPU")  # type: ignore[no-untyped-call]
 torch.library.register_fake("batchgen::panel_linear", _shape, lib=_LIBRARY)
 
 
@@ -143,7 +143,9 @@ def unpack(module: torch.nn.Module) -> None:
 
 
 def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return linear(x, self.weight, self.panels, self.bias)
+    panels = self.panels
+    assert isinstance(panels, torch.Tensor)
+    return linear(x, self.weight, panels, self.bias)
 
 
 @functools.cache

@@ -47,7 +47,7 @@ class Graph(Protocol):
 class CudaGraph:
     """``torch.cuda.CUDAGraph``, warmed up on a side stream first (compilation and autotuning happen there)."""
 
-    def __init__(self, pool: tuple[int, int]) -> None:
+    def __init__(self, pool: torch.cuda._POOL_HANDLE) -> None:
         self.graph = torch.cuda.CUDAGraph()
         self.pool = pool
 
@@ -58,7 +58,7 @@ class CudaGraph:
         return lambda: cls(pool)
 
     def capture(self, forward: Callable[[], torch.Tensor]) -> torch.Tensor:
-        side = torch.cuda.Stream()
+        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             forward()
@@ -193,7 +193,8 @@ class DecodeGraphs:
                     use_cache=False,
                     logits_to_keep=0,
                 )
-            return out.logits[0]
+            logits: torch.Tensor = out.logits[0]
+            return logits
 
         graph.logits = graph.graph.capture(forward)
         self._graphs[(bucket, width)] = graph

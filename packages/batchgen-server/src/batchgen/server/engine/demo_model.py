@@ -10,6 +10,10 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # transformers loads only when the model is built
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 DEMO_VERSION = "v1"
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
@@ -38,7 +42,7 @@ def demo_model_dir() -> Path:
     return path
 
 
-def build_tokenizer():  # type: ignore[no-untyped-def]
+def build_tokenizer() -> PreTrainedTokenizerFast:
     """Every byte is one token (ids 0-255), then bos, eos and pad."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -50,14 +54,14 @@ def build_tokenizer():  # type: ignore[no-untyped-def]
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tokenizer, bos_token=BOS, eos_token=EOS, pad_token=PAD, model_max_length=2048
     )
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
 
-def build_model(vocab_size: int, bos_id: int, eos_id: int, pad_id: int, **sizes: int):  # type: ignore[no-untyped-def]
+def build_model(vocab_size: int, bos_id: int, eos_id: int, pad_id: int, **sizes: int) -> LlamaForCausalLM:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -75,7 +79,8 @@ def build_model(vocab_size: int, bos_id: int, eos_id: int, pad_id: int, **sizes:
         tie_word_embeddings=False,
     )
     torch.manual_seed(sizes.get("seed", 1234))
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model = LlamaForCausalLM(config)
+    model.to(torch.float32)  # type: ignore[arg-type]  # in place; transformers types to() oddly
     # Random init gives near-uniform logits; widen them so greedy decoding has clear winners.
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
@@ -84,7 +89,8 @@ def build_model(vocab_size: int, bos_id: int, eos_id: int, pad_id: int, **sizes:
 
 def _build(path: Path) -> None:
     tokenizer = build_tokenizer()
-    bos, eos, pad = (tokenizer.convert_tokens_to_ids(t) for t in (BOS, EOS, PAD))
+    vocab = tokenizer.get_vocab()
+    bos, eos, pad = vocab[BOS], vocab[EOS], vocab[PAD]
     model = build_model(len(tokenizer), bos, eos, pad)
     model.generation_config.eos_token_id = eos
     model.generation_config.bos_token_id = bos

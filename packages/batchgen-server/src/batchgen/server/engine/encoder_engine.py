@@ -9,18 +9,20 @@ import torch
 from transformers import PreTrainedModel
 
 from .config import EngineConfig
-from .engine import EngineStats
+from .interface import EngineStats
+from .loader import input_embeddings
 from .pooling import normalized_mean
-from .request import EngineError, EngineRequest, EngineResult, Task, admission_error
+from .request import EngineError, EngineRequest, EngineResult, Task, admission_error, failed_result
 
 
 class EncoderEngine:
-    """Same methods as ``LLMEngine``, so ``EngineWorker``, the server and run-batch use it unchanged.
+    """A ``SteppingEngine`` like ``LLMEngine``, so ``EngineWorker``, the server and run-batch use it unchanged.
 
     An encoder has no KV cache and no causal mask: each step runs whole prompts of similar lengths as one padded
     batch through the model's own forward with an attention mask, at most ``max_num_seqs`` rows and
     ``max_num_batched_tokens`` padded tokens (a longer prompt runs alone). Each embedding is the mean of the last
-    hidden state over the prompt's tokens, L2-normalized.
+    hidden state over the prompt's tokens, L2-normalized. A batch whose forward raises runs again in halves, down to
+    one request, so only the request(s) that make it fail are failed and the others get their embeddings.
     """
 
     tasks: frozenset[Task] = frozenset({"embed"})
@@ -31,7 +33,7 @@ class EncoderEngine:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.model = model
-        self.device: torch.device = model.get_input_embeddings().weight.device
+        self.device: torch.device = input_embeddings(model).device
         self.vocab_size: int = model.config.vocab_size
         """Token ids a request may name: rows of the embedding."""
         model_limit = encoder_context_length(model)
@@ -39,6 +41,8 @@ class EncoderEngine:
         self.pad_token_id: int = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self._waiting: dict[str, EngineRequest] = {}  # insertion order is arrival order
         self._ready: list[EngineResult] = []
+        self._step: list[EngineRequest] = []
+        """The batch being embedded: the suspects if the step fails beyond the isolation."""
         self._prompt_tokens = 0
 
     def add_request(self, request: EngineRequest) -> None:
@@ -56,15 +60,6 @@ class EncoderEngine:
         """Drop a queued request (no result is produced for it); ``False`` if it is unknown or already done."""
         return self._waiting.pop(request_id, None) is not None
 
-    def abort_group(self, group: str) -> list[str]:
-        """Abort every request of ``group`` not reported yet; return their ids."""
-        ids = [rid for rid, request in self._waiting.items() if request.group == group]
-        for request_id in ids:
-            del self._waiting[request_id]
-        ids += [result.request_id for result in self._ready if result.group == group]
-        self._ready = [result for result in self._ready if result.group != group]
-        return ids
-
     def has_unfinished_requests(self) -> bool:
         return bool(self._waiting or self._ready)
 
@@ -80,20 +75,40 @@ class EncoderEngine:
             preemptions=0,
         )
 
+    def suspects(self) -> list[str]:
+        return [request.request_id for request in self._step]
+
+    def reset(self) -> None:
+        self._waiting.clear()
+        self._ready.clear()
+        self._step = []
+
     def step(self) -> list[EngineResult]:
         """Embed the next batch of queued requests; return the requests that finished."""
         finished, self._ready = self._ready, []
-        batch = self._next_batch()
-        if batch:
-            embeddings = self._embed([request.prompt_token_ids for request in batch])
-            for request, embedding in zip(batch, embeddings, strict=True):
-                finished.append(
-                    EngineResult(
-                        request.request_id, len(request.prompt_token_ids), embedding=embedding, group=request.group
-                    )
-                )
-                self._prompt_tokens += len(request.prompt_token_ids)
+        self._step = self._next_batch()
+        self._run(self._step, finished)
+        self._step = []
         return finished
+
+    def _run(self, batch: list[EngineRequest], finished: list[EngineResult]) -> None:
+        if not batch:
+            return
+        try:
+            embeddings = self._embed([request.prompt_token_ids for request in batch])
+        except Exception as exc:
+            if len(batch) == 1:
+                finished.append(failed_result(batch[0], exc))
+                return
+            self._run(batch[: len(batch) // 2], finished)
+            self._run(batch[len(batch) // 2 :], finished)
+            return
+        for request, embedding in zip(batch, embeddings, strict=True):
+            result = EngineResult(
+                request.request_id, len(request.prompt_token_ids), embedding=embedding, group=request.group
+            )
+            finished.append(result)
+            self._prompt_tokens += len(request.prompt_token_ids)
 
     def _next_batch(self) -> list[EngineRequest]:
         """The oldest waiting request, joined by those of the next ``max_num_seqs`` closest to it in length.

@@ -7,7 +7,7 @@ import random
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
@@ -16,18 +16,18 @@ from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .inputs import DeviceTokens
-from .loader import is_encoder_only, load_model
+from .interface import EngineStats
 from .model_runner import ModelRunner
 from .pooling import normalized_mean
 from .request import (
     CompletionOutput,
-    EngineError,
     EngineRequest,
     EngineResult,
     RequestTimes,
     Task,
     TokenLogprob,
     admission_error,
+    failed_result,
 )
 from .sampler import Sampled, Sampler, SampleRow, has_penalties, mix64
 from .scheduler import ScheduledSeq, Scheduler
@@ -35,29 +35,13 @@ from .self_check import self_check
 from .sequence import PENDING, RequestState, Sequence, Status
 from .transfer import indices
 
-if TYPE_CHECKING:
-    from .encoder_engine import EncoderEngine
-
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    queued: int
-    """Sequences waiting to be (re)admitted."""
-    running: int
-    kv_blocks_total: int
-    kv_blocks_free: int
-    prompt_tokens: int
-    """Totals since start, counted as the engine goes: prompt tokens of requests whose prompt is computed, of which
-    served from the prefix cache; tokens generated."""
-    cached_tokens: int
-    generated_tokens: int
-    preemptions: int
 
 
 class LLMEngine:
     tasks: frozenset[Task] = frozenset({"generate", "embed"})
+    block_manager: BlockManager
+    scheduler: Scheduler
 
     def __init__(self, model: PreTrainedModel, tokenizer: Any, config: EngineConfig, model_name: str) -> None:
         config.apply_torch_threads()
@@ -79,15 +63,6 @@ class LLMEngine:
         self._totals = {"prompt": 0, "cached": 0, "generated": 0}
         if config.self_check:
             self_check(self)
-
-    @classmethod
-    def from_config(cls, config: EngineConfig) -> LLMEngine | EncoderEngine:
-        """The engine for ``config.model``: this one for a causal LM, an ``EncoderEngine`` for a BERT-style encoder."""
-        from .encoder_engine import EncoderEngine  # it imports this module
-
-        model, tokenizer = load_model(config)
-        engine_class = EncoderEngine if is_encoder_only(model.config) else cls
-        return engine_class(model, tokenizer, config, config.served_model_names[0])
 
     def reset(self) -> None:
         """Forget every request and start from an empty cache (the weights and the cache tensors stay): how the
@@ -131,15 +106,6 @@ class LLMEngine:
             if seq.status is not Status.FINISHED:
                 self.scheduler.finish(seq)
         return True
-
-    def abort_group(self, group: str) -> list[str]:
-        """Abort every request of ``group`` not reported yet; return their ids."""
-        ids = [rid for rid, state in self._requests.items() if state.request.group == group]
-        for request_id in ids:
-            self.abort_request(request_id)
-        ids += [result.request_id for result in self._ready if result.group == group]
-        self._ready = [result for result in self._ready if result.group != group]
-        return ids
 
     def suspects(self) -> list[str]:
         """After a step failed beyond the engine's own recovery: the requests it was running (those scheduled, or
@@ -374,17 +340,11 @@ class LLMEngine:
 
     def _fail(self, state: RequestState, exc: Exception, finished: list[EngineResult]) -> None:
         """Fail one request whose step raised; the engine carries on with the others."""
-        request = state.request
-        logger.error("request %s failed inside the engine", request.request_id, exc_info=exc)
         for seq in state.seqs:
             if seq.status is not Status.FINISHED:
                 self.scheduler.finish(seq)
-        self._requests.pop(request.request_id, None)
-        message = f"The engine failed while running this request ({type(exc).__name__}: {exc})."
-        error = EngineError("server_error", message)
-        finished.append(
-            EngineResult(request.request_id, len(request.prompt_token_ids), error=error, group=request.group)
-        )
+        self._requests.pop(state.request.request_id, None)
+        finished.append(failed_result(state.request, exc))
 
     def _new_sequence(self, state: RequestState, token_ids: list[int], index: int) -> Sequence:
         params = state.request.params

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
 from transformers import (
     AutoConfig,
     AutoModel,
@@ -65,7 +66,7 @@ def load_model(config: EngineConfig) -> tuple[PreTrainedModel, PreTrainedTokeniz
         raise ModelLoadError(_why_not_loaded(config.model, exc)) from exc
     tokenizer = load_tokenizer(config)
     if config.device_map is None:
-        model = model.to(config.resolved_device())
+        model = model.to(config.resolved_device())  # type: ignore[arg-type]  # transformers types to() oddly
     model.eval()
     return model, tokenizer
 
@@ -101,6 +102,13 @@ def read_chat_template(value: str) -> str:
     return value
 
 
+def input_embeddings(model: PreTrainedModel) -> torch.Tensor:
+    """The weight of the model's input embeddings: its vocabulary's rows, on the device its inputs go to."""
+    weight = model.get_input_embeddings().weight
+    assert isinstance(weight, torch.Tensor)
+    return weight
+
+
 def load_generation_defaults(config: EngineConfig) -> dict[str, Any]:
     """The sampling defaults of ``--generation-config`` (``auto``: the model's generation_config.json), keyed by
     request field; empty for ``none``/``vllm``, or a model with no generation config."""
@@ -109,7 +117,7 @@ def load_generation_defaults(config: EngineConfig) -> dict[str, Any]:
         return {}
     source, revision = (resolve_model_path(config.model), config.revision) if choice == "auto" else (choice, None)
     try:
-        generation = GenerationConfig.from_pretrained(source, revision=revision)
+        generation = GenerationConfig.from_pretrained(source, revision=revision or "main")
     except OSError as exc:
         if choice == "auto":
             return {}  # the model ships none

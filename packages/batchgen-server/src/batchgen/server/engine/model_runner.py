@@ -28,6 +28,7 @@ from .errors import ModelNotSupported
 from .fast_forward import FastForward
 from .inputs import DeviceTokens, InputBuffers, PackedInputs
 from .kv_cache import KVCache
+from .loader import input_embeddings
 from .scheduler import ScheduledSeq
 from .transfer import indices
 
@@ -61,8 +62,7 @@ class ModelRunner:
         self.architecture = type(model).__name__
         if "logits_to_keep" not in inspect.signature(model.forward).parameters:
             raise ModelNotSupported(self.architecture, "its forward takes no `logits_to_keep`")
-        embeddings = model.get_input_embeddings().weight
-        self.device: torch.device = embeddings.device
+        self.device: torch.device = input_embeddings(model).device
         self.block_size = config.block_size
         probe = self._probe_layers()
         self.block_bytes = KVCache.block_bytes(probe.shapes, self.block_size)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import Literal
+
+logger = logging.getLogger("batchgen.server.engine")
 
 FinishReason = Literal["stop", "length"]
 Task = Literal["generate", "embed"]
@@ -116,6 +119,14 @@ class EngineResult:
     @property
     def completion_tokens(self) -> int:
         return sum(len(output.token_ids) for output in self.outputs)
+
+
+def failed_result(request: EngineRequest, exc: BaseException) -> EngineResult:
+    """The result of a request whose step raised (the engine goes on with the others); logged with the traceback."""
+    logger.error("request %s failed inside the engine", request.request_id, exc_info=exc)
+    message = f"The engine failed while running this request ({type(exc).__name__}: {exc})."
+    error = EngineError("server_error", message)
+    return EngineResult(request.request_id, len(request.prompt_token_ids), error=error, group=request.group)
 
 
 def admission_error(

@@ -18,6 +18,7 @@ import torch
 
 from .attention import ATTENTION_NAME
 from .errors import ModelNotSupported
+from .loader import input_embeddings
 from .request import EngineRequest, EngineResult, SamplingParams
 
 if TYPE_CHECKING:
@@ -35,7 +36,7 @@ def tolerance(dtype: torch.dtype) -> float:
 def self_check(engine: LLMEngine) -> None:
     model = engine.runner.model
     bs = engine.config.block_size
-    vocab = model.get_input_embeddings().weight.shape[0]
+    vocab = input_embeddings(model).shape[0]
     longest = min(2 * bs + 3, engine.max_context_length - NEW_TOKENS - 1)
     rng = random.Random(0)
     first = [rng.randrange(vocab) for _ in range(longest)]

@@ -34,7 +34,7 @@ class HostCopy:
             return
         self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         self._host.copy_(tensor, non_blocking=True)  # on the stream of the tensor's device (not the current device's)
-        self._event = torch.cuda.Event()
+        self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         self._event.record(torch.cuda.current_stream(tensor.device))
 
     def tolist(self) -> list[Any]:

@@ -8,15 +8,15 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from typing import Literal
+from typing import TYPE_CHECKING, Any
 
-from .engine import EngineStats, LLMEngine
-from .request import EngineError, EngineRequest, EngineResult
+from .interface import ClientState, EngineStats, ResultCallback, SteppingEngine
+from .request import EngineError, EngineRequest, EngineResult, Task
+
+if TYPE_CHECKING:
+    from .config import EngineConfig
 
 logger = logging.getLogger(__name__)
-
-ResultCallback = Callable[[EngineResult], None]
-State = Literal["running", "restarting", "dead"]
 
 MAX_RESTARTS = 5
 """More engine failures than this within ``RESTART_WINDOW_S`` mean the device itself is broken: the worker stops."""
@@ -25,7 +25,7 @@ STRIKES_TO_QUARANTINE = 2
 
 
 class EngineWorker:
-    """Thread-safe front of an ``LLMEngine``: submissions and aborts are queued and applied between steps.
+    """The ``EngineClient`` of one ``SteppingEngine``: submissions and aborts are queued and applied between steps.
 
     A request's callback is invoked from the worker thread with its result, and before that with each partial result
     of a streamed request (``EngineResult.finished`` false). When idle the thread sleeps on a condition variable (no
@@ -42,14 +42,15 @@ class EngineWorker:
     answers nothing more, so no accepted request is failed for it; a new process runs them.
     """
 
-    def __init__(self, engine: LLMEngine, observer: ResultCallback | None = None) -> None:
+    def __init__(self, engine: SteppingEngine, observer: ResultCallback | None = None) -> None:
         self.engine = engine
         self.observer = observer
         """Hears of every final result delivered (the metrics), from the worker thread."""
         self.error: BaseException | None = None
         """The last engine failure (kept after a successful restart, for the record)."""
-        self.state: State = "running"
+        self.state: ClientState = "running"
         self.restarts = 0
+        self.engines = 1
         self._cond = threading.Condition()
         self._pending: list[tuple[EngineRequest, ResultCallback]] = []
         self._aborts: list[str] = []
@@ -69,6 +70,26 @@ class EngineWorker:
     @property
     def healthy(self) -> bool:
         return self.state == "running" and self._thread.is_alive()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def max_context_length(self) -> int:
+        return self.engine.max_context_length
+
+    @property
+    def tasks(self) -> frozenset[Task]:
+        return self.engine.tasks
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
 
     def start(self) -> None:
         self._thread.start()
@@ -161,8 +182,8 @@ class EngineWorker:
             self.state = "dead"
             logger.error("the engine failed %d times within %.0f s; giving up", len(self._failures), RESTART_WINDOW_S)
             return False
-        self._strikes.update(self.engine.suspects())
         try:
+            self._strikes.update(self.engine.suspects())
             self.engine.reset()
             self._probation.clear()
             self._admitted = None

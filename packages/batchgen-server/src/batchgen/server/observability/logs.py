@@ -10,8 +10,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TextIO
 
-if TYPE_CHECKING:  # serve imports this module before torch is needed
-    from ..engine.engine import EngineStats
+if TYPE_CHECKING:
+    from ..engine.interface import EngineStats
 
 log = logging.getLogger("batchgen.server")
 
@@ -31,14 +31,14 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, ensure_ascii=False)
 
 
-class StderrHandler(logging.StreamHandler):
+class StderrHandler(logging.StreamHandler[TextIO]):
     """Writes to whatever ``sys.stderr`` is when a record arrives, not the stream it was when the handler was made
     (a test's or an embedding application's replaced stderr may be closed by then)."""
 
     def __init__(self) -> None:
         super().__init__(sys.stderr)
 
-    @property  # type: ignore[override]
+    @property
     def stream(self) -> TextIO:
         return sys.stderr
 

@@ -21,10 +21,9 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
 from batchgen.schemas import BatchObject, ReplicaStatus
-from batchgen.schemas.batches import TERMINAL_STATUSES
+from batchgen.schemas.batches import STATUSES, TERMINAL_STATUSES
 
-from ..batches.lifecycle import STATUSES
-from ..engine.engine import EngineStats
+from ..engine.interface import EngineStats
 from ..engine.request import EngineResult
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

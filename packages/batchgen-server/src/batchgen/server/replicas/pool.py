@@ -27,21 +27,20 @@ import threading
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from batchgen.schemas import ReplicaState, ReplicaStatus
 
+from ..engine.interface import ClientState, EngineStats, ResultCallback
 from ..engine.request import EngineError, EngineRequest, EngineResult
 from .dispatch import Dispatcher, Load
 from .replica import ModelInfo, Report, is_final
 
 if TYPE_CHECKING:
-    from ..engine import EngineStats
     from ..engine.config import EngineConfig
 
 log = logging.getLogger("batchgen.server.replicas")
 
-ResultCallback = Callable[[EngineResult], None]
 Deliveries = list[tuple[ResultCallback, EngineResult]]
 RECONNECT_S = 1.0
 """How often a replica that cannot be reached is tried again."""
@@ -131,6 +130,8 @@ class ReplicaPool:
         """Every replica's engine config (their seeds differ, so sampled requests draw different seeds)."""
         self.error: BaseException | None = None
         """The last failure of any replica (kept after it recovered, for the record)."""
+        self.observer: ResultCallback | None = None
+        """Hears of every final result delivered (the metrics)."""
         self._replicas = [_Replica(index, handle) for index, handle in enumerate(handles)]
         self._dispatcher = Dispatcher(config.block_size, slack=max(1, config.max_num_seqs // 4))
         self._lock = threading.Lock()
@@ -146,11 +147,11 @@ class ReplicaPool:
     # ---- the engine worker's interface --------------------------------------------------------------------------
 
     @property
-    def size(self) -> int:
+    def engines(self) -> int:
         return len(self._replicas)
 
     @property
-    def state(self) -> Literal["running", "restarting", "dead"]:
+    def state(self) -> ClientState:
         """``running`` while a replica runs, ``dead`` once all are dead (or stopped), ``restarting`` in between."""
         states = {replica.state for replica in self._replicas}
         if self._stopping.is_set() or states == {"dead"}:
@@ -201,8 +202,6 @@ class ReplicaPool:
 
     def stats(self) -> EngineStats:
         """The replicas' engine stats added up (every field is a count); a replica restarted counts from zero."""
-        from ..engine import EngineStats
-
         with self._lock:
             reported = [replica.stats for replica in self._replicas if replica.stats is not None]
         names = [f.name for f in dataclasses.fields(EngineStats)]
@@ -211,6 +210,16 @@ class ReplicaPool:
     def replicas(self) -> list[ReplicaStatus]:
         with self._lock:
             return [_status(replica) for replica in self._replicas]
+
+    def _deliver(self, deliveries: Deliveries) -> None:
+        """Outside the lock: each result to its callback, and every final one to the observer (the metrics)."""
+        for on_result, result in deliveries:
+            try:
+                on_result(result)
+                if self.observer is not None and is_final(result):
+                    self.observer(result)
+            except Exception:  # the caller's bug must not stop this replica's results
+                log.exception("result callback of %s failed", result.request_id)
 
     # ---- dispatch -----------------------------------------------------------------------------------------------
 
@@ -265,7 +274,7 @@ class ReplicaPool:
             replica.state, replica.stats = state, None
             self._failed(replica, str(exc))
             self._move_away(replica, deliveries)
-        _deliver(deliveries)
+        self._deliver(deliveries)
 
     def _received(self, replica: _Replica, report: Report) -> None:
         deliveries: Deliveries = []
@@ -294,7 +303,7 @@ class ReplicaPool:
                     assignment.streamed = True
                 deliveries.append((assignment.on_result, result))
             self._update_state(replica, report, deliveries)
-        _deliver(deliveries)
+        self._deliver(deliveries)
 
     def _update_state(self, replica: _Replica, report: Report, deliveries: Deliveries) -> None:
         """Under the lock."""
@@ -344,15 +353,6 @@ class ReplicaPool:
     def _failed(self, replica: _Replica, message: str) -> None:
         replica.error = message
         self.error = ReplicaFailure(f"replica {replica.index}: {message}")
-
-
-def _deliver(deliveries: Deliveries) -> None:
-    """Outside the lock."""
-    for on_result, result in deliveries:
-        try:
-            on_result(result)
-        except Exception:  # the caller's bug must not stop this replica's results
-            log.exception("result callback of %s failed", result.request_id)
 
 
 def _stream_cut(request: EngineRequest, replica: _Replica) -> EngineResult:

@@ -39,13 +39,14 @@ def start_pool(config: EngineConfig, cluster: ClusterConfig) -> ReplicaPool:
     on_gpu = config.device.startswith("cuda") if config.device else None
     cpus = config.torch_threads or 1
     started = _connect(cluster, cpus if not on_gpu else 0)
-    actors = []
+    actors: list[ray.actor.ActorHandle[Replica]] = []
     try:
-        gpus = ray.cluster_resources().get("GPU", 0)
+        gpus = ray.cluster_resources().get("GPU", 0)  # type: ignore[no-untyped-call]
         on_gpu = on_gpu if on_gpu is not None else gpus > 0
         resources = {"num_gpus": 1} if on_gpu else {"num_cpus": cpus}
         _check_room(cluster.replicas, resources)
-        actor_class = ray.remote(Replica).options(
+        # Ray types an actor class's options() as the class itself: its actors are ActorHandles.
+        actor_class: Any = ray.remote(Replica).options(
             max_restarts=-1,
             max_task_retries=0,
             max_concurrency=CONCURRENCY,
@@ -91,7 +92,7 @@ def _connect(cluster: ClusterConfig, cpus_per_replica: int) -> bool:
 
 def _check_room(replicas: int, resources: dict[str, int]) -> None:
     """Refuse at once what the cluster cannot hold (Ray would wait forever for the resources)."""
-    total = ray.cluster_resources()
+    total = ray.cluster_resources()  # type: ignore[no-untyped-call]
     for resource, each in resources.items():
         name = "GPU" if resource == "num_gpus" else "CPU"
         have = total.get(name, 0)

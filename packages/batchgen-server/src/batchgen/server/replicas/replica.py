@@ -27,7 +27,8 @@ from ..engine.request import EngineRequest, EngineResult, Task
 if TYPE_CHECKING:
     from ..engine import EngineStats
     from ..engine.config import EngineConfig
-    from ..engine.worker import EngineWorker, State
+    from ..engine.interface import ClientState
+    from ..engine.worker import EngineWorker
 
 
 def is_final(result: EngineResult) -> bool:
@@ -53,7 +54,7 @@ class Report:
     """Made anew each time the actor starts: a different one means the replica was restarted and lost its requests."""
     pid: int
     node: str
-    state: State
+    state: ClientState
     """Its engine worker's: ``running``, ``restarting`` (the engine restarts in place, nothing lost) or ``dead``."""
     error: str | None
     stats: EngineStats | None
@@ -63,7 +64,7 @@ class Report:
 class Replica:
     def __init__(self, config: EngineConfig, environ: Mapping[str, str]) -> None:
         os.environ.update(environ)  # the server's model settings (cache directory, hub token) reach this process
-        from ..engine import EngineWorker, LLMEngine
+        from ..engine import EngineWorker, build_engine
 
         self.incarnation = uuid.uuid4().hex
         self._cond = threading.Condition()
@@ -71,7 +72,7 @@ class Replica:
         self._held: set[str] = set()
         self.worker: EngineWorker | None = None
         try:
-            engine = LLMEngine.from_config(config)
+            engine = build_engine(config)
         except ModelLoadError as exc:  # said in one line by ``describe``, not as an actor's traceback
             self.described: ModelInfo | str = str(exc)
             return

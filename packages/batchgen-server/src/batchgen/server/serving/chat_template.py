@@ -105,7 +105,7 @@ def _facts(tokenizer: Any, source: str) -> _TemplateFacts:
 class _GenerationTag(jinja2.ext.Extension):
     """transformers' ``{% generation %}...{% endgeneration %}`` (marks assistant text), parsed as its body."""
 
-    tags = frozenset({"generation"})
+    tags = {"generation"}  # noqa: RUF012 (jinja2 declares it a mutable set)
 
     def parse(self, parser: jinja2.parser.Parser) -> list[jinja2.nodes.Node]:
         next(parser.stream)

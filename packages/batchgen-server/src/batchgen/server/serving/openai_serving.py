@@ -48,6 +48,7 @@ from .errors import RequestRejected
 
 if TYPE_CHECKING:
     from ..engine.config import EngineConfig
+    from ..engine.interface import ServedModel
 
 DEFAULT_MAX_SEQUENCES = 256
 ResponseBody = ChatCompletion | TextCompletion | EmbeddingList
@@ -89,7 +90,9 @@ class OpenAIServing:
         self._token_text = lru_cache(maxsize=65536)(self._decode_token)
 
     @classmethod
-    def for_engine(cls, engine: Any, config: EngineConfig, max_sequences: int = DEFAULT_MAX_SEQUENCES) -> OpenAIServing:
+    def for_engine(
+        cls, engine: ServedModel, config: EngineConfig, max_sequences: int = DEFAULT_MAX_SEQUENCES
+    ) -> OpenAIServing:
         """The serving of a loaded engine: under the names ``config`` serves it by, with its generation config's
         defaults."""
         from ..engine.loader import load_generation_defaults  # transformers: only once a model is loaded

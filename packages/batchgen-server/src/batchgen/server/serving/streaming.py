@@ -114,15 +114,25 @@ class StreamedResponse:
         self, choice: ChatCompletionChunkChoice | CompletionChunkChoice | None, totals: CompletionUsage | None = None
     ) -> bytes:
         """A chunk of one choice, or (``None``) the last one, with the ``totals``."""
-        fields = {
-            "id": self._id,
-            "created": self._created,
-            "model": self._body.model,
-            "usage": totals if choice is None else self._so_far(),
-        }
-        if self._chat:
-            return event(ChatCompletionChunk(choices=[] if choice is None else [choice], **fields))
-        return event(TextCompletionChunk(choices=[] if choice is None else [choice], **fields))
+        usage = totals if choice is None else self._so_far()
+        chunk: ChatCompletionChunk | TextCompletionChunk
+        if isinstance(choice, CompletionChunkChoice) or (choice is None and not self._chat):
+            chunk = TextCompletionChunk(
+                id=self._id,
+                created=self._created,
+                model=self._body.model,
+                choices=[choice] if choice else [],
+                usage=usage,
+            )
+        else:
+            chunk = ChatCompletionChunk(
+                id=self._id,
+                created=self._created,
+                model=self._body.model,
+                choices=[choice] if choice else [],
+                usage=usage,
+            )
+        return event(chunk)
 
     def _so_far(self) -> CompletionUsage | msgspec.UnsetType | None:
         """A content chunk's ``usage``: absent unless asked for, then null, or the counts so far (vLLM's

@@ -17,9 +17,15 @@ from typing import Any, Literal
 
 import msgspec
 
-from batchgen.schemas import BatchErrors, BatchObject, BatchRequestCounts, BatchUsage, FileObject, InputTokensDetails
-
-from ..batches.lifecycle import ACTIVE
+from batchgen.schemas import (
+    ACTIVE_STATUSES,
+    BatchErrors,
+    BatchObject,
+    BatchRequestCounts,
+    BatchUsage,
+    FileObject,
+    InputTokensDetails,
+)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
@@ -201,18 +207,18 @@ class Database:
         """Files past their ``expires_at`` that no unfinished batch reads or writes (those go once it finishes)."""
         rows = self._conn.execute(
             f"SELECT id FROM files WHERE expires_at IS NOT NULL AND expires_at <= ? AND NOT EXISTS ("
-            f"SELECT 1 FROM batches WHERE status IN ({_marks(ACTIVE)}) "
+            f"SELECT 1 FROM batches WHERE status IN ({_marks(ACTIVE_STATUSES)}) "
             "AND files.id IN (input_file_id, output_file_id, error_file_id))",
-            (now, *ACTIVE),
+            (now, *ACTIVE_STATUSES),
         ).fetchall()
         return [row[0] for row in rows]
 
     def file_in_use(self, file_id: str) -> bool:
         """Whether an unfinished batch reads or writes this file."""
         row = self._conn.execute(
-            f"SELECT 1 FROM batches WHERE status IN ({_marks(ACTIVE)}) "
+            f"SELECT 1 FROM batches WHERE status IN ({_marks(ACTIVE_STATUSES)}) "
             "AND ? IN (input_file_id, output_file_id, error_file_id) LIMIT 1",
-            (*ACTIVE, file_id),
+            (*ACTIVE_STATUSES, file_id),
         ).fetchone()
         return row is not None
 
@@ -236,7 +242,7 @@ class Database:
     def unfinished_batches(self) -> list[tuple[BatchObject, str]]:
         """Every batch not in a final status, oldest first, across tenants, with its owner: the batch loop's work."""
         rows = self._conn.execute(
-            f"SELECT * FROM batches WHERE status IN ({_marks(ACTIVE)}) ORDER BY seq", ACTIVE
+            f"SELECT * FROM batches WHERE status IN ({_marks(ACTIVE_STATUSES)}) ORDER BY seq", ACTIVE_STATUSES
         ).fetchall()
         return [(_batch(row), str(row["owner"])) for row in rows]
 

@@ -47,7 +47,9 @@ class _Layout:
 
 class FlexBackend:
     def __init__(self, compiled: bool) -> None:
-        self._flex: Callable[..., Any] = torch.compile(flex_attention, dynamic=True) if compiled else flex_attention
+        self._flex: Callable[..., Any] = flex_attention
+        if compiled:
+            self._flex = torch.compile(flex_attention, dynamic=True)
 
     def attend(
         self,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,7 +31,7 @@ from .step import PagedStep, SeqSlice
 
 logger = logging.getLogger(__name__)
 
-VarlenCall = Callable[..., torch.Tensor]
+VarlenCall = Callable[..., Any]
 """``varlen_attn``'s signature: ``(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, window_size,
 enable_gqa)`` with ``query`` ``[Tq, H, D]`` and ``key``/``value`` ``[Tk, KVH, D]``; returns ``[Tq, H, D]``."""
 
@@ -134,7 +135,7 @@ class VarlenAttention:
         keys = k_cache.transpose(0, 1)[chunks.slots]  # [Tk, KVH, D], contiguous
         values = v_cache.transpose(0, 1)[chunks.slots]
         window = (-1, 0) if layer.window is None else (layer.window - 1, 0)  # (left, right): causal, and the window
-        return self.call(
+        out: torch.Tensor = self.call(
             query[chunks.rows],
             keys,
             values,
@@ -146,6 +147,7 @@ class VarlenAttention:
             window_size=window,
             enable_gqa=query.shape[1] != k_cache.shape[0],
         )
+        return out
 
     def check(self, chunks: PackedChunks, result: torch.Tensor, expected: torch.Tensor) -> None:
         """The first call of a kind against the per-chunk path's ``expected``; turn this off if they disagree."""
