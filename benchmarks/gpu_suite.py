@@ -302,8 +302,8 @@ def kernels(shape: str, args: argparse.Namespace) -> list[str]:
                 lines.append(f"| {batch} | {name} | failed: {type(exc).__name__}: {str(exc)[:200]} | |")
         del k, v
         release(device)
-    if compiled.failure is not None:
-        lines.append(f"\nThe engine's kernel failed and its rows ran `paged_decode` eagerly: {compiled.failure}")
+    if compiled.path.off is not None:
+        lines.append(f"\nThe engine's kernel failed and its rows ran `paged_decode` eagerly: {compiled.path.off}")
     return lines
 
 
@@ -397,8 +397,8 @@ def _fast_paths(engine: LLMEngine) -> str:
     states = {
         "layers": runner.fast is not None,
         "compiled attention": runner.backend is not runner.eager_backend
-        and not (kernel and kernel.failure)
-        and not (graph_kernel and graph_kernel.failure),
+        and not (kernel and kernel.path.off)
+        and not (graph_kernel and graph_kernel.path.off),
     }
     if runner.device.type == "cuda":
         states["CUDA graphs"] = runner.graphs is not None and runner.graphs.captured > 0
@@ -409,8 +409,8 @@ def _prefill_path(engine: LLMEngine) -> str:
     varlen = getattr(engine.runner.backend, "varlen", None)
     if varlen is None:
         return "one SDPA call each (no varlen call on this device or backend)"
-    if varlen.failure is not None:
-        return f"one SDPA call each (the varlen call failed: {varlen.failure})"
+    if varlen.path.off is not None:
+        return f"one SDPA call each (the varlen call failed: {varlen.path.off})"
     checked = ", ".join(
         f"window {window}: {'continuing' if continues else 'new'}{' past the window' if beyond else ''}"
         for window, continues, beyond in sorted(varlen.checked, key=str)

@@ -219,7 +219,7 @@ def test_the_compiled_path(
     assert linears and all(module.forward is runner.fast.forwards[module] for module in linears)
     layers = [module for module in runner.fast.forwards if not isinstance(module, torch.nn.Linear)]
     assert len(layers) == SIZES["num_hidden_layers"]
-    assert runner.backend.decode_kernel.failure is None, "the decode kernel fell back to eager"
+    assert all(off is None for _, off in engine.stats().fast_paths), engine.stats().fast_paths
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -319,7 +319,10 @@ def test_a_failing_fast_forward_falls_back_to_eager_for_good(
     _check(engine, reference)
     assert engine.runner.fast is None
     assert all("forward" not in vars(module) for module in fast.forwards)
-    assert "RuntimeError: injected" in caplog.text
+    assert "compiled layers: off from now on" in caplog.text and "RuntimeError: injected" in caplog.text
+    paths = dict(engine.stats().fast_paths)  # what /metrics and the start-up log show
+    assert paths["compiled layers"] == paths["packed linears"] == "RuntimeError: injected"
+    assert paths["decode kernel"] == "with the compiled forward (RuntimeError: injected)"
 
 
 def test_cuda_graph_path(tokenizer: Any, tmp_path: Path, graphs_on_cpu: None) -> None:

@@ -88,7 +88,7 @@ def _varlen_gather(call: object = reference_varlen, verify: bool = False) -> Gat
 def _paged_decode_gather() -> GatherBackend:
     """Gather whose decodes run ``paged_decode`` (the kernels' reference and the fallback) in float64."""
     kernel = decode.DecodeKernel()
-    kernel.failure = "the test runs the plain version"
+    kernel.path.switch_off("the test runs the plain version")
     return GatherBackend(kernel)
 
 
@@ -171,7 +171,7 @@ def test_backend_matches_per_sequence_reference(
         torch.testing.assert_close(
             out[seq.row : seq.row + seq.num_tokens].double(), expected, rtol=tolerance, atol=tolerance
         )
-    assert COMPILED_GATHER.decode_kernel.failure is None
+    assert COMPILED_GATHER.decode_kernel.path.on
 
 
 def _must_not_run(*args: object) -> None:
@@ -326,8 +326,8 @@ def test_the_decode_kernel_without_a_compiler_runs_eagerly(
         kernel = decode.DecodeKernel()
         step.backend = GatherBackend(kernel)
         out = step.attend(query, key, value, LAYERS["plain"])
-        assert kernel.failure is not None and "failed to build cpu_decode.cpp" in kernel.failure
-        assert "running it eagerly from now on" in caplog.text
+        assert kernel.path.off is not None and "failed to build cpu_decode.cpp" in kernel.path.off
+        assert "decode kernel: off from now on, the plain path serves" in caplog.text
         for seq in step.seqs:
             expected = _reference(step, seq, query, LAYERS["plain"])
             torch.testing.assert_close(out[seq.row : seq.row + 1].double(), expected, rtol=1e-5, atol=1e-5)
@@ -360,7 +360,7 @@ def test_varlen_call_is_checked_on_first_use(layer_name: str, caplog: pytest.Log
                 torch.testing.assert_close(out[seq.row : seq.row + seq.num_tokens].double(), expected)
         # SHAPES holds chunks that continue a context, and contexts past the 5-token window.
         assert backend.varlen.checked == ({(layer.window, True, layer.window is not None)} if agrees else set())
-        assert (backend.varlen.failure is None) == agrees
+        assert backend.varlen.path.on == agrees
     assert "disagrees with per-chunk attention" in caplog.text and "Ampere" in caplog.text
 
 
@@ -372,7 +372,7 @@ def test_each_kind_of_varlen_call_is_checked_once() -> None:
         step, _, query, key, value = _step(6, shapes)
         step.backend = backend
         step.attend(query, key, value, LAYERS["plain"])
-        assert len(backend.varlen.checked) == kinds and backend.varlen.failure is None
+        assert len(backend.varlen.checked) == kinds and backend.varlen.path.on
 
 
 def test_varlen_chunks_in_the_engine(

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from . import native
+from .fast_paths import plain_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -31,14 +32,22 @@ ROWS = range(2, 65)
 64 to 128 rows the two are level, and from there MKL is ahead)."""
 
 
+def refusal(module: torch.nn.Module | None) -> str | None:
+    """Why the kernel cannot take ``module``'s place (``None`` if it can): it reads a plain float32 CPU weight by its
+    data pointer, so a quantized weight (a tensor subclass) or another dtype steps aside to the module's own forward."""
+    if not isinstance(module, torch.nn.Linear) or module.in_features == 0:
+        return "not a linear layer"
+    if not plain_tensor(module.weight, torch.float32, "cpu"):
+        weight = module.weight
+        kind = type(weight.data if isinstance(weight, torch.nn.Parameter) else weight).__name__
+        return f"its weight is a {kind} of {weight.dtype} on {weight.device.type}, not a plain float32 CPU tensor"
+    if module.bias is not None and not plain_tensor(module.bias, torch.float32, "cpu"):
+        return "its bias is not a plain float32 CPU tensor"
+    return None
+
+
 def supports(module: torch.nn.Module | None) -> bool:
-    return (
-        isinstance(module, torch.nn.Linear)
-        and module.in_features > 0
-        and module.weight.device.type == "cpu"
-        and module.weight.dtype == torch.float32
-        and (module.bias is None or module.bias.dtype == torch.float32)
-    )
+    return refusal(module) is None
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -80,8 +89,8 @@ def _cpu_implementation(
     # The panels are a copy: a served model's weights do not change; one converted or reshaped since takes torch's.
     if (
         rows not in ROWS
-        or x.dtype != torch.float32
-        or weight.dtype != torch.float32
+        or not plain_tensor(x, torch.float32)
+        or not plain_tensor(weight, torch.float32)
         or panels.numel() != _panels_size(out_features, in_features)
     ):
         return torch.nn.functional.linear(x, weight, bias)

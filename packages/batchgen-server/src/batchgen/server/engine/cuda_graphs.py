@@ -24,6 +24,7 @@ import torch
 from .attention import PagedStep, active
 from .attention.decode import DecodeBlocks, DecodeKernel
 from .attention.layer import LayerAttention
+from .fast_paths import FastPath
 from .inputs import PackedInputs
 from .kv_cache import KVCache
 
@@ -86,6 +87,10 @@ class _StaticDecodes:
     def __init__(self, kernel: DecodeKernel, blocks: dict[int | None, DecodeBlocks]) -> None:
         self.kernel = kernel
         self.blocks = blocks
+
+    @property
+    def paths(self) -> list[FastPath]:
+        return [self.kernel.path]
 
     def attend(
         self,

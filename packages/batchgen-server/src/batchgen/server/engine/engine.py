@@ -15,6 +15,7 @@ from transformers import PreTrainedModel
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
+from .fast_paths import describe
 from .inputs import DeviceTokens
 from .interface import EngineStats
 from .model_runner import ModelRunner
@@ -63,6 +64,7 @@ class LLMEngine:
         self._totals = {"prompt": 0, "cached": 0, "generated": 0}
         if config.self_check:
             self_check(self)
+        logger.info("%s: fast paths: %s", model_name, describe(self.runner.paths))
 
     def reset(self) -> None:
         """Forget every request and start from an empty cache (the weights and the cache tensors stay): how the
@@ -131,6 +133,7 @@ class LLMEngine:
             cached_tokens=self._totals["cached"],
             generated_tokens=self._totals["generated"],
             preemptions=self.scheduler.num_preemptions,
+            fast_paths=tuple(path.state() for path in self.runner.paths),
         )
 
     # ---- one step ----------------------------------------------------------------------------------------------

@@ -18,7 +18,6 @@ then multiplies (``benchmarks/RESULTS.md``). In the compiled layers it is an opa
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -27,8 +26,7 @@ import torch
 from transformers import PreTrainedModel
 
 from . import cpu_linear
-
-logger = logging.getLogger(__name__)
+from .fast_paths import FastPath
 
 
 def decoder_layers(model: torch.nn.Module, attention_modules: list[torch.nn.Module]) -> list[torch.nn.Module]:
@@ -55,18 +53,30 @@ def decoder_layers(model: torch.nn.Module, attention_modules: list[torch.nn.Modu
 
 
 class FastForward:
-    """The fast forwards of one model, in place on its modules."""
+    """The fast forwards of one model, in place on its modules: two fast paths (``fast_paths.py``), the compiled
+    layers and the packed linears, switched off together (they are installed together)."""
 
-    def __init__(self, model: PreTrainedModel, attention_modules: list[torch.nn.Module]) -> None:
+    def __init__(
+        self, model: PreTrainedModel, attention_modules: list[torch.nn.Module], on_off: Callable[[str], None]
+    ) -> None:
+        """``on_off`` hears that the compiled forward failed where the eager one served (after this reverted)."""
         self.forwards: dict[torch.nn.Module, Callable[..., Any]] = {}
         layers = decoder_layers(model, attention_modules)
         for layer in layers:
             own: Callable[..., Any] = layer.forward
             self.forwards[layer] = vars(layer).get("forward") or torch.compile(own, dynamic=True)
         head = model.get_output_embeddings()  # type: ignore[no-untyped-call]
+        packed, refused = 0, "no float32 CPU linear"
         for linear in [*(module for layer in layers for module in layer.modules()), head]:
             if forward := cpu_linear.forward_of(linear):
                 self.forwards[linear] = forward
+                packed += 1
+            elif isinstance(linear, torch.nn.Linear):
+                refused = cpu_linear.refusal(linear) or "the native kernel is unavailable"
+        self.paths = [
+            FastPath("compiled layers", None if layers else "no decoder layers found", on_off=on_off),
+            FastPath("packed linears", None if packed else refused),
+        ]
         self._install()
 
     def _install(self) -> None:
@@ -87,7 +97,9 @@ class FastForward:
             self._install()
 
     def revert(self, reason: str) -> None:
+        """For good: the model's own forwards from now on (the packed linears with them); the model runner calls it
+        when the compiled forward failed."""
         self._remove()
         for module in self.forwards:
             cpu_linear.unpack(module)
-        logger.warning("the fast forward (compiled layers, packed linears) failed; eager from now on (%s)", reason)
+        self.paths[1].switch_off(reason)

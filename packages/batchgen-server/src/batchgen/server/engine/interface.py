@@ -37,6 +37,8 @@ class EngineStats:
     cached_tokens: int
     generated_tokens: int
     preemptions: int
+    fast_paths: tuple[tuple[str, str | None], ...] = ()
+    """Each fast path (``fast_paths.py``) by name, with why it is off (``None`` while on)."""
 
 
 class ServedModel(Protocol):

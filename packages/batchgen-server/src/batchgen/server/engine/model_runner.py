@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import logging
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -26,13 +25,12 @@ from .config import EngineConfig
 from .cuda_graphs import CudaGraph, DecodeGraphs
 from .errors import ModelNotSupported
 from .fast_forward import FastForward
+from .fast_paths import FastPath
 from .inputs import DeviceTokens, InputBuffers, PackedInputs
 from .kv_cache import KVCache
 from .loader import input_embeddings
 from .scheduler import ScheduledSeq
 from .transfer import indices
-
-logger = logging.getLogger(__name__)
 
 EAGER_BELOW_PARAMETERS = 10_000_000
 """Smaller models run eagerly whatever the config: compiling costs seconds, and their steps gain nothing from it."""
@@ -78,13 +76,20 @@ class ModelRunner:
         self.backend = self.eager_backend
         if self.compiled or config.attention_backend == "flex":
             self.backend = make_backend(config.attention_backend, self.device, self.compiled)
-        self.fast = FastForward(model, probe.modules) if self.compiled else None
+        self.fast = FastForward(model, probe.modules, on_off=self._eager_from_now_on) if self.compiled else None
         self.graphs: DecodeGraphs | None = None
         if graphs:
             make_graph = CudaGraph.maker()
             self.graphs = DecodeGraphs(
                 model, self.cache, self.num_blocks, probe.windows, config.max_num_seqs, make_graph
             )
+        self.graph_path = FastPath("CUDA graphs")
+        self.paths: list[FastPath] = [
+            *(self.fast.paths if self.fast else []),
+            *self.backend.paths,
+            *([self.graph_path] if self.graphs else []),
+        ]
+        """Its fast paths (``fast_paths.py``): none for a model that runs eagerly."""
 
     @torch.no_grad()
     def _probe_layers(self) -> LayerProbe:
@@ -140,38 +145,35 @@ class ModelRunner:
         input tokens ``device_tokens`` names from the device.
 
         A step of decodes alone, each sampled, replays a CUDA graph where there are graphs and a bucket holds it
-        (n > 1 forks may outgrow the largest); any other step runs the model, its layers compiled where they are. If
-        a graph or the fast forward fails where the plain eager forward succeeds, that fast path is turned off for
-        good, the reason logged once; if the eager forward fails too, the fault is the inputs', and the engine's own
-        fault isolation deals with it."""
+        (n > 1 forks may outgrow the largest); any other step runs the model, its layers compiled where they are. The
+        graphs and the compiled forward are fast paths (``fast_paths.py``): the eager forward serves where one
+        fails, and that path is off for good; if the eager forward fails too, the fault is the inputs', and the
+        engine's own fault isolation deals with it."""
         packed = self.inputs.pack(scheduled, block_tables, device_tokens)
+        graphs = self.graphs
+        eager = lambda: self._eager_forward(packed, sample_rows, want_hidden)  # noqa: E731
         # A graph returns every row's logits: only for steps where every row is sampled (not a 1-token prefill chunk).
-        graphed = (
-            self.graphs is not None
+        if (
+            graphs is not None
+            and self.graph_path.on
             and packed.all_decodes
             and not want_hidden
             and len(sample_rows) == len(packed.seqs)
-            and len(packed.seqs) <= self.graphs.buckets[-1]
-        )
-        if not graphed and self.backend is self.eager_backend and self.fast is None:
-            return self._forward(packed, sample_rows, want_hidden)  # eager already: no fallback
-        try:
-            if graphed:
-                assert self.graphs is not None
-                return StepOutput(None, self.graphs.run(packed))
-            return self._forward(packed, sample_rows, want_hidden)
-        except Exception as exc:
-            output = self._eager_forward(packed, sample_rows, want_hidden)  # a fault of the inputs raises here too
-            reason = f"{type(exc).__name__}: {exc}"
-            if graphed:
-                self.graphs = None
-                logger.warning("CUDA graphs failed, decoding without them from now on (%s)", reason)
-            else:
-                if self.fast is not None:
-                    self.fast.revert(reason)
-                    self.fast = None
-                self.backend = self.eager_backend
-            return output
+            and len(packed.seqs) <= graphs.buckets[-1]
+        ):
+            return self.graph_path.run(lambda: StepOutput(None, graphs.run(packed)), eager)
+        if self.fast is not None:
+            return self.fast.paths[0].run(lambda: self._forward(packed, sample_rows, want_hidden), eager)
+        return self._forward(packed, sample_rows, want_hidden)
+
+    def _eager_from_now_on(self, reason: str) -> None:
+        """The compiled forward failed where the eager one served: the model's own forwards, eager attention."""
+        assert self.fast is not None
+        self.fast.revert(reason)
+        self.fast = None
+        for path in self.backend.paths:
+            path.switch_off(f"with the compiled forward ({reason})")
+        self.backend = self.eager_backend
 
     def _eager_forward(self, packed: PackedInputs, sample_rows: list[int], want_hidden: bool) -> StepOutput:
         with torch.compiler.set_stance("force_eager"), self.fast.off() if self.fast else nullcontext():

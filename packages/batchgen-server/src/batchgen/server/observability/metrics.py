@@ -218,6 +218,14 @@ class _StateCollector(Collector):
         lines.add_metric([self.model_name, "output"], written.get("completed", 0))
         lines.add_metric([self.model_name, "error"], written.get("failed", 0))
         yield lines
+        paths = GaugeMetricFamily(
+            "batchgen_fast_path_enabled",
+            "1 while a fast path of the engine serves, 0 once it is off (the reason in its label).",
+            labels=["model_name", "path", "reason"],
+        )
+        for name, off in stats.fast_paths:
+            paths.add_metric([self.model_name, name, off or ""], 0 if off else 1)
+        yield paths
         replicas = self.state.replicas()
         if replicas is not None:
             yield from _replica_families(self.model_name, replicas)

@@ -12,7 +12,7 @@ run-batch drive N engines exactly as they drive one.
   one) or whose engine gave up has its unanswered requests dispatched again to the running replicas (held until
   one runs, if none does), so nothing is lost; a result of a moved request that still comes from the old replica
   is dropped, so nothing is answered twice. A streamed request that has reported tokens is failed instead of moved
-  (what it streamed cannot be taken back), as the engine worker does when it restarts its engine. A replica whose
+  (``engine.strikes.cut_stream``), as the engine worker does when it restarts its engine. A replica whose
   engine gave up is restarted (a new process may have a working device); one that cannot load the model after a
   restart is left dead, its error saying why.
 
@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Protocol
 from batchgen.schemas import ReplicaState, ReplicaStatus
 
 from ..engine.interface import ClientState, EngineStats, ResultCallback
-from ..engine.request import EngineError, EngineRequest, EngineResult
+from ..engine.request import EngineRequest, EngineResult
+from ..engine.strikes import cut_stream
 from .dispatch import Dispatcher, Load
 from .replica import ModelInfo, Report, is_final
 
@@ -204,8 +205,12 @@ class ReplicaPool:
         """The replicas' engine stats added up (every field is a count); a replica restarted counts from zero."""
         with self._lock:
             reported = [replica.stats for replica in self._replicas if replica.stats is not None]
-        names = [f.name for f in dataclasses.fields(EngineStats)]
-        return EngineStats(**{name: sum(getattr(stats, name) for stats in reported) for name in names})
+        counts = [f.name for f in dataclasses.fields(EngineStats) if f.name != "fast_paths"]
+        paths: dict[str, str | None] = {}  # off if off on any replica
+        for name, off in (path for stats in reported for path in stats.fast_paths):
+            paths[name] = paths.get(name) or off
+        totals = {name: sum(getattr(stats, name) for stats in reported) for name in counts}
+        return EngineStats(**totals, fast_paths=tuple(paths.items()))
 
     def replicas(self) -> list[ReplicaStatus]:
         with self._lock:
@@ -343,7 +348,7 @@ class ReplicaPool:
         for assignment in taken:
             if assignment.streamed:
                 del self._assigned[assignment.request.request_id]
-                deliveries.append((assignment.on_result, _stream_cut(assignment.request, replica)))
+                deliveries.append((assignment.on_result, cut_stream(assignment.request, replica.error)))
         self._dispatch([assignment for assignment in taken if not assignment.streamed])
 
     def _where(self, request_id: str) -> _Replica | None:
@@ -353,15 +358,6 @@ class ReplicaPool:
     def _failed(self, replica: _Replica, message: str) -> None:
         replica.error = message
         self.error = ReplicaFailure(f"replica {replica.index}: {message}")
-
-
-def _stream_cut(request: EngineRequest, replica: _Replica) -> EngineResult:
-    message = (
-        f"The engine replica running this request was lost after it had streamed tokens ({replica.error}); what it "
-        "streamed cannot be taken back, so it is not run again."
-    )
-    error = EngineError("server_error", message)
-    return EngineResult(request.request_id, len(request.prompt_token_ids), error=error, group=request.group)
 
 
 def _load(replica: _Replica) -> Load:

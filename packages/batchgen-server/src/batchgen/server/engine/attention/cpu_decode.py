@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .. import native
+from ..fast_paths import plain_tensor
 
 if TYPE_CHECKING:
     from .decode import DecodeBlocks
@@ -20,10 +21,12 @@ CACHE_TYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Plain CPU tensors of the dtypes the kernel reads (it reads them by their data pointers)."""
     return (
-        query.device.type == "cpu"
-        and k_cache.dtype in CACHE_TYPES
-        and v_cache.dtype == k_cache.dtype
+        k_cache.dtype in CACHE_TYPES
+        and plain_tensor(query, device="cpu")
+        and plain_tensor(k_cache, device="cpu")
+        and plain_tensor(v_cache, k_cache.dtype, device="cpu")
         and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
     )
 

@@ -10,18 +10,16 @@ CPU a C++ kernel (``cpu_decode.cpp``).
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from ..fast_paths import FastPath
 from ..transfer import to_device
 from . import cpu_decode
 from .layer import LayerAttention
 from .step import SeqSlice
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,11 +158,11 @@ def combine(
 
 class DecodeKernel:
     """``paged_decode``, fast: on CUDA its splits' partials from a Triton kernel (``triton_decode.py``), on CPU the C++
-    kernel (``cpu_decode.py``, for float32 and bfloat16 caches); anything else runs it eagerly. If the fast version
-    fails where the plain one succeeds, the kernel says why once in the log and runs eagerly from then on."""
+    kernel (``cpu_decode.py``, for float32 and bfloat16 caches); anything else runs it eagerly. A fast path
+    (``fast_paths.py``): off for good, with the reason, if it fails where the plain version succeeds."""
 
     def __init__(self) -> None:
-        self.failure: str | None = None
+        self.path = FastPath("decode kernel")
 
     def __call__(
         self,
@@ -176,15 +174,7 @@ class DecodeKernel:
     ) -> torch.Tensor:
         scale = layer.scale if layer.scale is not None else query.shape[-1] ** -0.5
         args = (query, k_cache, v_cache, blocks, layer.sinks, scale, layer.softcap)
-        if self.failure is not None:
-            return paged_decode(*args)
-        try:
-            return self._fast(*args)
-        except Exception as exc:
-            out = paged_decode(*args)  # a fault of the inputs raises here too, and is the caller's
-            self.failure = f"{type(exc).__name__}: {exc}"
-            logger.warning("the fast decode attention failed, running it eagerly from now on (%s)", self.failure)
-            return out
+        return self.path.run(lambda: self._fast(*args), lambda: paged_decode(*args))
 
     def _fast(
         self,

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
+from ..fast_paths import FastPath
 from ..transfer import to_device
 from .layer import LayerAttention
 from .step import PagedStep
@@ -50,6 +51,10 @@ class FlexBackend:
         self._flex: Callable[..., Any] = flex_attention
         if compiled:
             self._flex = torch.compile(flex_attention, dynamic=True)
+
+    @property
+    def paths(self) -> list[FastPath]:
+        return []  # compiled on CUDA or not, it has no plainer path to fall back to
 
     def attend(
         self,

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..fast_paths import FastPath
 from ..transfer import indices, to_device
 from .decode import DecodeBlocks, DecodeKernel, first_visible
 from .kernels import attend, causal_mask
@@ -77,6 +78,10 @@ class GatherBackend:
         self.varlen = varlen
         """The prefill chunks' one call; ``None`` attends them one call each."""
 
+    @property
+    def paths(self) -> list[FastPath]:
+        return [part.path for part in (self.decode_kernel, self.varlen) if part is not None]
+
     def attend(
         self,
         step: PagedStep,
@@ -110,15 +115,16 @@ class GatherBackend:
         ):
             try:
                 result = varlen(q, k_cache, v_cache, packed, layer)
-            except Exception as exc:  # the per-chunk path below serves (and raises if the fault is the inputs')
-                varlen.fail(f"{type(exc).__name__}: {exc}")
-            else:
-                if varlen.trusted(packed):
-                    out[packed.rows] = result
-                    return out
-                self._chunks(step, out, query, key, value, k_cache, v_cache, layer)
-                varlen.check(packed, result, out[packed.rows])
+            except Exception as exc:
+                self._chunks(step, out, query, key, value, k_cache, v_cache, layer)  # the inputs' own fault raises
+                varlen.path.switch_off(f"{type(exc).__name__}: {exc}")
                 return out
+            if varlen.trusted(packed):
+                out[packed.rows] = result
+                return out
+            self._chunks(step, out, query, key, value, k_cache, v_cache, layer)
+            varlen.check(packed, result, out[packed.rows])
+            return out
         self._chunks(step, out, query, key, value, k_cache, v_cache, layer)
         return out
 

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from ..fast_paths import FastPath
 from ..kv_cache import KVCache
 from .layer import LayerAttention
 
@@ -51,6 +52,11 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor:
         """Attend the step's packed queries ``[1, H, T, D]`` over each sequence's context in the cache, where this
         step's keys and values (also given, ``[1, KVH, T, D]``) are already written; return ``[T, H, Dv]``."""
+        ...
+
+    @property
+    def paths(self) -> list[FastPath]:
+        """Its fast paths (``fast_paths.py``)."""
         ...
 
 

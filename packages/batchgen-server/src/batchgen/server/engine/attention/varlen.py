@@ -16,7 +16,6 @@ then on, saying why once in the log.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,12 +23,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..fast_paths import FastPath
 from ..transfer import to_device
 from .decode import first_visible
 from .layer import LayerAttention
 from .step import PagedStep, SeqSlice
-
-logger = logging.getLogger(__name__)
 
 VarlenCall = Callable[..., Any]
 """``varlen_attn``'s signature: ``(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, window_size,
@@ -102,15 +100,15 @@ class VarlenAttention:
         """Whether each kind of call is first checked against the per-chunk path."""
         self.checked: set[tuple[int | None, bool, bool]] = set()
         """The kinds of call (``PackedChunks.kind``) that agreed with the per-chunk path."""
-        self.failure: str | None = None
-        """Why the per-chunk path serves from now on."""
+        self.path = FastPath("varlen attention")
+        """Off (the per-chunk path serves) once a call failed or disagreed with it."""
 
     def supports(
         self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: LayerAttention
     ) -> bool:
         head_dim = query.shape[-1]
         return (
-            self.failure is None
+            self.path.on
             and query.dtype in self.dtypes
             and k_cache.dtype == v_cache.dtype == query.dtype
             and not layer.needs_explicit_scores
@@ -157,8 +155,4 @@ class VarlenAttention:
         error = (result.float() - expected.float()).abs().max().item()
         window, continues, beyond = chunks.kind
         kind = f"window {window}, {'continuing' if continues else 'new'} chunks{', past the window' if beyond else ''}"
-        self.fail(f"it disagrees with per-chunk attention ({kind}: largest difference {error:.3g})")
-
-    def fail(self, reason: str) -> None:
-        self.failure = reason
-        logger.warning("prefill chunks attend one call each from now on: the single varlen call failed (%s)", reason)
+        self.path.switch_off(f"it disagrees with per-chunk attention ({kind}: largest difference {error:.3g})")
