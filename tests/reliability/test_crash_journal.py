@@ -19,10 +19,10 @@ def test_lines_inside_at_a_death_get_a_strike_and_clean_stops_give_none(tmp_path
     journal.dropped("batch", "b")  # cancelled: left unanswered, not a suspect
     del journal  # the process dies: no close()
     after_death = CrashJournal(path)
-    assert dict(after_death.strikes) == {("batch", "c"): 1, ("batch", "d"): 1}
+    assert dict(after_death.strikes.counts) == {("batch", "c"): 1, ("batch", "d"): 1}
     after_death.entered("batch", "c")
     after_death.close()  # a clean stop: what is inside now is no suspect, the strikes stay
-    assert dict(CrashJournal(path).strikes) == {("batch", "c"): 1, ("batch", "d"): 1}
+    assert dict(CrashJournal(path).strikes.counts) == {("batch", "c"): 1, ("batch", "d"): 1}
 
 
 def test_a_second_death_adds_a_strike_and_an_answer_clears_it(tmp_path: Path) -> None:
@@ -33,10 +33,10 @@ def test_a_second_death_adds_a_strike_and_an_answer_clears_it(tmp_path: Path) ->
     second = CrashJournal(path)
     second.entered("b1", "x y\nz")
     third = CrashJournal(path)
-    assert third.strikes[("b1", "x y\nz")] == 2 and third.strikes[("b1", "w")] == 1
+    assert third.strikes.counts[("b1", "x y\nz")] == 2 and third.strikes.counts[("b1", "w")] == 1
     third.answered("b1", "w")
     third.close()
-    assert dict(CrashJournal(path).strikes) == {("b1", "x y\nz"): 2}
+    assert dict(CrashJournal(path).strikes.counts) == {("b1", "x y\nz"): 2}
 
 
 def test_a_line_torn_by_the_death_is_ignored(tmp_path: Path) -> None:
@@ -45,7 +45,7 @@ def test_a_line_torn_by_the_death_is_ignored(tmp_path: Path) -> None:
     journal.entered("b", "kept")
     with path.open("a") as file:
         file.write('["+", "b", "to')  # the death cut this write short
-    assert dict(CrashJournal(path).strikes) == {("b", "kept"): 1}
+    assert dict(CrashJournal(path).strikes.counts) == {("b", "kept"): 1}
 
 
 def test_the_journal_is_compacted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -58,7 +58,7 @@ def test_the_journal_is_compacted(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     journal.entered("b", "open")
     assert path.stat().st_size < 400
     del journal
-    assert dict(CrashJournal(path).strikes) == {("b", "open"): 1}
+    assert dict(CrashJournal(path).strikes.counts) == {("b", "open"): 1}
 
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full, a device that is always full")

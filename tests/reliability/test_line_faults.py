@@ -1,10 +1,13 @@
 """A line the serving layer fails on other than by refusing it (a bug, or a body the validation let through) is that
 line's 500 ``server_error`` line, logged once with its traceback: every other line of the batch is answered, and the
-batch completes. The fault is injected into the in-process server's ``OpenAIServing``."""
+batch completes. A line slow to become engine requests holds up nothing but itself. The faults are injected into the
+in-process server's ``OpenAIServing``."""
 
 from __future__ import annotations
 
 import errno
+import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -81,3 +84,38 @@ def test_a_line_that_meets_no_descriptor_left_waits_and_runs(
     assert batch["status"] == "completed", batch
     assert batch["request_counts"] == {"total": 6, "completed": 6, "failed": 0}
     assert next(failures, None) is None  # it was tried until it ran
+
+
+def test_a_line_slow_to_prepare_holds_up_no_other_batch(server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lines become engine requests off the batch loop's thread: while one takes long (a huge prompt's chat template,
+    say), the lines before it run and are written, and another batch is created, started and cancelled, its line
+    waiting to be prepared behind the slow one; then the slow line runs too."""
+    to_engine_requests = OpenAIServing.to_engine_requests
+    slow_started, release = threading.Event(), threading.Event()
+
+    def slow(self: OpenAIServing, body: Any, **kwargs: Any) -> Any:
+        if b"slow" in msgspec.json.encode(body):
+            slow_started.set()
+            release.wait(30)
+        return to_engine_requests(self, body, **kwargs)
+
+    monkeypatch.setattr(OpenAIServing, "to_engine_requests", slow)
+    lines = [chat_line(f"r{i}", max_tokens=2) for i in range(5)] + [chat_line("slow", content="slow", max_tokens=2)]
+    try:
+        first = server.create_batch(server.upload(lines)["id"])["id"]
+        assert slow_started.wait(30)
+        blocked_at = time.monotonic()
+        other = server.create_batch(server.upload([chat_line("other", max_tokens=2)])["id"])["id"]
+        server.wait(other, timeout_s=10, until={"in_progress"})  # its line waits behind the slow one
+        assert server.http.post(f"/v1/batches/{other}/cancel").status_code == 200
+        cancelled = server.wait(other, timeout_s=10)
+        while server.batch(first)["request_counts"]["completed"] < 5:
+            assert time.monotonic() - blocked_at < 10, server.batch(first)
+            time.sleep(0.05)
+        assert time.monotonic() - blocked_at < 10  # all of it while the slow line was held
+    finally:
+        release.set()
+    assert cancelled["status"] == "cancelled", cancelled
+    assert cancelled["request_counts"] == {"total": 1, "completed": 0, "failed": 0}
+    batch = server.wait(first, timeout_s=30)
+    assert batch["status"] == "completed" and batch["request_counts"] == {"total": 6, "completed": 6, "failed": 0}

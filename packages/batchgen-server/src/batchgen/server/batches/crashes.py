@@ -4,21 +4,21 @@ The engine itself fails a request that breaks a step, and its worker restarts it
 this covers what kills the process (a crash in native code, the OOM killer). The batch loop notes each request line
 when it enters the engine (``+``) and when it leaves it (``-``): one JSON array per journal line, without fsync (the
 page cache outlives the process). At start, a line entered and never left was inside the engine when the process
-died, and gets a strike (``!`` records, kept until the line is answered). A line with one strike runs on probation,
-never beside another struck line, so a second death is pinned on one request; a line with two is quarantined:
-answered with a ``server_error`` line instead of run, so one request can never keep a server in a crash loop.
+died, and gets a strike (``!`` records, kept until the line is answered). ``strikes`` applies the policy of
+``engine.strikes`` to them (``quarantine`` is how the loop asks it): a line with two is answered with a
+``server_error`` line instead of run, so one request can never keep a server in a crash loop.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections import Counter
 from pathlib import Path
+
+from ..engine.strikes import Strikes
 
 log = logging.getLogger("batchgen.server.loop")
 
-STRIKES_TO_QUARANTINE = 2
 COMPACT_BYTES = 16 * 2**20
 """Past this size the journal is rewritten with only what is still open."""
 
@@ -29,7 +29,7 @@ Key = tuple[str, str]
 class CrashJournal:
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.strikes: Counter[Key] = Counter()
+        self.strikes: Strikes[Key] = Strikes()
         self._inside: set[Key] = set()
         self._recover()
         self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (open for the loop's lifetime)
@@ -46,14 +46,13 @@ class CrashJournal:
                 continue  # a line cut short when the process died
             key = (batch_id, custom_id)
             if mark == "!":
-                self.strikes[key] = count[0]
+                self.strikes.counts[key] = count[0]
             elif mark == "+":
                 inside[key] = None
             elif mark == "-":
                 inside.pop(key, None)
-                self.strikes.pop(key, None)
-        for key in inside:
-            self.strikes[key] += 1
+                self.strikes.counts.pop(key, None)
+        self.strikes.strike(inside)
         if inside:
             log.warning("the last run stopped with %d request(s) inside the engine: each gets a strike", len(inside))
         self._rewrite()
@@ -64,16 +63,19 @@ class CrashJournal:
 
     def answered(self, batch_id: str, custom_id: str) -> None:
         key = (batch_id, custom_id)
-        if key in self._inside or key in self.strikes:
+        if key in self._inside or self.strikes.struck(key):
             self._inside.discard(key)
-            self.strikes.pop(key, None)
             self._append("-", batch_id, custom_id)
+        self.strikes.left(key, forget=True)
 
     def dropped(self, batch_id: str, custom_id: str) -> None:
-        """The line left the engine unanswered (cancelled, expired): not a suspect."""
-        if (batch_id, custom_id) in self._inside:
-            self._inside.discard((batch_id, custom_id))
+        """The line left the engine (or its way in) unanswered: cancelled, expired, or to be tokenized again after a
+        storage fault. Not a suspect; its strikes stay."""
+        key = (batch_id, custom_id)
+        if key in self._inside:
+            self._inside.discard(key)
             self._append("-", batch_id, custom_id)
+        self.strikes.left(key, forget=False)
 
     def close(self) -> None:
         """A clean stop: what is inside the engine now is not a suspect."""
@@ -104,7 +106,8 @@ class CrashJournal:
             self._failing = False
 
     def _rewrite(self) -> None:
-        records = [("!", b, c, n) for (b, c), n in self.strikes.items()] + [("+", b, c) for b, c in self._inside]
+        struck = [("!", b, c, n) for (b, c), n in self.strikes.counts.items()]
+        records = struck + [("+", b, c) for b, c in self._inside]
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(record) + "\n" for record in records), encoding="utf-8")
         tmp.replace(self.path)

@@ -7,18 +7,16 @@ Per batch the loop
 1. prepares: reads back the results files of a batch resumed after a restart (the files are the truth), then makes
    one streaming pass over the input file that validates it and counts its work in sequences (prompts x n);
 2. runs: a second streaming pass feeds the engine a line at a time while fewer than ``window`` sequences of all
-   batches are inside it; free room goes to the tenant with the fewest sequences inside, then to its batch with the
-   fewest, round-robin among equals (``Turns``), so a small batch finishes promptly behind a huge one, and memory
-   stays flat whatever the file's size;
-3. writes: each finished request becomes one output or error line, appended whole at once and fsynced every
-   ``flush_interval_s``; only then does it count as done (and the live counts get published);
+   batches are inside it (``feeding``: turns, the window; each line tokenized off this thread, in ``tokenizing``;
+   struck lines held back by ``quarantine``), so a small batch finishes promptly behind a huge one, and memory stays
+   flat whatever the file's size;
+3. writes: each finished request becomes one output or error line (``writer``), appended whole at once and fsynced
+   every ``flush_interval_s``; only then does it count as done (and the live counts get published);
 4. finishes: ``finalizing`` -> ``completed`` once every line is durable, or ``cancelled``, ``expired``, ``failed``,
    each move checked against the one table in ``lifecycle``.
 
 A storage fault (a full disk, an I/O error) pauses the batch it hit: its unwritten lines wait in memory, it takes no
-new work, and the loop retries with backoff until the disk recovers, then resumes by itself. Results find their
-request line through a map keyed by engine request id; a result whose id is no longer there (cancelled, expired) is
-dropped.
+new work, and the loop retries with backoff until the disk recovers, then resumes by itself.
 """
 
 from __future__ import annotations
@@ -27,49 +25,37 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
-import msgspec
-
-from batchgen.schemas import (
-    BatchError,
-    BatchErrors,
-    BatchInputLine,
-    BatchLineError,
-    BatchObject,
-    BatchOutputLine,
-    sequences_of,
-)
-from batchgen.schemas.validation import DEFAULT_LIMITS, LineError, ValidationLimits, iter_input_lines
+from batchgen.schemas import BatchError, BatchErrors, BatchLineError, BatchObject, BatchOutputLine, sequences_of
+from batchgen.schemas.validation import DEFAULT_LIMITS, ValidationLimits
 
 from ..engine.interface import EngineSubmitter
-from ..engine.request import EngineRequest, EngineResult
-from ..ids import new_line_id, new_request_id
-from ..serving import BatchDefaults, OpenAIServing, RequestRejected
-from ..storage.blobs import ResultsFile, ResultsLost
+from ..ids import new_line_id
+from ..serving import BatchDefaults, OpenAIServing
+from ..storage.blobs import ResultsLost
 from ..storage.faults import storage_fault
 from . import lifecycle
-from .crashes import STRIKES_TO_QUARANTINE, CrashJournal, Key
-from .results import Tally, recover, succeeded
-from .stores import Results, Store
-from .turns import Turns
+from .crashes import CrashJournal
+from .feeding import Feeder
+from .inputs import InputReader
+from .quarantine import Quarantine
+from .state import RETRY_FIRST_S, RETRY_MAX_S, Batch
+from .stores import Store
+from .tokenizing import Tokenizer
+from .writer import ResultsWriter
 
 log = logging.getLogger("batchgen.server.loop")
 
-MAX_REPORTED_ERRORS = 100
 SLICE_S = 0.02
 """The longest the loop reads one batch's files (preparing, expiring) before it looks at its messages again."""
 TICK_S = 0.25
 """How often an idle loop with unfinished batches wakes: fsyncs due, retries due, completion windows."""
-RETRY_FIRST_S, RETRY_MAX_S = 0.25, 5.0
-"""Backoff of a batch paused by a storage fault: the first wait, doubling up to the last."""
-_encode = msgspec.json.Encoder().encode
 T = TypeVar("T")
 
 
@@ -105,76 +91,6 @@ class LoopStatus:
     """Why results cannot be written at the moment (a batch is paused), or ``None``."""
 
 
-@dataclass(slots=True, eq=False)
-class _Request:
-    """A request line inside the engine: its engine requests and the results that have come back."""
-
-    batch: _Batch
-    line: BatchInputLine
-    request_id: str
-    requests: list[EngineRequest]
-    results: list[EngineResult | None]
-    work: int
-
-
-@dataclass(slots=True)
-class _Answer:
-    """An output or error line on its way to disk; ``end`` is its file's size once appended."""
-
-    line: BatchOutputLine
-    data: bytes
-    file: ResultsFile
-    end: int = 0
-
-
-@dataclass(slots=True, eq=False)
-class _Batch:
-    record: BatchObject
-    owner: str
-    status: str
-    work: int
-    """Sequences not answered yet: the upload's count until prepared, then exact."""
-    defaults: BatchDefaults
-    started: bool
-    """It has (or had) results files: what it wrote must be read back before it can finish."""
-    preparing: Iterator[None] | None = None
-    total: int = 0
-    errors: list[BatchError] = field(default_factory=list)
-    """Of the input file, found while preparing."""
-    lines: Iterator[BatchInputLine] | None = None
-    """The unanswered lines not yet taken; ``None`` once exhausted (or stopped)."""
-    taken: set[str] = field(default_factory=set)
-    """custom_ids answered before a restart or taken from ``lines`` since: a new pass over the input skips them."""
-    held: BatchInputLine | None = None
-    """A line taken that waits for room in the engine."""
-    on_probation_hold: bool = False
-    """``held`` is a struck line waiting for the line on probation to leave the engine."""
-    in_engine: dict[str, _Request] = field(default_factory=dict)
-    running: int = 0
-    """Sequences inside the engine: its share, which the turns even out."""
-    results: Results | None = None
-    tally: Tally = field(default_factory=Tally)
-    """What is durably written."""
-    unwritten: deque[_Answer] = field(default_factory=deque)
-    unsynced: list[_Answer] = field(default_factory=list)
-    published: bool = True
-    """The store's counts match ``tally``."""
-    synced_at: float = 0.0
-    stopping: str | None = None
-    """``cancelled`` or ``expired``: no new work; finish once what is answered is written."""
-    failure: str | None = None
-    fault: str | None = None
-    retry_at: float = 0.0
-    backoff: float = RETRY_FIRST_S
-
-    @property
-    def id(self) -> str:
-        return self.record.id
-
-    def files(self) -> list[ResultsFile]:
-        return [] if self.results is None else list(dict.fromkeys(self.results))
-
-
 class BatchLoop:
     def __init__(
         self,
@@ -188,35 +104,37 @@ class BatchLoop:
         limits: ValidationLimits = DEFAULT_LIMITS,
         journal: CrashJournal | None = None,
     ) -> None:
+        """``journal`` notes what is inside the engine, so that a line that kills the process is pinned and
+        quarantined (none in run-batch)."""
         self.store = store
-        self.serving = serving
-        self.engine = engine
         self.capacity = capacity
-        self.window = window
-        """Most sequences of all batches inside the engine (running or queued there)."""
-        self.flush_interval_s = min(flush_interval_s, 1.0)
-        self.limits = limits
-        self.journal = journal
-        """Notes what is inside the engine, so that a line that kills the process is pinned and quarantined."""
-        self._probation: Key | None = None
-        """The one struck line inside the engine, if any (see ``crashes``)."""
         self.status = LoopStatus()
         """A snapshot for the API, replaced (never mutated) after every round."""
         self._inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="batchgen-loop", daemon=True)
         self._stopped = False
-        self._batches: dict[str, _Batch] = {}
-        self._turns: Turns[_Batch] = Turns()
-        self._waiting_for_room: _Batch | None = None
-        self._requests: dict[str, tuple[_Request, int]] = {}
-        """Engine request id -> its request line and its index there, while its result is awaited."""
-        self._in_engine = 0
-        """Sequences inside the engine."""
+        self._batches: dict[str, Batch] = {}
         self._next_expiry_check = 0.0
+        self._inputs = InputReader(store, limits)
+        self._writer = ResultsWriter(store, flush_interval_s)
+        self._quarantine = Quarantine(journal)
+        self._tokenizer = Tokenizer(serving, self._inbox.put)
+        self._feeder = Feeder(
+            serving,
+            engine,
+            window,
+            inputs=self._inputs,
+            writer=self._writer,
+            quarantine=self._quarantine,
+            tokenizer=self._tokenizer,
+            post=self._inbox.put,
+            trouble=self._trouble,
+        )
 
     # ---- posted from other threads ------------------------------------------------------------------------------
 
     def start(self) -> None:
+        self._tokenizer.start()
         self._thread.start()
 
     def stop(self, timeout: float | None = None) -> None:
@@ -233,9 +151,6 @@ class BatchLoop:
     def cancel(self, batch_id: str, owner: str) -> Future[BatchObject | None]:
         """Cancel the batch if it can be; the batch as it now is (``None`` if ``owner`` has no such batch)."""
         return self._ask(partial(self._cancel, batch_id, owner))
-
-    def _on_result(self, result: EngineResult) -> None:
-        self._inbox.put(partial(self._take_result, result))
 
     def _ask(self, task: Callable[[Future[T]], None]) -> Future[T]:
         future: Future[T] = Future()
@@ -290,12 +205,13 @@ class BatchLoop:
         for batch in list(self._batches.values()):
             if batch.fault is None or now >= batch.retry_at:
                 self._advance_safely(batch)
-        self._refill()
+        self._feeder.refill()
         fault = next((batch.fault for batch in self._batches.values() if batch.fault), None)
         queued = sum(batch.work for batch in self._batches.values())
         self.status = LoopStatus(queued, len(self._batches), fault)
 
     def _close(self) -> None:
+        self._tokenizer.stop()  # what it had not tokenized runs again at the next start
         while True:  # answer what was asked before the stop
             try:
                 task = self._inbox.get_nowait()
@@ -305,13 +221,11 @@ class BatchLoop:
                 _run_task(task)
         for batch in self._batches.values():
             try:
-                self._write(batch, sync=True)
+                self._writer.write(batch, sync=True)
             except Exception as exc:
                 log.warning("batch %s: unwritten results dropped at shutdown (%s); they run again", batch.id, exc)
-            for file in batch.files():
-                file.close()
-        if self.journal is not None:
-            self.journal.close()
+            self._writer.close(batch)
+        self._quarantine.close()
 
     # ---- admission and cancellation -----------------------------------------------------------------------------
 
@@ -329,13 +243,13 @@ class BatchLoop:
             reply.set_result(batch)
 
     def _track(self, record: BatchObject, owner: str, work: int) -> None:
-        batch = _Batch(record, owner, record.status, work, BatchDefaults.of(record), record.status != "validating")
+        batch = Batch(record, owner, record.status, work, BatchDefaults.of(record), record.status != "validating")
         batch.total = record.request_counts.total  # counted again while preparing, unless it is finalizing
-        batch.preparing = self._prepare(batch)
+        batch.preparing = self._inputs.prepare(batch)
         if batch.status == "cancelling":
             batch.stopping = "cancelled"
         self._batches[batch.id] = batch
-        self._turns.add(owner, batch)
+        self._feeder.add(batch)
 
     def _cancel(self, batch_id: str, owner: str, reply: Future[BatchObject | None]) -> None:
         try:
@@ -347,28 +261,16 @@ class BatchLoop:
         except Exception as exc:
             reply.set_exception(exc)
 
-    def _stop(self, batch: _Batch, reason: str) -> None:
-        """Take no more work for the batch and drop what the engine holds of it; an expired batch answers every
-        request not done with ``batch_expired``."""
+    def _stop(self, batch: Batch, reason: str) -> None:
+        """Take no more work for the batch and drop what the engine holds of it (or tokenizes for it); an expired
+        batch answers every request not done with ``batch_expired``."""
         batch.stopping = reason
         if not batch.started:
             batch.preparing = None
-        ids = [request.request_id for entry in batch.in_engine.values() for request in entry.requests]
-        for request_id in ids:
-            if (found := self._requests.pop(request_id, None)) is not None:
-                entry, index = found
-                self._in_engine -= entry.requests[index].params.n
-        batch.running = 0
-        if ids:
-            self.engine.abort(ids)
-        for entry in batch.in_engine.values():
-            self._left_engine(batch, entry.line.custom_id, answered=False)
-        unanswered = [entry.line for entry in batch.in_engine.values()] + ([batch.held] if batch.held else [])
-        batch.in_engine.clear()
-        batch.held = None
+        unanswered = self._feeder.drop(batch)
         if reason == "expired":
             for line in unanswered:
-                self._answer(batch, _expired_line(line.custom_id), sequences_of(line.body))
+                self._writer.answer(batch, _expired_line(line.custom_id), sequences_of(line.body))
         else:
             batch.lines = None
             batch.work = 0
@@ -387,7 +289,7 @@ class BatchLoop:
 
     # ---- one batch's progress -----------------------------------------------------------------------------------
 
-    def _advance_safely(self, batch: _Batch) -> None:
+    def _advance_safely(self, batch: Batch) -> None:
         try:
             self._advance(batch)
         except Exception as exc:
@@ -397,7 +299,7 @@ class BatchLoop:
             log.warning("batch %s: storage recovered; resuming", batch.id)
             batch.fault, batch.backoff = None, RETRY_FIRST_S
 
-    def _advance(self, batch: _Batch) -> None:
+    def _advance(self, batch: Batch) -> None:
         """Take every step the batch is ready for. Each step is idempotent, so after a storage fault the same call
         retries whatever had not happened."""
         if batch.failure is not None:
@@ -410,12 +312,12 @@ class BatchLoop:
                     if time.monotonic() > deadline:
                         return
             except Exception:
-                batch.preparing = self._prepare(batch)  # a retry starts over
+                batch.preparing = self._inputs.prepare(batch)  # a retry starts over
                 raise
             batch.preparing = None
             batch.taken = set(batch.tally.done)
             if batch.status in ("validating", "in_progress") and not batch.errors:
-                batch.lines = self._unanswered(batch)
+                batch.lines = self._inputs.unanswered(batch)
         if batch.stopping is None and batch.errors:
             self._finish(batch, "failed", errors=BatchErrors(data=batch.errors), total=0)  # nothing was run
             return
@@ -429,7 +331,7 @@ class BatchLoop:
         if batch.stopping == "expired" and batch.lines is not None:
             self._answer_expired(batch)
         drained = self._drained(batch)
-        self._write(batch, sync=drained or batch.stopping is not None)
+        self._writer.write(batch, sync=drained or batch.stopping is not None)
         if not drained or batch.unwritten or batch.unsynced or not batch.published:
             return
         missing = batch.total - len(batch.tally.done)
@@ -437,36 +339,7 @@ class BatchLoop:
             raise RuntimeError(f"{missing} request(s) have no line after the input was drained")
         self._finish(batch, batch.stopping or "completed")
 
-    def _prepare(self, batch: _Batch) -> Iterator[None]:
-        """Read back what a resumed batch had written, then validate the input and count its unanswered work."""
-        batch.tally, batch.errors = Tally(), []
-        for path in self.store.results_paths(batch.record):
-            yield from recover(path, batch.tally)
-        if batch.status not in ("validating", "in_progress"):  # cancelling or finalizing: nothing more to write
-            batch.work = 0
-            return
-        batch.total = batch.work = 0
-        endpoint = batch.record.endpoint or None
-        for item in iter_input_lines(self.store.input_path(batch.record), endpoint=endpoint, limits=self.limits):
-            if isinstance(item, LineError):
-                if len(batch.errors) < MAX_REPORTED_ERRORS:
-                    batch.errors.append(item.to_batch_error())
-            else:
-                batch.total += 1
-                if item.custom_id not in batch.tally.done:
-                    batch.work += sequences_of(item.body)
-            yield
-
-    def _unanswered(self, batch: _Batch) -> Iterator[BatchInputLine]:
-        endpoint = batch.record.endpoint or None
-        for item in iter_input_lines(self.store.input_path(batch.record), endpoint=endpoint, limits=self.limits):
-            if isinstance(item, LineError):
-                raise RuntimeError(f"the input file changed after it was validated: line {item.line}: {item.message}")
-            if item.custom_id not in batch.taken:
-                batch.taken.add(item.custom_id)
-                yield item
-
-    def _start(self, batch: _Batch) -> None:
+    def _start(self, batch: Batch) -> None:
         """validating -> in_progress, with empty results files that a reader can follow while the batch runs."""
         lifecycle.check(batch.status, "in_progress")
         fields = {"status": "in_progress", "in_progress_at": _now(), "total": batch.total}
@@ -474,74 +347,28 @@ class BatchLoop:
         batch.status, batch.started = "in_progress", True
         log.info("batch %s started: %d request(s)", batch.id, batch.total)
 
-    def _drained(self, batch: _Batch) -> bool:
-        """Nothing of the batch is left to read or inside the engine."""
-        return batch.preparing is None and batch.lines is None and batch.held is None and not batch.in_engine
+    def _drained(self, batch: Batch) -> bool:
+        """Nothing of the batch is left to read, tokenize or run."""
+        return batch.preparing is None and batch.lines is None and not batch.held and not batch.in_window
 
-    def _next_line(self, batch: _Batch) -> BatchInputLine | None:
-        """The next unanswered line of the input (``None`` at its end); after an error reading it, a retry goes on
-        from where it was."""
-        assert batch.lines is not None
-        try:
-            line = next(batch.lines, None)
-        except Exception:
-            batch.lines = self._unanswered(batch)  # a new pass skips every line already taken
-            raise
-        if line is None:
-            batch.lines = None
-        return line
-
-    def _answer_expired(self, batch: _Batch) -> None:
+    def _answer_expired(self, batch: Batch) -> None:
         deadline = time.monotonic() + SLICE_S
         while batch.lines is not None and time.monotonic() <= deadline:
-            if (line := self._next_line(batch)) is not None:
-                self._answer(batch, _expired_line(line.custom_id), sequences_of(line.body))
+            if (line := self._inputs.next_line(batch)) is not None:
+                self._writer.answer(batch, _expired_line(line.custom_id), sequences_of(line.body))
 
-    def _write(self, batch: _Batch, *, sync: bool) -> None:
-        """Append what is answered; fsync when due (or ``sync``), and only then count it done and publish."""
-        while batch.unwritten:
-            answer = batch.unwritten[0]
-            answer.file.append(answer.data)
-            answer.end = answer.file.size
-            batch.unsynced.append(batch.unwritten.popleft())
-        # ``sync`` (before a batch finishes) also checks its files with nothing new in them: deleted, cut short?
-        if sync or (batch.unsynced and time.monotonic() - batch.synced_at >= self.flush_interval_s):
-            self._sync(batch)
-        if not batch.published:
-            self.store.update(batch.id, **batch.tally.counters())
-            batch.published = True
-
-    def _sync(self, batch: _Batch) -> None:
-        failure: Exception | None = None
-        for file in batch.files():
-            try:
-                file.sync()
-            except (OSError, ResultsLost) as exc:
-                failure = failure or exc
-        durable = [answer for answer in batch.unsynced if answer.end <= answer.file.synced_size]
-        lost = [answer for answer in batch.unsynced if answer.end > answer.file.synced_size]
-        for answer in durable:
-            batch.tally.add(answer.line)
-        batch.unsynced = []
-        batch.unwritten.extendleft(reversed(lost))  # cut back from the file: appended again, in order
-        batch.published = batch.published and not durable
-        batch.synced_at = time.monotonic()
-        if failure is not None:
-            raise failure
-
-    def _move(self, batch: _Batch, status: str, **fields: object) -> None:
+    def _move(self, batch: Batch, status: str, **fields: object) -> None:
         lifecycle.check(batch.status, status)
         self.store.update(batch.id, status=status, **{lifecycle.timestamp_column(status): _now()}, **fields)
         batch.status = status
 
-    def _finish(self, batch: _Batch, status: str, **fields: object) -> None:
+    def _finish(self, batch: Batch, status: str, **fields: object) -> None:
         if status == "completed" and batch.status == "in_progress":
             self._move(batch, "finalizing")
         lifecycle.check(batch.status, status)
         final = {"status": status, lifecycle.timestamp_column(status): _now(), **batch.tally.counters(), **fields}
         self.store.finish(batch.record, **final)
-        for file in batch.files():
-            file.close()
+        self._writer.close(batch)
         self._forget(batch)
         log.info(
             "batch %s %s (%d completed, %d failed) in %.0f s",
@@ -552,13 +379,11 @@ class BatchLoop:
             time.time() - batch.record.created_at,
         )
 
-    def _forget(self, batch: _Batch) -> None:
+    def _forget(self, batch: Batch) -> None:
         del self._batches[batch.id]
-        self._turns.remove(batch.owner, batch)
-        if self._waiting_for_room is batch:
-            self._waiting_for_room = None
+        self._feeder.remove(batch)
 
-    def _trouble(self, batch: _Batch, exc: Exception) -> None:
+    def _trouble(self, batch: Batch, exc: Exception) -> None:
         """A storage fault pauses the batch until the disk recovers; anything else is a bug that fails it."""
         reason = storage_fault(exc)
         if reason is None:
@@ -566,14 +391,14 @@ class BatchLoop:
         else:
             self._pause(batch, reason)
 
-    def _pause(self, batch: _Batch, reason: str) -> None:
+    def _pause(self, batch: Batch, reason: str) -> None:
         if batch.fault is None:
             log.warning("batch %s paused by a storage fault (%s); retrying until it clears", batch.id, reason)
         batch.fault = reason
         batch.retry_at = time.monotonic() + batch.backoff
         batch.backoff = min(batch.backoff * 2, RETRY_MAX_S)
 
-    def _fail(self, batch: _Batch, exc: Exception) -> None:
+    def _fail(self, batch: Batch, exc: Exception) -> None:
         """A bug, not the disk: fail the batch rather than retry it forever."""
         if batch.failure is not None:  # failing failed too: leave it for the next start
             log.exception("batch %s could not be failed; it is retried at the next start", batch.id, exc_info=exc)
@@ -584,144 +409,6 @@ class BatchLoop:
         self._stop(batch, "cancelled")
         batch.stopping = None
         self._advance_safely(batch)
-
-    # ---- the engine's window ------------------------------------------------------------------------------------
-
-    def _ready(self, batch: _Batch) -> bool:
-        return (
-            batch.status == "in_progress"
-            and batch.stopping is None
-            and batch.fault is None
-            and batch.results is not None
-            and (batch.held is not None or batch.lines is not None)
-            and not batch.on_probation_hold
-        )
-
-    def _refill(self) -> None:
-        """Put lines into the engine while there is room, one per turn; a line that does not fit keeps its turn."""
-        submitted: list[EngineRequest] = []
-        while self._in_engine < self.window:
-            waiting, self._waiting_for_room = self._waiting_for_room, None
-            if waiting is not None and self._ready(waiting):
-                batch: _Batch | None = waiting
-            else:
-                batch = self._turns.next(self._ready, _running)
-            if batch is None:
-                break
-            try:
-                requests = self._take(batch)
-            except Exception as exc:  # the input file could not be read: the batch's problem only
-                self._trouble(batch, exc)
-                continue
-            if requests is None:
-                self._waiting_for_room = batch
-                break
-            submitted += requests
-        if submitted:
-            self.engine.submit(submitted, self._on_result)
-
-    def _take(self, batch: _Batch) -> list[EngineRequest] | None:
-        """The engine requests of the batch's next line (none if it was answered at once), or ``None`` when it
-        waits for room."""
-        line, batch.held = batch.held, None
-        if line is None:
-            line = self._next_line(batch)
-        if line is None:
-            return []
-        work = sequences_of(line.body)
-        if self._in_engine and work <= self.serving.max_sequences and self._in_engine + work > self.window:
-            batch.held = line
-            return None
-        request_id = new_request_id()
-        key = (batch.id, line.custom_id)
-        strikes = self.journal.strikes[key] if self.journal is not None else 0
-        if strikes >= STRIKES_TO_QUARANTINE:
-            log.error("batch %s: %s quarantined: the process died twice while it ran", batch.id, line.custom_id)
-            message = "Quarantined: the server process died each of the two times this request ran; not run again."
-            error = self.serving.error_line(
-                line.custom_id, request_id=request_id, code="server_error", message=message, status_code=500
-            )
-            self._answer(batch, error, work)
-            self._left_engine(batch, line.custom_id, answered=True)
-            return []
-        if strikes and self._probation is not None:
-            batch.held, batch.on_probation_hold = line, True
-            return []
-        try:
-            requests = self.serving.to_engine_requests(
-                line.body, request_id=request_id, defaults=batch.defaults, group=batch.id
-            )
-        except Exception as exc:
-            if storage_fault(exc) is not None:  # no descriptor left, say: the machine's, not the line's; it waits
-                batch.held = line
-                raise
-            rejected = exc if isinstance(exc, RequestRejected) else _line_bug(batch, line, exc)
-            error = self.serving.error_line(
-                line.custom_id,
-                request_id=request_id,
-                code=rejected.code,
-                message=rejected.message,
-                param=rejected.param,
-                status_code=rejected.status_code,
-            )
-            self._answer(batch, error, work)
-            return []
-        entry = _Request(batch, line, request_id, requests, [None] * len(requests), work)
-        batch.in_engine[request_id] = entry
-        if self.journal is not None:
-            self.journal.entered(*key)
-            if strikes:
-                self._probation = key
-        for index, request in enumerate(requests):
-            self._requests[request.request_id] = (entry, index)
-            self._in_engine += request.params.n
-            batch.running += request.params.n
-        return requests
-
-    def _take_result(self, result: EngineResult) -> None:
-        found = self._requests.pop(result.request_id, None)
-        if found is None:
-            return  # its batch was cancelled or expired, or the engine restarted and answered twice
-        entry, index = found
-        entry.results[index] = result
-        self._in_engine -= entry.requests[index].params.n
-        entry.batch.running -= entry.requests[index].params.n
-        if any(r is None for r in entry.results):
-            return
-        batch = entry.batch
-        del batch.in_engine[entry.request_id]
-        results = [r for r in entry.results if r is not None]
-        self._answer(batch, self.serving.output_line(entry.line, results, request_id=entry.request_id), entry.work)
-        self._left_engine(batch, entry.line.custom_id, answered=True)
-
-    def _left_engine(self, batch: _Batch, custom_id: str, *, answered: bool) -> None:
-        if self.journal is None:
-            return
-        if answered:
-            self.journal.answered(batch.id, custom_id)
-        else:
-            self.journal.dropped(batch.id, custom_id)
-        if self._probation == (batch.id, custom_id):
-            self._probation = None
-            for other in self._batches.values():
-                other.on_probation_hold = False
-
-    def _answer(self, batch: _Batch, line: BatchOutputLine, work: int) -> None:
-        assert batch.results is not None
-        output, errors = batch.results
-        batch.unwritten.append(_Answer(line, _encode(line) + b"\n", output if succeeded(line) else errors))
-        batch.work -= work
-
-
-def _running(batch: _Batch) -> int:
-    return batch.running
-
-
-def _line_bug(batch: _Batch, line: BatchInputLine, exc: Exception) -> RequestRejected:
-    """A line the serving layer failed on other than by refusing it (a bug, or a body the validation let through):
-    that line's 500, not the batch's failure."""
-    log.error("batch %s: %s could not be turned into engine requests", batch.id, line.custom_id, exc_info=exc)
-    return RequestRejected("server_error", "The server had an error while processing the request.", status_code=500)
 
 
 def _run_task(task: Callable[[], None]) -> None:

@@ -6,12 +6,13 @@ import functools
 import logging
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .interface import ClientState, EngineStats, ResultCallback, SteppingEngine
 from .request import EngineError, EngineRequest, EngineResult, Task
+from .strikes import Strikes, cut_stream
 
 if TYPE_CHECKING:
     from .config import EngineConfig
@@ -21,7 +22,6 @@ logger = logging.getLogger(__name__)
 MAX_RESTARTS = 5
 """More engine failures than this within ``RESTART_WINDOW_S`` mean the device itself is broken: the worker stops."""
 RESTART_WINDOW_S = 60.0
-STRIKES_TO_QUARANTINE = 2
 
 
 class EngineWorker:
@@ -34,10 +34,9 @@ class EngineWorker:
     The engine already fails a request whose step raises without stopping (``LLMEngine.step``). Should a step still
     fail (a fault it could not pin on a request), the worker restarts the engine in place: it empties the engine and
     submits again every request it held, so nothing accepted is lost. Each request of the failed step gets a strike
-    and goes on probation: requests on probation run one at a time (beside the others), so a second failure is
-    pinned on one of them; a request with two strikes is quarantined (failed with a ``server_error`` result) rather
-    than run again, so one request can never keep the engine in a restart loop. A streamed request that has reported
-    tokens is failed rather than run again: what it streamed cannot be taken back. ``state`` is ``restarting``
+    (``strikes``: struck requests run on probation one at a time, beside the others; one with two strikes is
+    quarantined, failed with a ``server_error`` result), so one request can never keep the engine in a restart loop;
+    a streamed request that has reported tokens is failed rather than run again. ``state`` is ``restarting``
     meanwhile, and ``dead`` (with ``error``) if failures keep coming (a broken device): the worker then stops and
     answers nothing more, so no accepted request is failed for it; a new process runs them.
     """
@@ -58,10 +57,9 @@ class EngineWorker:
         """Every request inside the engine, in arrival order: what a restart submits again."""
         self._streamed: set[str] = set()
         """Held requests that have reported partial results."""
-        self._strikes: Counter[str] = Counter()
+        self._strikes: Strikes[str] = Strikes()
         self._probation: deque[str] = deque()
-        """Held requests with a strike, to run one at a time; the first is in the engine once admitted."""
-        self._admitted: str | None = None
+        """Held requests with a strike waiting for their turn on probation."""
         self._failures: deque[float] = deque()
         self._stopping = False
         self._stats = engine.stats()
@@ -159,15 +157,15 @@ class EngineWorker:
         self._streamed.discard(request_id)
         if request_id in self._probation:
             self._probation.remove(request_id)
-        if request_id == self._admitted:
-            self._admitted = None
+        self._strikes.left(request_id, forget=True)  # an id is never used again
         return self._held.pop(request_id, None)
 
     def _admit_probation(self) -> None:
-        """Put the first request on probation into the engine, unless it is there already."""
-        if self._probation and self._admitted is None:
-            self._admitted = self._probation[0]
-            self.engine.add_request(self._held[self._admitted][0])
+        """Put the first struck request that waits into the engine, unless another is on probation there."""
+        if self._probation and not self._strikes.waits(self._probation[0]):
+            request_id = self._probation.popleft()
+            self._strikes.entered(request_id)
+            self.engine.add_request(self._held[request_id][0])
 
     def _restart(self, exc: Exception) -> bool:
         """Empty the engine and give it back every request it held but the quarantined; ``False`` if the engine
@@ -183,19 +181,17 @@ class EngineWorker:
             logger.error("the engine failed %d times within %.0f s; giving up", len(self._failures), RESTART_WINDOW_S)
             return False
         try:
-            self._strikes.update(self.engine.suspects())
+            self._strikes.strike(self.engine.suspects())
             self.engine.reset()
+            self._strikes.reset()
             self._probation.clear()
-            self._admitted = None
             for request_id, (request, _) in list(self._held.items()):
-                if self._strikes[request_id] >= STRIKES_TO_QUARANTINE:
+                if self._strikes.quarantined(request_id):
                     logger.error("request %s quarantined: the engine failed twice while running it", request_id)
-                    reason = "it was running each of the two times the engine failed; it is not run again"
-                    self._deliver(self._error_result(request, reason))
+                    self._deliver(self._quarantined(request))
                 elif request_id in self._streamed:
-                    reason = "it had streamed part of its output, which a new run would not continue"
-                    self._deliver(self._error_result(request, reason))
-                elif self._strikes[request_id]:
+                    self._deliver(cut_stream(request, repr(self.error)))
+                elif self._strikes.struck(request_id):
                     self._probation.append(request_id)
                 else:
                     self.engine.add_request(request)
@@ -206,8 +202,11 @@ class EngineWorker:
         self.state = "running"
         return True
 
-    def _error_result(self, request: EngineRequest, reason: str) -> EngineResult:
-        message = f"The engine could not run this request: {reason} (last failure: {self.error!r})."
+    def _quarantined(self, request: EngineRequest) -> EngineResult:
+        message = (
+            "The engine could not run this request: it was running each of the two times the engine failed; it is "
+            f"not run again (last failure: {self.error!r})."
+        )
         error = EngineError("server_error", message)
         return EngineResult(request.request_id, len(request.prompt_token_ids), error=error, group=request.group)
 

@@ -1,0 +1,74 @@
+"""Request lines become engine requests (the chat template, the tokenizer: tens of ms for a long prompt) in a thread
+of its own, so that the batch loop's thread goes on meanwhile with every other batch's messages and results.
+
+Each outcome comes back to the loop as a message. One thread, first in first out: lines come back in the order the
+loop sent them, so each batch's lines still reach the engine in input order, and the turns' order across batches
+holds, with nothing to sort; the work is mostly Python (the template), which more threads would not speed up.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+from batchgen.schemas import RequestBody
+
+from ..engine.request import EngineRequest
+from ..serving import BatchDefaults, OpenAIServing
+
+Outcome = list[EngineRequest] | Exception
+"""The line's engine requests, or why it has none (``RequestRejected``, a storage fault, a bug)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    body: RequestBody
+    request_id: str
+    defaults: BatchDefaults
+    group: str
+    done: Callable[[Outcome], None]
+
+
+class Tokenizer:
+    def __init__(self, serving: OpenAIServing, post: Callable[[Callable[[], None]], None]) -> None:
+        """``post`` hands a message to the loop's thread."""
+        self.serving = serving
+        self._post = post
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="batchgen-tokenizer", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Drop the lines that wait, finish the one at hand, and end."""
+        self._stopping = True
+        self._jobs.put(None)
+        self._thread.join()
+
+    def put(
+        self,
+        body: RequestBody,
+        *,
+        request_id: str,
+        defaults: BatchDefaults,
+        group: str,
+        done: Callable[[Outcome], None],
+    ) -> None:
+        """Tokenize ``body``; ``done`` runs on the loop's thread with the outcome."""
+        self._jobs.put(_Job(body, request_id, defaults, group, done))
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None and not self._stopping:
+            outcome: Outcome
+            try:
+                outcome = self.serving.to_engine_requests(
+                    job.body, request_id=job.request_id, defaults=job.defaults, group=job.group
+                )
+            except Exception as exc:  # the loop decides: the line's error, or a storage fault that pauses its batch
+                outcome = exc
+            self._post(partial(job.done, outcome))
