@@ -124,7 +124,7 @@ def main() -> None:
         seconds = run_round(worker, chat_prompts(engine, args.requests, round_no, rng), round_no)
         tensors, now = live_tensors(), rss_mib()
         cells = [f"round {round_no + 1}", (round_no + 1) * args.requests, f"{seconds:.1f}", f"{now:.0f}"]
-        cells += [f"{now - previous:+.0f}", tensors, len(engine.block_manager.hash_to_block)]
+        cells += [f"{now - previous:+.0f}", tensors, len(engine.scheduler.block_manager.hash_to_block)]
         print("| " + " | ".join(map(str, cells)) + " |", flush=True)
         previous = now
     worker.stop(timeout=30)

@@ -104,7 +104,7 @@ def test_outputs_are_those_of_one_step_at_a_time(
     for engine in engines.values():  # nothing left behind: no sequence, no step in flight, every block free
         assert not engine.has_unfinished_requests() and engine._in_flight is None
         assert not engine.scheduler.running and not engine.scheduler.waiting
-        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        assert engine.scheduler.block_manager.num_free_blocks == engine.scheduler.block_manager.num_blocks
 
 
 def test_steps_overlap_and_take_their_inputs_from_the_device(
@@ -172,7 +172,7 @@ def test_device_tokens_fill_the_inputs_the_host_has_not_read(make_engine: Callab
     expected = [41, 42, 43]
     for item, token in zip(known, expected, strict=True):
         item.seq.token_ids[-1] = token
-    tables = engine.block_manager.tables.array
+    tables = engine.scheduler.block_manager.tables.array
     plain = buffers.pack(known, tables)
     plain_ids = plain.input_ids.clone()
     for item in known:
@@ -205,7 +205,7 @@ def test_a_request_aborted_while_its_step_runs_reports_nothing(
     while reference.has_unfinished_requests():
         for result in reference.step():
             assert result.outputs[0].token_ids == results[result.request_id].outputs[0].token_ids
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.scheduler.block_manager.num_free_blocks == engine.scheduler.block_manager.num_blocks
 
 
 def test_async_scheduling_is_on_for_cuda_only_unless_asked(make_engine: Callable[..., LLMEngine]) -> None:

@@ -21,7 +21,7 @@ def test_rows_follow_the_lists_and_all_come_back(
     system = random_prompts(1, 24, 24, seed=4)[0]
     prompts = [system + suffix for suffix in random_prompts(12, 1, 30, seed=5)]
     engine = make_engine(num_kv_blocks=24, block_size=4, max_num_batched_tokens=32, async_scheduling=async_scheduling)
-    engine.block_manager.tables = tables = BlockTables(rows=1, columns=1)
+    engine.scheduler.block_manager.tables = tables = BlockTables(rows=1, columns=1)
     for i, prompt in enumerate(prompts):
         n = 3 if i % 4 == 0 else 1
         params = SamplingParams(max_tokens=12, n=n, temperature=1.0, seed=i, ignore_eos=True)

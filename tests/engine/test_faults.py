@@ -15,7 +15,7 @@ import pytest
 
 from batchgen.server.engine import EngineRequest, EngineResult, EngineWorker, LLMEngine, SamplingParams
 from batchgen.server.engine.model_runner import ModelRunner
-from batchgen.server.engine.sampler import Sampler
+from batchgen.server.engine.sampler import Sampler, int64_bits, mix64
 from batchgen.server.engine.scheduler import Scheduler
 from batchgen.server.engine.worker import MAX_RESTARTS
 
@@ -63,8 +63,8 @@ def injected_faults(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, int]]
             raise RuntimeError("injected forward fault")
         return forward(self, scheduled, *args)
 
-    def faulty_sample(self: Sampler, logits: Any, rows: list[Any]) -> Any:
-        if any(row.params.seed == SAMPLER_FAULT_SEED for row in rows):
+    def faulty_sample(self: Sampler, logits: Any, rows: Any) -> Any:
+        if int64_bits(mix64(SAMPLER_FAULT_SEED, 0)) in rows.seeds:  # the marked request's choice
             raise ValueError("injected sampler fault")
         return sample(self, logits, rows)
 

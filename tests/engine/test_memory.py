@@ -68,7 +68,7 @@ def test_finished_requests_leave_no_state_and_no_tensors(
     assert worker._held == {}
     assert engine._requests == {} and engine._ready == []
     assert not engine.scheduler.waiting and not engine.scheduler.running
-    block_manager = engine.block_manager
+    block_manager = engine.scheduler.block_manager
     assert block_manager.ref_counts == [0] * block_manager.num_blocks
     assert block_manager.num_free_blocks == block_manager.num_blocks
     assert len(block_manager.hash_to_block) <= block_manager.num_blocks  # the prefix cache is bounded by the cache

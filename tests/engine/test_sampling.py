@@ -10,10 +10,21 @@ import pytest
 import torch
 
 from batchgen.server.engine import EngineRequest, LLMEngine, SamplingParams
+from batchgen.server.engine.batch_state import BatchState, SamplingInputs
 from batchgen.server.engine.detokenizer import IncrementalDetokenizer
-from batchgen.server.engine.sampler import Sampler, SampleRow, argmax_first, uniform, uniforms
+from batchgen.server.engine.sampler import Sampler, argmax_first, uniform, uniforms
 
 Run = Callable[..., Any]
+
+
+def _rows(vocab: int, specs: list[tuple[SamplingParams, int, int, list[int], list[int]]]) -> SamplingInputs:
+    """One step's sampled rows, each ``(params, seed, position, prompt, generated)``, in a fresh batch state; stop
+    token 1 (banned until ``min_tokens``)."""
+    state = BatchState(vocab, torch.device("cpu"), capacity=4)
+    rows = [
+        state.add_row(params, seed, prompt, generated, frozenset({1})) for params, seed, _, prompt, generated in specs
+    ]
+    return state.inputs(rows, [position for _, _, position, _, _ in specs])
 
 
 def _next_logits(hf_model: Any, token_ids: list[int]) -> torch.Tensor:
@@ -250,11 +261,10 @@ def test_sampling_draws_the_filtered_distribution(params: dict[str, Any], allowe
     The draws are a fixed function of seed and position, so the test is deterministic."""
     logits = torch.tensor([2.0, 1.5, 1.0, 0.2, -0.5, -1.0], dtype=torch.float64)
     draws = 24_000
-    rows = [
-        SampleRow(SamplingParams(**params), seed, position, [], 0)
-        for seed in range(draws // 8)
-        for position in range(8)
-    ]
+    rows = _rows(
+        len(logits),
+        [(SamplingParams(**params), seed, position, [0], []) for seed in range(draws // 8) for position in range(8)],
+    )
     token_ids, _ = Sampler()(logits.expand(len(rows), -1), rows)
     probs = torch.softmax(logits / params["temperature"], dim=0)
     if "top_k" in params:
@@ -295,21 +305,16 @@ def test_a_row_samples_the_same_token_whatever_shares_its_batch() -> None:
         {"temperature": 0.7, "logit_bias": {3: 4.0}, "presence_penalty": -0.5},
         {"temperature": 1.0, "min_tokens": 8},
     ]
-    rows = [
-        SampleRow(
-            SamplingParams(**kinds[i % len(kinds)]), 1000 + i, 20 + i % 5, [i % vocab, 7, 7, 3], 2, frozenset({1})
-        )
-        for i in range(64)
-    ]
-    together, _ = Sampler()(logits, rows)
-    alone = [Sampler()(logits[i : i + 1], [row])[0][0] for i, row in enumerate(rows)]
-    reversed_batch, _ = Sampler()(logits.flip(0), rows[::-1])
+    specs = [(SamplingParams(**kinds[i % len(kinds)]), 1000 + i, 20 + i % 5, [i % vocab, 7], [7, 3]) for i in range(64)]
+    together, _ = Sampler()(logits, _rows(vocab, specs))
+    alone = [Sampler()(logits[i : i + 1], _rows(vocab, [spec]))[0][0] for i, spec in enumerate(specs)]
+    reversed_batch, _ = Sampler()(logits.flip(0), _rows(vocab, specs[::-1]))
     assert together == alone == reversed_batch[::-1]
 
 
 def test_min_p_draws_only_tokens_near_the_likeliest() -> None:
     logits = torch.tensor([2.0, 1.5, 1.0, 0.2, -0.5, -1.0], dtype=torch.float64)
-    rows = [SampleRow(SamplingParams(temperature=1.0, min_p=0.3), seed, 0, [], 0) for seed in range(4000)]
+    rows = _rows(len(logits), [(SamplingParams(temperature=1.0, min_p=0.3), seed, 0, [0], []) for seed in range(4000)])
     token_ids, _ = Sampler()(logits.expand(len(rows), -1), rows)
     probs = torch.softmax(logits, dim=0)
     allowed = set((probs >= 0.3 * probs.max()).nonzero().flatten().tolist())

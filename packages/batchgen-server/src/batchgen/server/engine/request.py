@@ -47,6 +47,11 @@ class SamplingParams:
     max_context_length: int | None = None
     """Cap on prompt + generated tokens (the batch's ``max_context_length``); the model's own limit always applies."""
 
+    @property
+    def penalised(self) -> bool:
+        """Whether a penalty reads the tokens so far."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
 
 @dataclass(slots=True)
 class EngineRequest:

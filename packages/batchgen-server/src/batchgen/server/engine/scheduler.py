@@ -9,15 +9,20 @@ stay in the prefix cache) and it goes back to the front of the queue, to be reco
 Interactive sequences (online requests) come first everywhere: they wait ahead of batch ones, run first in a step,
 and when one cannot be admitted (the running set is full, or no block is free) the batch sequence admitted last is
 preempted to make room. A batch never makes an online request wait behind it.
+
+The scheduler owns every change of a sequence's place: admission (a row of the ``BatchState`` taken), the tokens
+computed as steps run, preemption and finishing (the row and the blocks given back), and the forks of ``n`` choices.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 
+from .batch_state import BatchState
 from .block_manager import BlockManager
-from .sequence import Sequence, Status
+from .sequence import PENDING, Sequence, Status
 
 
 @dataclass(slots=True)
@@ -28,13 +33,31 @@ class ScheduledSeq:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        rows: BatchState,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        copy_block: Callable[[int, int], None],
+    ) -> None:
         self.block_manager = block_manager
+        self.rows = rows
+        """The running sequences' sampling state: a row each."""
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self._copy_block = copy_block
+        """Copies a cache block's contents (a fork's partly filled last block)."""
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        """A total since start, across resets."""
+
+    def reset(self, block_manager: BlockManager, rows: BatchState) -> None:
+        """Forget every sequence, on a fresh cache and batch state (how the engine recovers from a failed step)."""
+        self.block_manager, self.rows = block_manager, rows
+        self.waiting.clear()
+        self.running = []
 
     def add(self, seq: Sequence) -> None:
         self._enqueue(seq, front=False)
@@ -84,14 +107,48 @@ class Scheduler:
                 seq.state.cached_tokens = cached
             self.waiting.popleft()
             self.block_manager.allocate(seq, num_tokens)
-            seq.status = Status.RUNNING
-            self.running.append(seq)
+            self._run(seq)
             scheduled.append(ScheduledSeq(seq, num_tokens))
             budget -= num_tokens
         return scheduled
 
-    def _preempt(self, seq: Sequence) -> None:
+    def advance(self, scheduled: list[ScheduledSeq], sampled: Container[Sequence]) -> None:
+        """The step ``scheduled`` is launched: its tokens count as computed (their K/V are being written), and each
+        ``sampled`` sequence holds a ``PENDING`` token at its end until the step is settled (unless the token is its
+        last by length: then nothing is left to compute, and it only waits to be settled)."""
+        for item in scheduled:
+            seq = item.seq
+            seq.num_computed_tokens += item.num_tokens
+            if seq in sampled and not seq.last_by_length(len(seq.token_ids)):
+                seq.token_ids.append(PENDING)
+
+    def fork(self, parent: Sequence, children: list[Sequence]) -> None:
+        """The other choices of ``parent``'s request, now that its prompt is computed: each shares the prompt's blocks
+        and runs at once, or (no block free for the copy of the last one) waits to recompute it, mostly from the
+        prefix cache."""
+        for child in children:
+            if self.block_manager.fork(parent, child, self._copy_block):
+                self._run(child)
+            else:
+                self.add(child)
+
+    def _run(self, seq: Sequence) -> None:
+        seq.status = Status.RUNNING
+        seq.row = self.rows.add_row(
+            seq.state.request.params, seq.seed, seq.state.request.prompt_token_ids, seq.generated_ids,
+            seq.state.stop_token_ids,
+        )  # fmt: skip
+        self.running.append(seq)
+
+    def _leave(self, seq: Sequence) -> None:
+        """Give back what ``seq`` holds while it runs: its blocks and its row."""
         self.block_manager.free_seq(seq)
+        if seq.row >= 0:
+            self.rows.remove(seq.row)
+            seq.row = -1
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._leave(seq)
         seq.state.embedding_sum = None  # an embedding is pooled again over the recomputed prompt
         seq.status = Status.WAITING
         self._enqueue(seq, front=True)
@@ -124,7 +181,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         """Release a finished or aborted sequence wherever it is."""
-        self.block_manager.free_seq(seq)
+        self._leave(seq)
         seq.status = Status.FINISHED
         if seq in self.running:
             self.running.remove(seq)

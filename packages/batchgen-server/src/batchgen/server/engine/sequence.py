@@ -5,11 +5,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from typing import Any
 
 import torch
 
 from .detokenizer import IncrementalDetokenizer
 from .request import EngineRequest, FinishReason, TokenLogprob
+from .sampler import mix64
 
 PENDING = -1
 """The token id a sequence holds, at its end, for a token sampled on the device that the host has not read yet (a
@@ -45,6 +47,21 @@ class RequestState:
     def finished(self) -> bool:
         return all(seq.status is Status.FINISHED for seq in self.seqs)
 
+    def choice_seed(self, index: int) -> int:
+        """Choice ``index`` samples from ``mix64(seed, index)``: the same draws whatever else runs beside it."""
+        return mix64(self.seed, index)
+
+    def new_sequence(self, token_ids: list[int], index: int, tokenizer: Any) -> Sequence:
+        """Choice ``index`` (0 holds the prompt; the others fork from it), with a detokenizer where stop strings or
+        a stream need its text as it grows, and a place for its logprobs where asked."""
+        params = self.request.params
+        detokenizer = None
+        if params.stop or self.request.stream:
+            detokenizer = IncrementalDetokenizer(tokenizer, params.stop, params.skip_special_tokens)
+        logprobs: list[TokenLogprob] | None = [] if params.logprobs else None
+        prompt = len(self.request.prompt_token_ids)
+        return Sequence(self, token_ids, prompt, index, self.choice_seed(index), detokenizer, logprobs=logprobs)
+
 
 @dataclass(eq=False)
 class Sequence:
@@ -63,6 +80,8 @@ class Sequence:
     """The cache blocks holding its tokens, in order; changed only through the block manager's ``BlockTables``."""
     table_row: int = -1
     """Its row in ``BlockTables.array`` (``-1`` while it holds no blocks)."""
+    row: int = -1
+    """Its row in the ``BatchState`` (its sampling state) while it runs; ``-1`` otherwise."""
     block_hashes: list[int] = field(default_factory=list)
     """Content hashes of the full blocks, in order (filled lazily, kept across preemption)."""
     finish_reason: FinishReason | None = None
@@ -103,3 +122,7 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    def last_by_length(self, index: int) -> bool:
+        """Whether the token at ``index`` is its last by ``max_tokens`` or the context cap."""
+        return index + 1 - self.num_prompt_tokens >= self.state.max_tokens or index + 1 >= self.state.max_len

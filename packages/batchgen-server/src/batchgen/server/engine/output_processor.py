@@ -1,0 +1,227 @@
+"""A settled step's outputs: each sequence's sampled token committed, stop conditions checked, text detokenized,
+the ``n`` choices forked when a prompt completes, and the results made: final ones, and partial ones for streamed
+requests. Also the totals the engine's stats count."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .pooling import normalized_mean
+from .request import CompletionOutput, EngineResult, RequestTimes, TokenLogprob, failed_result
+from .sampler import Sampled
+from .scheduler import ScheduledSeq, Scheduler
+from .sequence import RequestState, Sequence, Status
+
+
+@dataclass(slots=True)
+class Launched:
+    """A step whose forward and sampling are launched, not yet settled (read back and committed)."""
+
+    scheduled: list[ScheduledSeq]
+    choices: list[int]
+    """Tokens sampled for each scheduled sequence: 0 (a prefill chunk short of the prompt's end, an embedding), 1,
+    or ``n`` when the prompt just completed (its choices fork from it)."""
+    first_blocks: list[int]
+    """Each sequence's first block not full before the step: where publishing full blocks resumes."""
+    token_indices: list[int]
+    """Each sequence's index of the token the step samples (``PENDING`` there until settled)."""
+    hidden: torch.Tensor | None = None
+    sampled: Sampled | None = None
+    overlappable: bool = True
+    """Whether the next step may be scheduled and launched before this one is settled (with async scheduling)."""
+    token_rows: dict[Sequence, int] = field(default_factory=dict)
+    """Row of ``sampled.tokens`` each sampled sequence takes its next input from."""
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any, scheduler: Scheduler, requests: dict[str, RequestState]) -> None:
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.requests = requests
+        """The engine's requests by id: a finished one leaves it."""
+        self.totals = {"prompt": 0, "cached": 0, "generated": 0}
+
+    def commit(
+        self, launched: Launched, token_ids: list[int], logprobs: list[Any], finished: list[EngineResult]
+    ) -> None:
+        """Commit every sequence's part of a settled step; a request whose commit raises fails alone."""
+        counting = self.scheduler.rows.using["penalties"] > 0
+        counted_rows: list[int] = []
+        counted_tokens: list[int] = []
+        row = start = 0
+        for item, n, first_block, index in zip(
+            launched.scheduled, launched.choices, launched.first_blocks, launched.token_indices, strict=True
+        ):
+            choices = (
+                [(token_ids[row], logprobs[row])]
+                if n == 1
+                else list(zip(token_ids[row : row + n], logprobs[row : row + n], strict=True))
+            )
+            row += n
+            hidden = None if launched.hidden is None else launched.hidden[start : start + item.num_tokens]
+            start += item.num_tokens
+            if item.seq.status is Status.FINISHED:
+                continue  # aborted, failed or ended while the step ran: what it computed is not wanted
+            try:
+                targets = self._commit_one(item, first_block, index, hidden, choices, finished)
+            except Exception as exc:  # e.g. a tokenizer that cannot decode the token: this request alone fails
+                self.fail(item.seq.state, exc, finished)
+                continue
+            if counting:  # each token of a sequence still running counts for its penalties
+                for target, (token_id, _) in zip(targets, choices, strict=True):
+                    if target.row >= 0:
+                        counted_rows.append(target.row)
+                        counted_tokens.append(token_id)
+        if counted_rows:
+            self.scheduler.rows.count(counted_rows, counted_tokens)
+
+    def fail(self, state: RequestState, exc: Exception, finished: list[EngineResult]) -> None:
+        """Fail one request whose step raised; the engine carries on with the others."""
+        for seq in state.seqs:
+            if seq.status is not Status.FINISHED:
+                self.scheduler.finish(seq)
+        self.requests.pop(state.request.request_id, None)
+        finished.append(failed_result(state.request, exc))
+
+    def _commit_one(
+        self,
+        item: ScheduledSeq,
+        first_block: int,
+        index: int,
+        hidden: torch.Tensor | None,
+        choices: list[tuple[int, TokenLogprob | None]],
+        finished: list[EngineResult],
+    ) -> list[Sequence]:
+        """Commit one sequence's part of a step: its full blocks are published to the prefix cache, and the token at
+        ``index`` (``PENDING`` until now) takes each choice's sampled token; the sequences that took them."""
+        seq, state = item.seq, item.seq.state
+        if choices:  # first, so that the blocks published next hold it, not the placeholder
+            seq.put(index, choices[0][0])
+        self.scheduler.block_manager.register_full_blocks(seq, first_block)
+        if state.request.task == "embed":
+            assert hidden is not None
+            chunk_sum = hidden.float().sum(dim=0)
+            state.embedding_sum = chunk_sum if state.embedding_sum is None else state.embedding_sum + chunk_sum
+            if not seq.num_uncomputed:
+                self.scheduler.finish(seq)
+                finished.append(self._embedding_result(state))
+            return []
+        if not choices:
+            return []  # a prefill chunk that does not reach the end of the prompt yet
+        if state.first_token is None:
+            state.first_token = time.time()
+            self.totals["prompt"] += len(state.request.prompt_token_ids)
+            self.totals["cached"] += state.cached_tokens
+        targets = [seq]
+        if len(choices) > 1:  # the prompt is computed: the other choices share its blocks from now on
+            seq.forked = True
+            children = [state.new_sequence(seq.token_ids[:index], i, self.tokenizer) for i in range(1, len(choices))]
+            for child in children:
+                child.forked = True
+            state.seqs += children
+            self.scheduler.fork(seq, children)
+            targets = state.seqs
+        ended = False
+        for target, (token_id, logprob) in zip(targets, choices, strict=True):
+            ended |= self._set_token(target, index, token_id, logprob)
+        if ended and state.finished and state.request.request_id in self.requests:
+            finished.append(self._completion_result(state))
+        elif state.request.stream:
+            finished.append(self._partial_result(state, targets))
+        return targets
+
+    def _set_token(self, seq: Sequence, index: int, token_id: int, logprob: TokenLogprob | None) -> bool:
+        """Put a sampled token at ``index``; end the sequence if it ends there, and say so."""
+        seq.put(index, token_id)
+        self.totals["generated"] += 1
+        if seq.logprobs is not None and logprob is not None:
+            seq.logprobs.append(logprob)
+        state = seq.state
+        # vLLM's rule: nothing stops a sequence shorter than min_tokens (the sampler bans its stop tokens until then).
+        may_stop = index + 1 - seq.num_prompt_tokens >= state.request.params.min_tokens
+        if (may_stop and token_id in state.stop_token_ids) or (
+            seq.detokenizer is not None and seq.detokenizer.add(token_id, find_stops=may_stop)
+        ):
+            seq.finish_reason = "stop"
+        elif seq.last_by_length(index):
+            seq.finish_reason = "length"
+        if seq.finish_reason is None:
+            return False
+        self.scheduler.finish(seq)  # a pending token after ``index`` (sampled for nothing) is never reported
+        return True
+
+    def _completion_result(self, state: RequestState) -> EngineResult:
+        del self.requests[state.request.request_id]
+        outputs = [
+            CompletionOutput(seq.index, seq.generated_ids, self._text(seq), seq.finish_reason or "length", seq.logprobs)
+            for seq in state.seqs
+        ]
+        return EngineResult(
+            state.request.request_id,
+            len(state.request.prompt_token_ids),
+            cached_tokens=state.cached_tokens,
+            outputs=outputs,
+            group=state.request.group,
+            times=_times(state),
+        )
+
+    def _text(self, seq: Sequence) -> str:
+        """A finished choice's text."""
+        state = seq.state
+        by_stop_token = seq.finish_reason == "stop" and seq.generated_ids[-1] in state.stop_token_ids
+        if seq.detokenizer is None:  # the stop token is not part of the text (it never reaches a detokenizer)
+            ids = seq.generated_ids[:-1] if by_stop_token else seq.generated_ids
+            return str(self.tokenizer.decode(ids, skip_special_tokens=state.request.params.skip_special_tokens))
+        if seq.finish_reason == "stop" and not by_stop_token:
+            return seq.detokenizer.text  # cut before the stop string
+        return seq.detokenizer.finish()
+
+    def _partial_result(self, state: RequestState, seqs: list[Sequence]) -> EngineResult:
+        """What a streamed request's choices ``seqs`` added this step. Text that could still turn out to be the start
+        of a stop string is held back (the stop search looks that far back), so what is reported is always a prefix
+        of the final text."""
+        outputs = []
+        for seq in seqs:
+            assert seq.detokenizer is not None  # every sequence of a streamed request has one
+            if seq.finish_reason is None:
+                text = seq.detokenizer.text
+                end = max(seq.streamed_chars, len(text) - max(0, seq.detokenizer.max_stop_len - 1))
+            else:
+                text = self._text(seq)
+                end = len(text)
+            logprobs = None if seq.logprobs is None else seq.logprobs[seq.streamed_tokens :]
+            tokens = seq.generated_ids[seq.streamed_tokens :]
+            outputs.append(
+                CompletionOutput(seq.index, tokens, text[seq.streamed_chars : end], seq.finish_reason, logprobs)
+            )
+            seq.streamed_tokens, seq.streamed_chars = seq.num_generated, end
+        request = state.request
+        return EngineResult(
+            request.request_id,
+            len(request.prompt_token_ids),
+            cached_tokens=state.cached_tokens,
+            outputs=outputs,
+            group=request.group,
+            finished=False,
+        )
+
+    def _embedding_result(self, state: RequestState) -> EngineResult:
+        del self.requests[state.request.request_id]
+        assert state.embedding_sum is not None
+        embedding = normalized_mean(state.embedding_sum, len(state.request.prompt_token_ids)).tolist()
+        self.totals["prompt"] += len(state.request.prompt_token_ids)
+        return EngineResult(
+            state.request.request_id,
+            len(state.request.prompt_token_ids),
+            embedding=embedding,
+            group=state.request.group,
+            times=_times(state),
+        )
+
+
+def _times(state: RequestState) -> RequestTimes:
+    return RequestTimes(state.arrival, state.scheduled or state.arrival, state.first_token, time.time())
