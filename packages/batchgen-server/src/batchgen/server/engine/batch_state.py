@@ -54,7 +54,7 @@ class BatchState:
         self.prompt_seen: torch.Tensor | None = None
         """``[slots, vocab]``: the prompt's tokens (the repetition penalty reads prompt and output)."""
         self._free_slots: list[int] = []
-        self.using = {"bias": 0, "min_tokens": 0, "penalties": 0, "logprobs": 0, "sampled": 0}
+        self.using = {"bias": 0, "min_tokens": 0, "penalties": 0, "logprobs": 0, "sampled": 0, "grammar": 0}
         """How many rows use each feature: a step of rows that use none reads nothing for it (no per-step cost)."""
 
     @property
@@ -68,8 +68,10 @@ class BatchState:
         prompt: list[int],
         generated: list[int],
         stop_ids: frozenset[int] = frozenset(),
+        grammar: Any = None,
     ) -> int:
-        """A row for a sequence with these parameters, ``prompt`` and tokens ``generated`` so far."""
+        """A row for a sequence with these parameters, ``prompt`` and tokens ``generated`` so far, and the grammar
+        matcher that constrains its next token, if any."""
         if not self._free:
             self._grow()
         row = self._free.pop()
@@ -85,7 +87,7 @@ class BatchState:
         bias = params.logit_bias
         self.bias[row] = (np.fromiter(bias, np.int64), np.fromiter(bias.values(), np.float64)) if bias else None
         self.stop_ids[row] = np.fromiter(sorted(stop_ids), np.int64) if params.min_tokens else _NO_IDS
-        self.grammar[row] = None
+        self.grammar[row] = grammar
         self.penalty_slot[row] = self._take_slot(prompt, generated) if params.penalised else -1
         self._tally(row, 1)
         return row
@@ -98,8 +100,14 @@ class BatchState:
         self.bias[row] = self.grammar[row] = None
         self._free.append(row)
 
+    def constrain(self, row: int, grammar: Any) -> None:
+        """From now on the row's next token follows ``grammar`` (a reasoning model finished thinking)."""
+        self.using["grammar"] += (grammar is not None) - (self.grammar[row] is not None)
+        self.grammar[row] = grammar
+
     def _tally(self, row: int, change: int) -> None:
         using = self.using
+        using["grammar"] += change * (self.grammar[row] is not None)
         using["bias"] += change * (self.bias[row] is not None)
         using["min_tokens"] += change * bool(self.min_tokens[row])
         using["penalties"] += change * bool(self.penalty_slot[row] >= 0)
@@ -183,6 +191,20 @@ class SamplingInputs:
     """Each logits row's seed (int64 bit patterns): its choice's."""
     positions: np.ndarray
     """Each logits row's position: the index of the token it samples."""
+    masks: tuple[np.ndarray, torch.Tensor] | None = None
+    """The constrained logits rows and their grammars' token masks (packed bits), once filled."""
+
+    def grammars(self) -> tuple[np.ndarray, np.ndarray, list[Any]]:
+        """The logits rows a grammar constrains, each one's index into the matchers, and the matchers, each once (the
+        ``n`` choices of a prompt just completed share their parent's row, and so its mask)."""
+        if not self.state.using["grammar"]:
+            return _NO_IDS, _NO_IDS, []
+        grammar = self.state.grammar
+        at = [i for i, row in enumerate(self.rows.tolist()) if grammar[row] is not None]
+        rows = self.rows[at].tolist()
+        place = {row: i for i, row in enumerate(dict.fromkeys(rows))}
+        owner = np.array([place[row] for row in rows], dtype=np.int64)
+        return np.array(at, dtype=np.int64), owner, [grammar[row] for row in place]
 
     def __len__(self) -> int:
         return len(self.rows)

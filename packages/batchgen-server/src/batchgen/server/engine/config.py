@@ -92,6 +92,11 @@ class EngineConfig:
     torch_threads: int | None = setting(
         None, "CPU threads of torch's ops, process-wide (default: torch's own, the machine's cores)"
     )
+    grammar_timeout_s: float = setting(
+        10.0,
+        "longest a structured-output grammar (a JSON schema, a regex...) may take to compile; the request is "
+        "refused past it",
+    )
 
     @property
     def served_model_names(self) -> tuple[str, ...]:

@@ -45,6 +45,9 @@ class EncoderEngine:
         """The batch being embedded: the suspects if the step fails beyond the isolation."""
         self._prompt_tokens = 0
 
+    def prepare(self, request: EngineRequest) -> None:
+        """Nothing: an embedding has no grammar to compile."""
+
     def add_request(self, request: EngineRequest) -> None:
         error = admission_error(request, self.max_context_length, self._waiting, self.vocab_size)
         if error is None and request.task != "embed":

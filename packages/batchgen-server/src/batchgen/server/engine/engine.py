@@ -5,6 +5,7 @@ here, the model runs (``model_runner.py``), the sampler reads the running rows' 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import time
@@ -12,17 +13,19 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from transformers import PreTrainedModel
 
 from .batch_state import BatchState, SamplingInputs
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .fast_paths import describe
+from .grammar import GrammarError, MaskFill, compiler_for
 from .inputs import DeviceTokens
 from .interface import EngineStats
 from .model_runner import ModelRunner
 from .output_processor import Launched, OutputProcessor
-from .request import EngineRequest, EngineResult, Task, admission_error
+from .request import EngineError, EngineRequest, EngineResult, Task, admission_error
 from .sampler import Sampler
 from .scheduler import ScheduledSeq, Scheduler
 from .self_check import self_check
@@ -65,6 +68,7 @@ class LLMEngine:
         """Token ids a request may name (prompt, stop tokens, logit bias): rows of the embedding and of the logits."""
         self.eos_token_ids = frozenset(token for token in _eos_ids(model, tokenizer) if token < self.vocab_size)
         self._seeds = random.Random(config.seed)
+        self.grammars = compiler_for(tokenizer, self.vocab_size, config.grammar_timeout_s)
         self._requests: dict[str, RequestState] = {}
         self.scheduler = Scheduler(
             self._fresh_cache(), self._fresh_rows(), config.max_num_seqs, config.max_num_batched_tokens,
@@ -97,11 +101,24 @@ class LLMEngine:
 
     # ---- requests in and out -----------------------------------------------------------------------------------
 
+    def prepare(self, request: EngineRequest) -> None:
+        """Compile the request's grammar now, in the submitting thread, so that the step thread finds it cached
+        (a grammar that does not compile is answered when the request is added)."""
+        if request.params.grammar is not None:
+            with contextlib.suppress(GrammarError):
+                self.grammars.compile(request.params.grammar)
+
     def add_request(self, request: EngineRequest) -> None:
         params = request.params
         prompt_len = len(request.prompt_token_ids)
         max_len = min(self.max_context_length, params.max_context_length or self.max_context_length)
         error = admission_error(request, max_len, self._requests, self.vocab_size)
+        matcher = None
+        if error is None and params.grammar is not None:
+            try:
+                matcher = self.grammars.matcher(params.grammar)
+            except GrammarError as exc:
+                error = EngineError("invalid_grammar", f"The grammar cannot be used: {exc}")
         if error is not None:
             self._ready.append(EngineResult(request.request_id, prompt_len, error=error, group=request.group))
             return
@@ -109,7 +126,9 @@ class LLMEngine:
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(64)
         state = RequestState(request, max_len, max_tokens, frozenset(stop_ids), seed)
-        state.seqs.append(state.new_sequence(list(request.prompt_token_ids), 0, self.tokenizer))
+        seq = state.new_sequence(list(request.prompt_token_ids), 0, self.tokenizer)
+        seq.matcher, seq.grammar_active = matcher, not params.grammar_after
+        state.seqs.append(seq)
         self._requests[request.request_id] = state
         self.scheduler.add(state.seqs[0])
 
@@ -219,12 +238,18 @@ class LLMEngine:
         """Prepare, run and sample a step, leaving it on the device; then advance its sequences as if it were done:
         their computed tokens count, and each sampled one holds a ``PENDING`` token until the step is settled."""
         plan = self._prepare(scheduled)
+        masks = None
+        if plan.inputs is not None:  # the constrained rows' masks are filled while the forward runs
+            constrained, owners, matchers = plan.inputs.grammars()
+            masks = MaskFill(self.grammars, matchers) if matchers else None
         output = self.runner.forward(
             scheduled, self.scheduler.block_manager.tables.array, plan.sample_rows, plan.want_hidden, plan.device_tokens
         )
         launched = plan.launched
         launched.hidden = output.hidden
         if plan.inputs is not None:
+            if masks is not None:
+                plan.inputs.masks = constrained, masks.result()[torch.from_numpy(owners)]
             logits = output.logits
             if len(plan.logits_rows) != len(plan.sample_rows):  # a completed prompt feeds its n choices from one row
                 logits = logits[indices(plan.logits_rows, logits.device)]
@@ -272,7 +297,7 @@ class LLMEngine:
                 logits_rows.append(len(sample_rows) - 1)
                 batch_rows.append(seq.row)
                 positions.append(len(seq))
-            if n > 1 or request.params.penalised:
+            if n > 1 or request.params.penalised or seq.matcher is not None:
                 launched.overlappable = False  # the next step needs what this one gives the host first
         inputs = self.scheduler.rows.inputs(batch_rows, positions, fork_seeds) if batch_rows else None
         device_tokens = None

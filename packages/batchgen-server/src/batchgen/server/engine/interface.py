@@ -65,6 +65,11 @@ class SteppingEngine(ServedModel, Protocol):
     @property
     def config(self) -> EngineConfig: ...
 
+    def prepare(self, request: EngineRequest) -> None:
+        """What can be done for ``request`` before it reaches the step thread (compiling its grammar), done in the
+        submitting thread; thread-safe."""
+        ...
+
     def add_request(self, request: EngineRequest) -> None:
         """Admit ``request``; one it can never run is answered (an error result) by the next ``step``."""
         ...

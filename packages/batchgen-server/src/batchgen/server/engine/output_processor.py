@@ -120,8 +120,10 @@ class OutputProcessor:
         if len(choices) > 1:  # the prompt is computed: the other choices share its blocks from now on
             seq.forked = True
             children = [state.new_sequence(seq.token_ids[:index], i, self.tokenizer) for i in range(1, len(choices))]
-            for child in children:
+            for child in children:  # each choice follows the grammar from where the parent is, on its own
                 child.forked = True
+                child.grammar_active = seq.grammar_active
+                child.matcher = None if seq.matcher is None else seq.matcher.deep_copy()
             state.seqs += children
             self.scheduler.fork(seq, children)
             targets = state.seqs
@@ -135,11 +137,13 @@ class OutputProcessor:
         return targets
 
     def _set_token(self, seq: Sequence, index: int, token_id: int, logprob: TokenLogprob | None) -> bool:
-        """Put a sampled token at ``index``; end the sequence if it ends there, and say so."""
+        """Put a sampled token at ``index`` (its grammar advanced by it); end the sequence if it ends there (a
+        grammar that allows nothing more ends it too), and say so."""
         seq.put(index, token_id)
         self.totals["generated"] += 1
         if seq.logprobs is not None and logprob is not None:
             seq.logprobs.append(logprob)
+        grammar_done = seq.matcher is not None and self._advance_grammar(seq, index)
         state = seq.state
         # vLLM's rule: nothing stops a sequence shorter than min_tokens (the sampler bans its stop tokens until then).
         may_stop = index + 1 - seq.num_prompt_tokens >= state.request.params.min_tokens
@@ -149,10 +153,26 @@ class OutputProcessor:
             seq.finish_reason = "stop"
         elif seq.last_by_length(index):
             seq.finish_reason = "length"
+        elif grammar_done:
+            seq.finish_reason = "stop"
         if seq.finish_reason is None:
             return False
         self.scheduler.finish(seq)  # a pending token after ``index`` (sampled for nothing) is never reported
         return True
+
+    def _advance_grammar(self, seq: Sequence, index: int) -> bool:
+        """The committed token through the sequence's grammar, or, while a reasoning model thinks, whether it just
+        stopped (then the grammar constrains what follows); whether the grammar allows nothing more."""
+        if not seq.grammar_active:
+            after = seq.state.request.params.grammar_after
+            if seq.token_ids[index + 1 - len(after) : index + 1] == list(after):
+                seq.grammar_active = True
+                if seq.row >= 0:
+                    self.scheduler.rows.constrain(seq.row, seq.matcher)
+            return False
+        if not seq.matcher.consume_token(seq.token_ids[index]):
+            raise RuntimeError(f"a token its grammar does not allow was committed ({seq.matcher.get_error()})")
+        return bool(seq.matcher.is_stopped())
 
     def _completion_result(self, state: RequestState) -> EngineResult:
         del self.requests[state.request.request_id]

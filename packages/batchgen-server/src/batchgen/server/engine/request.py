@@ -46,6 +46,11 @@ class SamplingParams:
     top_logprobs: int = 0
     max_context_length: int | None = None
     """Cap on prompt + generated tokens (the batch's ``max_context_length``); the model's own limit always applies."""
+    grammar: str | None = None
+    """An llguidance grammar (its canonical text) every generated token must follow; ``None``: unconstrained."""
+    grammar_after: tuple[int, ...] = ()
+    """Token ids that end a reasoning model's thinking: the grammar constrains what follows them (``()``: from the
+    first token)."""
 
     @property
     def penalised(self) -> bool:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from .grammar import allowed
 from .request import TokenLogprob
 from .transfer import HostCopy, to_device
 
@@ -130,6 +131,11 @@ class Sampler:
         """The logits every later stage sees (and the logprobs report): logit bias, ``min_tokens``, then the
         penalties, in vLLM's order."""
         device = logits.device
+        if rows.masks is not None:  # the grammar first: no bias can make a token it forbids possible
+            at, masks = rows.masks
+            index = _index(at, device)
+            forbidden = ~allowed(to_device(masks, device), logits.shape[1])
+            logits = logits.index_put((index,), logits[index].masked_fill(forbidden, float("-inf")))
         if (biased := rows.bias()) is not None:
             at, tokens, values = biased
             bias = to_device(torch.from_numpy(values).to(logits.dtype), device)

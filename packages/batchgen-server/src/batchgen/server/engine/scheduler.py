@@ -136,7 +136,7 @@ class Scheduler:
         seq.status = Status.RUNNING
         seq.row = self.rows.add_row(
             seq.state.request.params, seq.seed, seq.state.request.prompt_token_ids, seq.generated_ids,
-            seq.state.stop_token_ids,
+            seq.state.stop_token_ids, seq.matcher if seq.grammar_active else None,
         )  # fmt: skip
         self.running.append(seq)
 

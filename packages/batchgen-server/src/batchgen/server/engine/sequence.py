@@ -92,6 +92,10 @@ class Sequence:
     """Generated tokens reported in partial results so far (streamed requests)."""
     streamed_chars: int = 0
     """Characters of the text reported in partial results so far."""
+    matcher: Any = None
+    """Its grammar's llguidance matcher (``None``: unconstrained), advanced by each committed token once active."""
+    grammar_active: bool = True
+    """The grammar constrains its next token (``False`` while a reasoning model still thinks)."""
 
     def __len__(self) -> int:
         """Tokens so far, a pending one included."""

@@ -99,6 +99,8 @@ class EngineWorker:
         self._thread.join(timeout)
 
     def submit(self, requests: list[EngineRequest], on_result: ResultCallback) -> None:
+        for request in requests:  # in the caller's thread, not the step's (compiling a grammar)
+            self.engine.prepare(request)
         with self._cond:
             self._pending.extend((request, on_result) for request in requests)
             self._cond.notify()
