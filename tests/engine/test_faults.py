@@ -1,6 +1,8 @@
 """No request can stop the engine: a fault is pinned on the request that causes it, and everyone else's output is
 exactly what it would have been without it.
 
+A grammar-constrained request is among the good ones: its matcher must come through the bisection unharmed.
+
 Faults are injected by patching the engine's own classes for requests that carry a marker (a stop string or a seed),
 the only fake in these tests: the engine, the model and the worker are real.
 """
@@ -12,6 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from llguidance import LLMatcher
 
 from batchgen.server.engine import EngineRequest, EngineResult, EngineWorker, LLMEngine, SamplingParams
 from batchgen.server.engine.model_runner import ModelRunner
@@ -30,6 +33,7 @@ def _good_requests(prompts: list[list[int]]) -> list[EngineRequest]:
         SamplingParams(max_tokens=6, temperature=1.0, seed=7),
         SamplingParams(max_tokens=6, temperature=0.9, top_k=2147483647, seed=8),  # top_k far past the vocabulary
         SamplingParams(max_tokens=6, temperature=1.0, n=2, seed=9, logprobs=True, top_logprobs=3),
+        SamplingParams(max_tokens=6, temperature=1.0, seed=10, grammar=LLMatcher.grammar_from_regex("[a-z]{2,9}")),
     ]
     return [EngineRequest(f"good-{i}", p, kinds[i % len(kinds)], group="g") for i, p in enumerate(prompts)]
 

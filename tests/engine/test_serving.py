@@ -44,7 +44,7 @@ def serve(make_engine: Callable[..., LLMEngine], run_to_completion: Run) -> Call
         requests = serving.to_engine_requests(line.body, request_id="rid", defaults=defaults, group="batch_1")
         results = run_to_completion(engine, requests)
         in_order = [results[request.request_id] for request in requests]
-        encoded = msgspec.json.encode(serving.output_line(line, in_order, request_id="rid"))
+        encoded = msgspec.json.encode(serving.output_line(line, requests, in_order, request_id="rid"))
         return parse_output_line(encoded), requests
 
     return run
@@ -100,7 +100,7 @@ def test_chat_uses_the_template_and_reports_cached_tokens(
         expected = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         assert requests[0].prompt_token_ids == tokenizer.encode(expected, add_special_tokens=False)
         results = list(run_to_completion(engine, requests).values())
-        bodies.append(serving.output_line(line, results, request_id=f"r{i}").response.body)
+        bodies.append(serving.output_line(line, requests, results, request_id=f"r{i}").response.body)
     assert all(isinstance(b, ChatCompletion) for b in bodies)
     assert bodies[0].usage.prompt_tokens_details.cached_tokens == 0
     assert bodies[1].usage.prompt_tokens_details.cached_tokens >= 16 * (len(system) // 16 - 1)
@@ -183,7 +183,13 @@ def test_context_length_error_becomes_a_400_line(serve: Callable[..., Any]) -> N
     [
         (
             "/v1/chat/completions",
-            {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}, "strict": True},
+                },
+            },
             "response_format",
         ),
         ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
@@ -277,9 +283,9 @@ def test_the_sampling_extensions_reach_the_engine(tokenizer: Any) -> None:
         assert (error.code, error.param) == ("invalid_value", param) and "outside the vocabulary" in error.message
     error = _refused(serving, "/v1/completions", {"min_tokens": 9, "max_tokens": 4})
     assert (error.code, error.param) == ("invalid_value", "min_tokens")
-    error = _refused(serving, "/v1/chat/completions", {"response_format": {"type": "json_object"}})
-    assert (error.code, error.param) == ("unsupported_parameter", "response_format")
-    assert "needs guided decoding" in error.message
+    line = _line("/v1/chat/completions", {**CHAT_BODY, "response_format": {"type": "json_object"}})
+    (request,) = serving.to_engine_requests(line.body, **ARGS)
+    assert request.params.grammar is not None and '"type":"object"' in request.params.grammar
 
 
 def test_the_model_generation_config_sits_beneath_batch_and_request(tokenizer: Any) -> None:
@@ -337,8 +343,6 @@ def test_tools_and_template_variables_are_rendered(tools_serving: OpenAIServing)
 @pytest.mark.parametrize(
     ("body", "code", "param"),
     [
-        ({"tools": [WEATHER], "tool_choice": "required"}, "unsupported_parameter", "tool_choice"),
-        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": WEATHER["function"]}}, "", "tool_choice"),
         ({"chat_template_kwargs": {"enable_thinking": False}}, "", "chat_template_kwargs.enable_thinking"),
         ({"chat_template_kwargs": {"e": 1}}, "", "chat_template_kwargs.e"),  # in the source's text, not a variable
         ({"chat_template_kwargs": {"tokenize": True}}, "invalid_value", "chat_template_kwargs"),

@@ -37,6 +37,7 @@ BATCH_FIELDS = {
     "temperature",
     "top_p",
     "top_k",
+    "response_format",
 }
 
 

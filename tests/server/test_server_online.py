@@ -121,6 +121,13 @@ def test_the_async_sdk_streams_concurrently(live_server: LiveServer) -> None:
         assert streamed == whole
 
 
+UNENFORCEABLE = {
+    "type": "json_schema",
+    "json_schema": {"name": "u", "schema": {"type": "array", "uniqueItems": True}, "strict": True},
+}
+"""A strict schema with a keyword the grammar cannot enforce."""
+
+
 @pytest.mark.parametrize(
     ("extra", "status", "code", "param"),
     [
@@ -128,8 +135,8 @@ def test_the_async_sdk_streams_concurrently(live_server: LiveServer) -> None:
         ({"temprature": 0.5}, 400, "unknown_parameter", "temprature"),
         ({"reasoning_effort": "low"}, 400, "unsupported_parameter", "reasoning_effort"),
         ({"guided_json": {"type": "object"}}, 400, "unsupported_parameter", "guided_json"),
-        ({"response_format": {"type": "json_object"}}, 400, "unsupported_parameter", "response_format"),
-        ({"tool_choice": "required"}, 400, "unsupported_parameter", "tool_choice"),
+        ({"response_format": UNENFORCEABLE}, 400, "invalid_grammar", "response_format"),
+        ({"tool_choice": "required"}, 400, "invalid_request", "tool_choice"),  # no tools to call
         ({"temperature": 5}, 400, "invalid_value", "temperature"),
         ({"stream_options": {"include_usage": True}}, 400, "invalid_request", "stream_options"),
         ({"top_logprobs": 2}, 400, "invalid_request", "top_logprobs"),

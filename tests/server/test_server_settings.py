@@ -17,6 +17,7 @@ from batchgen.server.api.errors import APIError
 from batchgen.server.cli import build_parser, main, settings_from_args
 from batchgen.server.engine.config import EngineConfig
 from batchgen.server.options import add_flags, build, options, setting
+from batchgen.server.serving.config import ServingConfig
 from batchgen.server.settings import Settings
 from batchgen.server.storage.database import Database
 
@@ -104,7 +105,11 @@ def test_insecure_and_callback_hosts_from_flags_and_environment() -> None:
 def test_every_setting_is_a_flag_and_a_variable(cls: type, monkeypatch: pytest.MonkeyPatch) -> None:
     """One declaration per field: its flag and its BATCHGEN_* variable both set it, and the flag wins."""
     declared = options(cls)
-    assert {option.name for option in declared} == {f.name for f in dataclasses.fields(cls)} - {"engine", "cluster"}
+    assert {option.name for option in declared} == {f.name for f in dataclasses.fields(cls)} - {
+        "engine",
+        "cluster",
+        "serving",
+    }
     samples = {bool: (True, "1", "--{}"), int: (7, "7", "7"), float: (0.25, "0.25", "0.25")}
     samples |= {str: ("x", "x", "x"), Path: (Path("/p"), "/p", "/p"), tuple: (("a", "b"), "a,b", "a")}
     for option in declared:
@@ -211,3 +216,21 @@ def test_read_only_storage_is_one_line_and_exit_1(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert "cannot be written: Read-only file system" in err
+
+
+def test_the_chat_output_parsers_are_vllm_flags_checked_before_anything_starts(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    argv = ["serve", "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"]
+    assert settings_from_args(build_parser().parse_args(argv)).serving == ServingConfig(True, "hermes", "qwen3")
+    monkeypatch.setenv("BATCHGEN_TOOL_CALL_PARSER", "mistral")
+    assert Settings.from_env().serving.tool_call_parser == "mistral"
+    monkeypatch.delenv("BATCHGEN_TOOL_CALL_PARSER")
+    for flags, message in (
+        (["--tool-call-parser", "nope"], "unknown tool call parser 'nope'; valid: hermes,"),
+        (["--reasoning-parser", "nope"], "unknown reasoning parser 'nope'; valid: deepseek_r1, qwen3"),
+        (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
+    ):
+        with pytest.raises(SystemExit):
+            main(["serve", *flags])
+        assert message in capsys.readouterr().err

@@ -31,10 +31,12 @@ from batchgen.schemas import (
     FileObject,
     GenerationDefaults,
     HealthStatus,
+    JsonSchemaFormat,
     Metadata,
     ModelList,
     ModelObject,
     PoolStatus,
+    ResponseFormat,
     parse_output_line,
 )
 
@@ -98,6 +100,25 @@ class ApiRequest(Generic[T]):
     retry: bool = True
     accept: frozenset[int] = frozenset()
     """Non-2xx statuses that ``parse`` handles itself instead of raising."""
+
+
+ResponseFormatInput = ResponseFormat | Mapping[str, Any] | type
+"""A ``response_format``: the wire type, its JSON as a dict, or a pydantic model class (its JSON schema)."""
+
+
+def as_response_format(value: ResponseFormatInput | None) -> ResponseFormat | None:
+    """``value`` as the wire type; a pydantic model class becomes a strict ``json_schema`` format, named after it, as
+    the ``openai`` SDK's ``.parse()`` sends it (duck-typed: the client does not depend on pydantic)."""
+    if value is None or isinstance(value, ResponseFormat):
+        return value
+    if isinstance(value, type):
+        schema = getattr(value, "model_json_schema", None)
+        if schema is None:
+            raise TypeError(f"response_format: {value.__name__} is not a pydantic model class")
+        return ResponseFormat(
+            type="json_schema", json_schema=JsonSchemaFormat(name=value.__name__, schema_=schema(), strict=True)
+        )
+    return msgspec.convert(value, ResponseFormat)
 
 
 def _decoder(kind: type[T]) -> Callable[[httpx.Response], T]:

@@ -31,7 +31,17 @@ from batchgen.schemas import (
 )
 
 from . import _core
-from ._core import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT_S, ApiRequest, ClientCore, FileInput, RequestsInput, Sleep
+from ._core import (
+    DEFAULT_MAX_RETRIES,
+    DEFAULT_TIMEOUT_S,
+    ApiRequest,
+    ClientCore,
+    FileInput,
+    RequestsInput,
+    ResponseFormatInput,
+    Sleep,
+    as_response_format,
+)
 from ._wait import BatchCallback, BatchWaiter
 
 T = TypeVar("T")
@@ -165,14 +175,18 @@ class BatchGenHttpClient:
         temperature: float | None = None,
         top_p: float | None = None,
         top_k: int | None = None,
+        response_format: ResponseFormatInput | None = None,
     ) -> BatchObject:
-        """Start a batch; the batch-level ``GenerationDefaults`` apply to requests that do not set their own."""
+        """Start a batch; the batch-level ``GenerationDefaults`` apply to requests that do not set their own.
+        ``response_format`` takes a request's ``response_format`` (a dict or a ``ResponseFormat``), or a pydantic
+        model class: every line's output then follows its JSON schema."""
         defaults = GenerationDefaults(
             max_decoding_length=max_decoding_length,
             max_context_length=max_context_length,
             temperature=temperature,
             top_p=top_p,
             top_k=top_k,
+            response_format=as_response_format(response_format),
         )
         return self._request(
             self._core.create_batch(
@@ -234,6 +248,7 @@ class BatchGenHttpClient:
         temperature: float | None = None,
         top_p: float | None = None,
         top_k: int | None = None,
+        response_format: ResponseFormatInput | None = None,
         wait: bool = True,
         poll_interval: float = 5.0,
         timeout: float | None = None,
@@ -256,6 +271,7 @@ class BatchGenHttpClient:
             temperature=temperature,
             top_p=top_p,
             top_k=top_k,
+            response_format=response_format,
         )
         if not wait:
             return batch

@@ -20,22 +20,24 @@ def add_generation_defaults(parser: argparse.ArgumentParser) -> None:
     struct = msgspec.inspect.type_info(GenerationDefaults)
     assert isinstance(struct, msgspec.inspect.StructType)
     for field in struct.fields:
-        assert isinstance(field.type, msgspec.inspect.UnionType)  # Annotated[int | float, Meta(...)] | None
+        assert isinstance(field.type, msgspec.inspect.UnionType)  # Annotated[int | float | Struct, Meta(...)] | None
         (meta,) = (kind for kind in field.type.types if isinstance(kind, msgspec.inspect.Metadata))
-        is_int = isinstance(meta.type, msgspec.inspect.IntType)
+        is_json = isinstance(meta.type, msgspec.inspect.StructType)
         group.add_argument(
             "--" + field.name.replace("_", "-"),
-            type=_checked(hints[field.name]),
-            metavar="N" if is_int else "X",
+            type=_checked(hints[field.name], is_json),
+            metavar="JSON" if is_json else "N" if isinstance(meta.type, msgspec.inspect.IntType) else "X",
             help=(meta.extra_json_schema or {}).get("description"),
         )
 
 
-def _checked(hint: Any) -> Callable[[str], Any]:
+def _checked(hint: Any, is_json: bool) -> Callable[[str], Any]:
     def convert(text: str) -> Any:
         try:
+            if is_json:
+                return msgspec.json.decode(text, type=hint)
             return msgspec.convert(text, hint, strict=False)
-        except msgspec.ValidationError as exc:
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
 
     return convert

@@ -9,6 +9,7 @@ import msgspec
 from msgspec import Meta
 
 from ._base import Body, Wire
+from .requests import ResponseFormat
 
 BatchStatus = Literal[
     "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"
@@ -71,6 +72,9 @@ class GenerationDefaults(Body, kw_only=True):
     temperature: Annotated[float, Meta(ge=0, le=2, description="sampling temperature (0: greedy)")] | None = None
     top_p: Annotated[float, Meta(gt=0, le=1, description="nucleus sampling's probability mass")] | None = None
     top_k: Annotated[int, Meta(ge=-1, description="sample among the k likeliest tokens (0 or -1: all)")] | None = None
+    response_format: (
+        Annotated[ResponseFormat, Meta(description="the output format, as a request's response_format (JSON)")] | None
+    ) = None
 
 
 # Multiple inheritance keeps the wire format flat; msgspec puts the inherited fields first.

@@ -70,9 +70,74 @@ class ChatMessage(Body, kw_only=True):
         return "".join(part.text for part in self.content)
 
 
-class ResponseFormat(Body, kw_only=True):
+class JsonSchemaFormat(Body, kw_only=True, forbid_unknown_fields=True):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = msgspec.field(default=None, name="schema")
+    """The JSON schema every output follows (``None``: any JSON value)."""
+    strict: bool | None = None
+    """``true``: a schema keyword the grammar cannot enforce refuses the request (the output is guaranteed to
+    validate); otherwise such a keyword is ignored and the rest of the schema enforced."""
+
+
+class ResponseFormat(Body, kw_only=True, forbid_unknown_fields=True):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(Body, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's ``structured_outputs``: exactly one constraint, enforced token by token."""
+
+    json: str | dict[str, Any] | None = None
+    """A JSON schema (an object, or its text); keywords the grammar cannot enforce refuse the request."""
+    regex: str | None = None
+    choice: Annotated[list[str], msgspec.Meta(min_length=1)] | None = None
+    grammar: str | None = None
+    """A context-free grammar: Lark (llguidance's dialect) or GBNF (llama.cpp's)."""
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    """``{"structures": [{"begin", "schema", "end"}], "triggers": [...]}`` as JSON text: free text in which each
+    structure, once its trigger appears, follows its schema."""
+    disable_any_whitespace: bool = False
+    """JSON without optional whitespace (compact)."""
+    whitespace_pattern: str | None = None
+    """A regex for JSON's optional whitespace (default: at most a few spaces, tabs and newlines at each place)."""
+    disable_fallback: bool = False
+    """A no-op: there is one grammar backend, and no fallback."""
+
+    def constraints(self) -> list[str]:
+        """The names of the constraints set."""
+        return [name for name in CONSTRAINTS if getattr(self, name) not in (None, False)]
+
+
+CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+class FunctionDefinition(Body, kw_only=True, forbid_unknown_fields=True):
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """The arguments' JSON schema (``None``: no arguments)."""
+    strict: bool | None = None
+
+
+class ChatTool(Body, kw_only=True, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(Body, kw_only=True, forbid_unknown_fields=True):
+    name: str
+
+
+class NamedToolChoice(Body, kw_only=True, forbid_unknown_fields=True):
+    """Call this function (its arguments follow its ``parameters``)."""
+
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class StreamOptions(Body, kw_only=True, forbid_unknown_fields=True):
@@ -121,7 +186,8 @@ class SamplingFields(RequestFields, kw_only=True):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
-    """Only ``text``: the json modes need guided decoding, which batchgen does not have yet."""
+    """``json_schema`` or ``json_object``: every output is JSON (of the schema), enforced token by token."""
+    structured_outputs: StructuredOutputs | None = None
     best_of: Unsupported = None
     use_beam_search: Unsupported = None
     length_penalty: Unsupported = None
@@ -134,7 +200,6 @@ class SamplingFields(RequestFields, kw_only=True):
     logits_processors: Unsupported = None
     return_tokens_as_token_ids: Unsupported = None
     return_token_ids: Unsupported = None
-    structured_outputs: Unsupported = None
     guided_json: Unsupported = None
     guided_regex: Unsupported = None
     guided_choice: Unsupported = None
@@ -142,6 +207,7 @@ class SamplingFields(RequestFields, kw_only=True):
     guided_decoding_backend: Unsupported = None
     guided_whitespace_pattern: Unsupported = None
     structural_tag: Unsupported = None
+    """vLLM's older spelling: ``structured_outputs.structural_tag``."""
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -149,17 +215,17 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = None
-    tools: list[dict[str, Any]] | None = None
-    """Rendered into the prompt by the model's chat template; a call comes back as the model's text (no parser)."""
-    tool_choice: Any = None
-    """``auto`` renders ``tools``, ``none`` leaves them out; ``required`` or a named tool (which need guided decoding)
-    are refused."""
+    tools: list[ChatTool] | None = None
+    """Rendered into the prompt by the model's chat template."""
+    tool_choice: ToolChoice | None = None
+    """``none`` leaves the tools out; ``auto`` (the default with tools) lets the model call them, parsed by the
+    server's ``--tool-call-parser``; ``required`` and a named function are enforced by a grammar."""
     chat_template_kwargs: dict[str, Any] | None = None
     """Variables for the chat template (``enable_thinking``...)."""
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     parallel_tool_calls: bool | None = None
-    """A no-op: with no tool-call parser, calls are never split out of the text."""
+    """``false``: at most one call (enforced with ``tool_choice`` ``required``)."""
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None

@@ -9,7 +9,7 @@ import msgspec
 from ._base import Wire
 from .errors import ErrorResponse
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class PromptTokensDetails(Wire, kw_only=True):
@@ -46,10 +46,28 @@ class ChoiceLogprobs(Wire, kw_only=True):
     refusal: list[TokenLogprob] | None = None
 
 
+class FunctionCall(Wire, kw_only=True):
+    name: str
+    arguments: str
+    """The arguments as JSON text (an object)."""
+
+
+class ToolCall(Wire, kw_only=True):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatCompletionMessage(Wire, kw_only=True):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[ToolCall] | msgspec.UnsetType = msgspec.UNSET
+    """The calls the model made (``tools``); absent when it made none."""
+    reasoning: str | msgspec.UnsetType | None = msgspec.UNSET
+    """A reasoning model's thinking (with ``--reasoning-parser``; ``null`` when it did not think), vLLM's field."""
+    reasoning_content: str | msgspec.UnsetType | None = msgspec.UNSET
+    """The same, under the name much of the ecosystem still reads (DeepSeek's API, older vLLM)."""
 
 
 class ChatCompletionChoice(Wire, kw_only=True):
@@ -111,11 +129,29 @@ class EmbeddingList(Wire, kw_only=True, tag_field="object", tag="list"):
 ResponseBody = ChatCompletion | TextCompletion | EmbeddingList | ErrorResponse
 
 
+class FunctionCallDelta(Wire, kw_only=True, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(Wire, kw_only=True, omit_defaults=True):
+    """A piece of call ``index``: its first has the ``id``, ``type`` and name, the others more of the arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class ChoiceDelta(Wire, kw_only=True, omit_defaults=True):
-    """What a stream chunk adds to a chat choice: the role first, then content; ``{}`` in the chunk that ends it."""
+    """What a stream chunk adds to a chat choice: the role first, then reasoning, content or tool calls; ``{}`` in the
+    chunk that ends it."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatCompletionChunkChoice(Wire, kw_only=True):

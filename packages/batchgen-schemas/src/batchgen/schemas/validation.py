@@ -28,11 +28,13 @@ import msgspec
 from .batches import BatchError, BatchErrors
 from .requests import (
     BODY_TYPES,
+    CONSTRAINTS,
     INT32_MAX,
     BatchInputLine,
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
+    NamedToolChoice,
     Prompt,
     RequestBody,
     count_sequences,
@@ -453,20 +455,51 @@ def request_problem(body: RequestBody) -> tuple[str, str] | None:
         return "logit_bias", f"its keys must be token ids: integers from 0 to {INT32_MAX} written in plain digits."
     if isinstance(body, CompletionRequest) and (problem := _prompt_problem(body.prompt)) is not None:
         return "prompt", problem
+    if (structure := _structure_problem(body)) is not None:
+        return structure
     for name, value in _free_form(body):
         if _too_deep(value):
             return name, f"it is nested more than {MAX_NESTING} levels deep."
     return None
 
 
+def _structure_problem(body: ChatCompletionRequest | CompletionRequest) -> tuple[str, str] | None:
+    """What makes the output constraints of ``body`` (its format, its tools) contradictory or incomplete."""
+    constrained = []
+    if (response_format := body.response_format) is not None and response_format.type != "text":
+        if response_format.type == "json_schema" and response_format.json_schema is None:
+            return "response_format.json_schema", "it is required when 'type' is 'json_schema'."
+        constrained.append("response_format")
+    if body.structured_outputs is not None:
+        names = body.structured_outputs.constraints()
+        if len(names) != 1:
+            listed = ", ".join(names) if names else "none"
+            return "structured_outputs", f"it must set exactly one of {', '.join(CONSTRAINTS)} (it sets {listed})."
+        constrained.append("structured_outputs")
+    if isinstance(body, ChatCompletionRequest) and body.tool_choice not in (None, "none", "auto"):
+        names = [tool.function.name for tool in body.tools or ()]
+        if not names:
+            return "tool_choice", "it requires 'tools'."
+        if isinstance(body.tool_choice, NamedToolChoice) and body.tool_choice.function.name not in names:
+            return "tool_choice", f"the function {body.tool_choice.function.name!r} is not among the tools."
+        constrained.append("tool_choice")
+    if len(constrained) > 1:
+        return constrained[1], f"it cannot be combined with '{constrained[0]}': a request follows one constraint."
+    return None
+
+
 def _free_form(body: ChatCompletionRequest | CompletionRequest) -> Iterator[tuple[str, object]]:
-    """The values of ``body`` that no type bounds, by field name."""
-    for name in body.__struct_fields__:
-        value = getattr(body, name)
-        if isinstance(value, dict | list) and name not in ("prompt", "messages", "stop", "stop_token_ids"):
+    """The values of ``body`` that no type bounds, by field name (inside its typed parts too: a tool's
+    parameters, a format's schema)."""
+    fields: list[tuple[str, object]] = [(name, getattr(body, name)) for name in body.__struct_fields__]
+    while fields:
+        name, value = fields.pop()
+        if isinstance(value, msgspec.Struct):
+            fields += ((f"{name}.{inner}", getattr(value, inner)) for inner in value.__struct_fields__)
+        elif isinstance(value, list) and value and isinstance(value[0], msgspec.Struct):  # tools
+            fields += ((f"{name}[{index}]", item) for index, item in enumerate(value))
+        elif isinstance(value, dict | list) and name not in ("prompt", "messages", "stop", "stop_token_ids"):
             yield name, value
-        elif isinstance(value, msgspec.Struct):  # response_format's json_schema
-            yield from ((f"{name}.{inner}", v) for inner, v in msgspec.structs.asdict(value).items())
     if isinstance(body, ChatCompletionRequest):
         for index, message in enumerate(body.messages):
             if message.tool_calls is not None:

@@ -63,7 +63,7 @@ def create_app(settings: Settings, engine: EngineClient | None = None) -> Litest
         if engine is None:
             engine = await asyncio.to_thread(load_engine, settings.engine, settings.cluster)
         serving = await asyncio.to_thread(
-            OpenAIServing.for_engine, engine, settings.engine, settings.max_line_sequences
+            OpenAIServing.for_engine, engine, settings.engine, settings.serving, settings.max_line_sequences
         )
         metrics: Metrics | None = None
 

@@ -17,15 +17,22 @@ from batchgen.schemas.arguments import add_generation_defaults
 from .engine.config import EngineConfig
 from .options import add_flags, build
 from .replicas.config import ClusterConfig
+from .serving.config import ServingConfig
 from .settings import Settings
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     """The server's settings: flags given, then BATCHGEN_* variables, then defaults."""
-    return build(Settings, args, engine=build(EngineConfig, args), cluster=build(ClusterConfig, args))
+    return build(
+        Settings,
+        args,
+        engine=build(EngineConfig, args),
+        cluster=build(ClusterConfig, args),
+        serving=build(ServingConfig, args),
+    )
 
 
-def _run_batch(args: argparse.Namespace, config: EngineConfig, cluster: ClusterConfig) -> int:
+def _run_batch(args: argparse.Namespace, settings: Settings) -> int:
     from batchgen.schemas.validation import validate_input_file
 
     from .engine.errors import ModelLoadError
@@ -33,6 +40,7 @@ def _run_batch(args: argparse.Namespace, config: EngineConfig, cluster: ClusterC
     from .run_batch import InvalidInputFile, run_batch
     from .serving import BatchDefaults
 
+    config = settings.engine
     report = validate_input_file(args.input)  # before loading a model, which can take minutes
     if not report.ok:
         _print_invalid(args.input, report.errors, report.error_count)
@@ -46,13 +54,19 @@ def _run_batch(args: argparse.Namespace, config: EngineConfig, cluster: ClusterC
         )
         return 2
     try:
-        engine = load_engine(config, cluster)
+        engine = load_engine(config, settings.cluster)
     except ModelLoadError as exc:
         print(f"batchgen-server: {exc}", file=sys.stderr)
         return 1
     try:
         summary = run_batch(
-            engine, args.input, args.output, args.errors_output, BatchDefaults.of(args), not args.no_progress
+            engine,
+            args.input,
+            args.output,
+            args.errors_output,
+            BatchDefaults.of(args),
+            not args.no_progress,
+            settings.serving,
         )
     except InvalidInputFile as exc:  # the file changed after it was validated
         _print_invalid(args.input, exc.errors, len(exc.errors))
@@ -83,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(serve, Settings, "server")
     add_flags(serve, EngineConfig, "engine")
     add_flags(serve, ClusterConfig, "replicas (docs/scaling.md)")
+    add_flags(serve, ServingConfig, "chat outputs: tool calls and reasoning")
     run = commands.add_parser(
         "run-batch",
         help="process a batch input file offline, without the server",
@@ -95,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_flags(run, EngineConfig, "engine")
     add_flags(run, ClusterConfig, "replicas (docs/scaling.md)")
+    add_flags(run, ServingConfig, "chat outputs: tool calls and reasoning")
     return parser
 
 
@@ -109,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .serve import serve
 
         return serve(settings)
-    return _run_batch(args, settings.engine, settings.cluster)
+    return _run_batch(args, settings)
 
 
 if __name__ == "__main__":

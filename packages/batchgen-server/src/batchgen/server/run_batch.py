@@ -16,6 +16,7 @@ from .batches.stores import FileStore
 from .engines import window_for
 from .ids import new_batch_id
 from .serving import BatchDefaults, OpenAIServing
+from .serving.config import ServingConfig
 
 if TYPE_CHECKING:
     from .engine import EngineClient
@@ -46,6 +47,7 @@ def run_batch(
     errors_path: Path | None = None,
     defaults: BatchDefaults | None = None,
     progress: bool = True,
+    serving_config: ServingConfig | None = None,
 ) -> RunBatchSummary:
     """Validate the whole file first (``InvalidInputFile`` if it fails, like the server), then run every line.
 
@@ -62,7 +64,7 @@ def run_batch(
             bar.set_postfix_str(f"{tokens_per_s:,.0f} tok/s", refresh=True)
 
         store = FileStore(input_path, output_path, errors_path, on_update=show)
-        serving = OpenAIServing.for_engine(engine, engine.config)
+        serving = OpenAIServing.for_engine(engine, engine.config, serving_config or ServingConfig())
         loop = BatchLoop(store, serving, engine, capacity=2**62, window=window_for(engine))
         engine.start()
         start = time.monotonic()  # the engine is ready: from here on is the batch's time

@@ -14,6 +14,7 @@ from batchgen.schemas.validation import ValidationLimits
 from .engine.config import EngineConfig
 from .options import build, setting
 from .replicas.config import ClusterConfig
+from .serving.config import ServingConfig
 
 if TYPE_CHECKING:
     from .callbacks import CallbackSettings
@@ -94,13 +95,17 @@ class Settings:
     """The model and the engine's knobs (their own flags and variables)."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     """Engine replicas on Ray, if any (their own flags and variables)."""
+    serving: ServingConfig = field(default_factory=ServingConfig)
+    """How chat outputs are read: tool-call and reasoning parsers (their own flags and variables)."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
-        """Defaults, then ``BATCHGEN_*`` variables (the engine's and the replicas' too), then ``overrides``."""
+        """Defaults, then ``BATCHGEN_*`` variables (the engine's, the replicas' and the serving's too), then
+        ``overrides``."""
         nested: dict[str, Any] = {
             "engine": build(EngineConfig, environ=environ),
             "cluster": build(ClusterConfig, environ=environ),
+            "serving": build(ServingConfig, environ=environ),
         }
         settings = build(cls, environ=environ, **nested)
         for name, value in overrides.items():

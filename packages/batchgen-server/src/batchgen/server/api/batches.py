@@ -16,6 +16,8 @@ from ..batches.loop import CapacityExceeded
 from ..callbacks import check_callback_metadata
 from ..ids import new_batch_id
 from ..security.limits import is_valid_id, validate_metadata
+from ..serving import RequestRejected
+from ..serving.structured import format_constraint
 from .deps import ServerContext, now
 from .errors import ERROR_RESPONSES, APIError, invalid, not_found
 from .files import owned_file
@@ -119,6 +121,11 @@ async def _create_batch(data: CreateBatchRequest, context: ServerContext, owner:
             raise invalid(f"{param} {value} exceeds the model's maximum of {max_context} tokens.", param=param)
     if data.top_k is not None and data.top_k > MAX_TOP_K:
         raise invalid(f"top_k must be at most {MAX_TOP_K}.", param="top_k")
+    if data.response_format is not None:
+        try:  # compiled here once, and cached for the batch's lines
+            await asyncio.to_thread(format_constraint, data.response_format)
+        except RequestRejected as exc:
+            raise invalid(exc.message, param=exc.param, code=exc.code) from None
     file = await owned_file(context, data.input_file_id, owner)
     if file.purpose != "batch":
         raise invalid(
@@ -142,6 +149,7 @@ async def _create_batch(data: CreateBatchRequest, context: ServerContext, owner:
         temperature=data.temperature,
         top_p=data.top_p,
         top_k=data.top_k,
+        response_format=data.response_format,
     )
     try:
         return await asyncio.wrap_future(context.loop.admit(batch, owner, sequences))

@@ -91,7 +91,7 @@ async def _serve(context: ServerContext, request: Request[Any, Any, Any], body: 
         raise APIError(exc.status_code, exc.message, code=exc.code, param=exc.param) from None
     context.online.check(sum(r.params.n for r in requests))
     if not isinstance(body, EmbeddingRequest) and body.stream:
-        events = _events(context, StreamedResponse(context.serving, body, request_id), requests)
+        events = _events(context, StreamedResponse(context.serving, body, requests, request_id), requests)
         # The content type as a header: Litestar would give a Stream the route's JSON media type.
         return Stream(events, headers={"content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache"})
     async with context.online.run(requests) as call:
@@ -99,7 +99,7 @@ async def _serve(context: ServerContext, request: Request[Any, Any, Any], body: 
     if (failure := failed(results)) is not None:
         status, error = failure
         raise APIError(status, error.message, code=error.code)
-    return context.serving.response_body(body, results, request_id=request_id)
+    return context.serving.response_body(body, requests, results, request_id=request_id)
 
 
 async def _events(

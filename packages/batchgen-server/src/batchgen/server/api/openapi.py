@@ -191,14 +191,6 @@ def _describe_checks(schemas: dict[str, Any]) -> None:
         _implies("top_logprobs", NOT_NULL, "logprobs", True),
         _implies("continue_final_message", {"const": True}, "add_generation_prompt", False),  # transformers' rule
     ]
-    chat["properties"]["tool_choice"] = {
-        "enum": [None, "auto", "none"],
-        "description": "'required' or a named tool need guided decoding, which batchgen does not have yet.",
-    }
-    schemas["ResponseFormat"]["properties"]["type"] = {
-        "enum": ["text"],
-        "description": "The json modes need guided decoding, which batchgen does not have yet.",
-    }
     properties = batch["properties"]
     properties["endpoint"]["enum"] = list(ENDPOINTS)
     properties["completion_window"]["pattern"] = COMPLETION_WINDOW

@@ -206,7 +206,7 @@ class Feeder:
             return
         self._release(entry)
         results = [r for r in entry.results if r is not None]
-        output = self.serving.output_line(entry.line, results, request_id=entry.request_id)
+        output = self.serving.output_line(entry.line, entry.requests, results, request_id=entry.request_id)
         self._answer(entry.batch, entry.line, output, entry.work)
 
     def _answer(self, batch: Batch, line: BatchInputLine, answer: BatchOutputLine, work: int) -> None:

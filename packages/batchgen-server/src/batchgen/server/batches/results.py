@@ -29,6 +29,7 @@ class Tally:
     input_tokens: int = 0
     cached_tokens: int = 0
     output_tokens: int = 0
+    reasoning_tokens: int = 0
     done: set[str] = field(default_factory=set)
     """custom_ids that have a line in the output or the error file."""
 
@@ -44,6 +45,7 @@ class Tally:
             self.input_tokens += usage.prompt_tokens
             self.cached_tokens += usage.prompt_tokens_details.cached_tokens
             self.output_tokens += usage.completion_tokens
+            self.reasoning_tokens += usage.completion_tokens_details.reasoning_tokens
         elif isinstance(usage, EmbeddingUsage):
             self.input_tokens += usage.prompt_tokens
 
@@ -55,6 +57,7 @@ class Tally:
             "input_tokens": self.input_tokens,
             "cached_tokens": self.cached_tokens,
             "output_tokens": self.output_tokens,
+            "reasoning_tokens": self.reasoning_tokens,
         }
 
 

@@ -170,8 +170,9 @@ class OutputProcessor:
                 if seq.row >= 0:
                     self.scheduler.rows.constrain(seq.row, seq.matcher)
             return False
-        if not seq.matcher.consume_token(seq.token_ids[index]):
-            raise RuntimeError(f"a token its grammar does not allow was committed ({seq.matcher.get_error()})")
+        if not seq.matcher.consume_token(seq.token_ids[index]):  # llguidance refused a token its own mask allowed
+            reason = seq.matcher.get_error().split("\n", 1)[0]
+            raise RuntimeError(f"the grammar library could not follow its own token mask ({reason})")
         return bool(seq.matcher.is_stopped())
 
     def _completion_result(self, state: RequestState) -> EngineResult:

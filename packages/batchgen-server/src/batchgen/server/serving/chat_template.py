@@ -2,7 +2,7 @@
 
 Nothing is dropped silently: tools or a template variable that the template never reads (jinja2's own analysis of
 the template), assistant tool calls or tool results that it does not render (found once per template, by rendering
-a probe conversation), are refused by name, as is a ``tool_choice`` that needs guided decoding.
+a probe conversation), are refused by name.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import jinja2.ext
 import jinja2.meta
 import jinja2.nodes
 import jinja2.parser
+import msgspec
 
 from batchgen.schemas import ChatCompletionRequest, ChatMessage
 
@@ -133,18 +134,12 @@ def _check_messages(body: ChatCompletionRequest, facts: _TemplateFacts) -> None:
 
 
 def _tools(body: ChatCompletionRequest, facts: _TemplateFacts) -> list[dict[str, Any]] | None:
-    if body.tool_choice not in (None, "auto", "none"):
-        raise RequestRejected(
-            "unsupported_parameter",
-            f"tool_choice {body.tool_choice!r} needs guided decoding, which batchgen does not have yet: use 'auto' "
-            "(the template renders the tools and the model may call one, in its text) or 'none'",
-            "tool_choice",
-        )
     if not body.tools or body.tool_choice == "none":
         return None
     if "tools" not in facts.variables:
         raise RequestRejected("unsupported_parameter", "the model's chat template does not render tools", "tools")
-    return body.tools
+    tools: list[dict[str, Any]] = msgspec.to_builtins(body.tools)
+    return tools
 
 
 def _variables(body: ChatCompletionRequest, facts: _TemplateFacts) -> dict[str, Any]:

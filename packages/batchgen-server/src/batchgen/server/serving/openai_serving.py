@@ -4,6 +4,7 @@ results into its response body or output line."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import math
 import struct
 import time
@@ -17,12 +18,12 @@ from batchgen.schemas import (
     BatchResponse,
     ChatCompletion,
     ChatCompletionChoice,
-    ChatCompletionMessage,
     ChatCompletionRequest,
     ChoiceLogprobs,
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
+    CompletionTokensDetails,
     CompletionUsage,
     Embedding,
     EmbeddingList,
@@ -31,6 +32,7 @@ from batchgen.schemas import (
     ErrorDetail,
     ErrorResponse,
     GenerationDefaults,
+    NamedToolChoice,
     PromptTokensDetails,
     RequestBody,
     TextCompletion,
@@ -44,13 +46,19 @@ from ..engine.request import EngineError, EngineRequest, EngineResult, SamplingP
 from ..engine.request import TokenLogprob as EngineTokenLogprob
 from ..ids import engine_request_id, new_line_id
 from .chat_template import render_chat
+from .config import ServingConfig
 from .errors import RequestRejected
+from .messages import MessagePlan, MessageReader
+from .parsers import reasoning_parser, tool_call_parser
+from .structured import output_constraint
 
 if TYPE_CHECKING:
     from ..engine.config import EngineConfig
     from ..engine.interface import ServedModel
 
 DEFAULT_MAX_SEQUENCES = 256
+PROMPT_TAIL_TOKENS = 32
+"""The prompt's last tokens, as text, tell a reasoning parser whether the template opened or closed the thinking."""
 ResponseBody = ChatCompletion | TextCompletion | EmbeddingList
 
 
@@ -72,6 +80,7 @@ class OpenAIServing:
         tasks: frozenset[Task] = frozenset({"generate", "embed"}),
         max_sequences: int = DEFAULT_MAX_SEQUENCES,
         generation_defaults: Mapping[str, Any] | None = None,
+        config: ServingConfig = ServingConfig(),  # noqa: B008 (frozen)
     ) -> None:
         self.tokenizer = tokenizer
         self.model_names = model_names
@@ -88,13 +97,36 @@ class OpenAIServing:
         the longest entry of the vocabulary (unless the tokenizer's normalizer drops characters). Checked before
         tokenizing, which takes memory and time in proportion to the text."""
         self._token_text = lru_cache(maxsize=65536)(self._decode_token)
+        self.reasoning = None if config.reasoning_parser is None else reasoning_parser(config.reasoning_parser)
+        """Splits a thinking model's reasoning from its answer (``--reasoning-parser``)."""
+        self.tool_parser = None
+        """Parses tool calls out of the text of a ``tool_choice: auto`` request (``--enable-auto-tool-choice``)."""
+        if config.enable_auto_tool_choice and config.tool_call_parser is not None:
+            self.tool_parser = tool_call_parser(config.tool_call_parser)
+        self._reasoning_end_ids: tuple[int, ...] = ()
+        if self.reasoning is not None:
+            self._reasoning_end_ids = tuple(tokenizer.encode(self.reasoning.end, add_special_tokens=False))
+        self._added_tokens = {
+            token.content: token_id
+            for token_id, token in getattr(tokenizer, "added_tokens_decoder", {}).items()
+            if len(token.content) > 1
+        }
+        """Markers that are one token (``<tool_call>``, ``</think>``) by their text: grammars name them by id."""
+        special = set(getattr(tokenizer, "all_special_tokens", ()))
+        parsers = [parser for parser in (self.reasoning, self.tool_parser) if parser is not None]
+        self._keep_special_tokens = any(marker in special for parser in parsers for marker in parser.markers)
+        """A parser's marker is a special token: the text must keep them for the parser to see it."""
 
     @classmethod
     def for_engine(
-        cls, engine: ServedModel, config: EngineConfig, max_sequences: int = DEFAULT_MAX_SEQUENCES
+        cls,
+        engine: ServedModel,
+        config: EngineConfig,
+        serving: ServingConfig = ServingConfig(),  # noqa: B008 (frozen)
+        max_sequences: int = DEFAULT_MAX_SEQUENCES,
     ) -> OpenAIServing:
         """The serving of a loaded engine: under the names ``config`` serves it by, with its generation config's
-        defaults."""
+        defaults, reading chat outputs as ``serving`` says."""
         from ..engine.loader import load_generation_defaults  # transformers: only once a model is loaded
 
         return cls(
@@ -104,6 +136,7 @@ class OpenAIServing:
             engine.tasks,
             max_sequences,
             load_generation_defaults(config),
+            serving,
         )
 
     @property
@@ -160,6 +193,13 @@ class OpenAIServing:
         if isinstance(body, ChatCompletionRequest):
             text = render_chat(self.tokenizer, body, self.model_name)
             prompts = [self._tokenize(text, "messages", _first(body.add_special_tokens, False))]
+            plan = self.message_plan(body, prompts[0])
+            if plan.reasoning is not None or plan.tool_parser is not None:
+                params = dataclasses.replace(
+                    params,
+                    skip_special_tokens=params.skip_special_tokens and not self._keep_special_tokens,
+                    grammar_after=self._grammar_after(plan) if params.grammar is not None else (),
+                )
         else:
             prompts = self._prompts(body.prompt, "prompt", _first(body.add_special_tokens, True))
         return [
@@ -181,13 +221,6 @@ class OpenAIServing:
         (greedy, no limit but the context)."""
         logprobs, top_logprobs = False, 0
         max_tokens = body.max_tokens
-        if body.response_format is not None and body.response_format.type != "text":
-            raise RequestRejected(
-                "unsupported_parameter",
-                f"response_format {body.response_format.type!r} needs guided decoding, which batchgen does not have "
-                "yet; use 'text' (and describe the format in the prompt)",
-                "response_format",
-            )
         if isinstance(body, ChatCompletionRequest):
             logprobs, top_logprobs = bool(body.logprobs), body.top_logprobs or 0
             if body.max_completion_tokens is not None:
@@ -200,6 +233,7 @@ class OpenAIServing:
             raise RequestRejected(
                 "invalid_value", f"min_tokens {body.min_tokens} is more than max_tokens {max_tokens}", "min_tokens"
             )
+        constraint = output_constraint(body, defaults.response_format, self._added_tokens)
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         logit_bias = {int(token): bias for token, bias in (body.logit_bias or {}).items()}
         self._check_token_ids(logit_bias, "logit_bias")
@@ -224,7 +258,30 @@ class OpenAIServing:
             logprobs=logprobs,
             top_logprobs=top_logprobs,
             max_context_length=defaults.max_context_length,
+            grammar=None if constraint is None else constraint.grammar,
         )
+
+    def message_plan(self, body: ChatCompletionRequest, prompt: list[int]) -> MessagePlan:
+        """How the choices of ``body`` (whose prompt is ``prompt``) are read."""
+        forced: str | None = "required" if body.tools and body.tool_choice == "required" else None
+        if isinstance(body.tool_choice, NamedToolChoice):
+            forced = body.tool_choice.function.name
+        parses_tools = body.tools and body.tool_choice in (None, "auto") and self.tool_parser is not None
+        return MessagePlan(
+            prompt_tail=str(self.tokenizer.decode(prompt[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)),
+            reasoning=self.reasoning,
+            reasoning_end_ids=self._reasoning_end_ids,
+            tool_parser=self.tool_parser if parses_tools else None,
+            tool_names=frozenset(tool.function.name for tool in body.tools or ()),
+            forced=forced,
+        )
+
+    def _grammar_after(self, plan: MessagePlan) -> tuple[int, ...]:
+        """A reasoning model's grammar constrains its answer, after its reasoning ends (as vLLM has it); from the
+        first token when the prompt has closed the reasoning already (thinking disabled)."""
+        if plan.reasoning is None or plan.prompt_tail.rstrip().endswith(plan.reasoning.end):
+            return ()
+        return self._reasoning_end_ids
 
     def _check_token_ids(self, token_ids: Any, param: str) -> None:
         bad = [token for token in token_ids if token >= len(self.tokenizer)]
@@ -273,22 +330,27 @@ class OpenAIServing:
 
     # ---- engine results -> response body, output line ---------------------------------------------------------
 
-    def response_body(self, body: RequestBody, results: list[EngineResult], *, request_id: str) -> ResponseBody:
-        """The 200 body of a request whose results (in the order of its engine requests) all succeeded."""
+    def response_body(
+        self, body: RequestBody, requests: list[EngineRequest], results: list[EngineResult], *, request_id: str
+    ) -> ResponseBody:
+        """The 200 body of a request whose results (in the order of its engine ``requests``) all succeeded."""
         if isinstance(body, EmbeddingRequest):
             return self._embedding_list(body, results)
         if isinstance(body, ChatCompletionRequest):
-            return self._chat_completion(body.model, results[0], request_id)
+            plan = self.message_plan(body, list(requests[0].prompt_token_ids))
+            return self._chat_completion(body.model, plan, results[0], request_id)
         return self._text_completion(body.model, results, request_id)
 
-    def output_line(self, line: BatchInputLine, results: list[EngineResult], *, request_id: str) -> BatchOutputLine:
+    def output_line(
+        self, line: BatchInputLine, requests: list[EngineRequest], results: list[EngineResult], *, request_id: str
+    ) -> BatchOutputLine:
         """The 200 line, or an error line if any result failed; ``results`` in the order of the engine requests."""
         if (failure := failed(results)) is not None:
             status, error = failure
             return self.error_line(
                 line.custom_id, request_id=request_id, code=error.code, message=error.message, status_code=status
             )
-        body = self.response_body(line.body, results, request_id=request_id)
+        body = self.response_body(line.body, requests, results, request_id=request_id)
         return BatchOutputLine(
             id=new_line_id(),
             custom_id=line.custom_id,
@@ -315,18 +377,26 @@ class OpenAIServing:
             error=None,
         )
 
-    def _chat_completion(self, model: str, result: EngineResult, request_id: str) -> ChatCompletion:
-        choices = [
-            ChatCompletionChoice(
-                index=output.index,
-                message=ChatCompletionMessage(content=output.text),
-                logprobs=self.chat_logprobs(output.logprobs),
-                finish_reason=output.finish_reason or "length",
+    def _chat_completion(self, model: str, plan: MessagePlan, result: EngineResult, request_id: str) -> ChatCompletion:
+        choices, reasoning_tokens = [], 0
+        for output in result.outputs:
+            reader = MessageReader(plan)
+            message = reader.message(output.text)
+            reasoning_tokens += reader.reasoning_tokens(output.token_ids)
+            choices.append(
+                ChatCompletionChoice(
+                    index=output.index,
+                    message=message,
+                    logprobs=self.chat_logprobs(output.logprobs),
+                    finish_reason=reader.finish_reason(output.finish_reason or "length"),
+                )
             )
-            for output in result.outputs
-        ]
         return ChatCompletion(
-            id=f"chatcmpl-{request_id}", created=int(time.time()), model=model, choices=choices, usage=usage([result])
+            id=f"chatcmpl-{request_id}",
+            created=int(time.time()),
+            model=model,
+            choices=choices,
+            usage=usage([result], reasoning_tokens),
         )
 
     def _text_completion(self, model: str, results: list[EngineResult], request_id: str) -> TextCompletion:
@@ -408,7 +478,7 @@ def _first(*values: Any) -> Any:
     return next((v for v in values if v is not None), values[-1])
 
 
-def usage(results: list[EngineResult]) -> CompletionUsage:
+def usage(results: list[EngineResult], reasoning_tokens: int = 0) -> CompletionUsage:
     prompt = sum(r.prompt_tokens for r in results)
     completion = sum(r.completion_tokens for r in results)
     cached = sum(r.cached_tokens for r in results)
@@ -417,4 +487,5 @@ def usage(results: list[EngineResult]) -> CompletionUsage:
         completion_tokens=completion,
         total_tokens=prompt + completion,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        completion_tokens_details=CompletionTokensDetails(reasoning_tokens=reasoning_tokens),
     )

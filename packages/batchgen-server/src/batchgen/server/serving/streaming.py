@@ -22,8 +22,10 @@ from batchgen.schemas import (
     ErrorResponse,
     TextCompletionChunk,
 )
+from batchgen.schemas.responses import FinishReason
 
-from ..engine.request import CompletionOutput, EngineResult
+from ..engine.request import CompletionOutput, EngineRequest, EngineResult
+from .messages import MessageReader
 from .openai_serving import OpenAIServing, usage
 
 DONE = b"data: [DONE]\n\n"
@@ -44,11 +46,19 @@ class StreamedResponse:
     """Turns one streamed request's engine results, partial and final, into its events."""
 
     def __init__(
-        self, serving: OpenAIServing, body: ChatCompletionRequest | CompletionRequest, request_id: str
+        self,
+        serving: OpenAIServing,
+        body: ChatCompletionRequest | CompletionRequest,
+        requests: list[EngineRequest],
+        request_id: str,
     ) -> None:
         self._serving = serving
         self._body = body
         self._chat = isinstance(body, ChatCompletionRequest)
+        self._readers: dict[int, MessageReader] = {}
+        """Each chat choice's reader (its reasoning and tool calls), made on its first text."""
+        if isinstance(body, ChatCompletionRequest):
+            self._plan = serving.message_plan(body, list(requests[0].prompt_token_ids))
         self._id = f"chatcmpl-{request_id}" if self._chat else f"cmpl-{request_id}"
         self._created = int(time.time())
         options = body.stream_options
@@ -83,12 +93,19 @@ class StreamedResponse:
         """The usage chunk when asked for, then ``[DONE]``."""
         if not self._usage:
             return [DONE]
-        return [self._event(None, usage(list(self._results.values()))), DONE]
+        reasoning = sum(
+            self._readers[output.index].reasoning_tokens(output.token_ids)
+            for result in self._results.values()
+            for output in result.outputs
+            if output.index in self._readers and self._chat
+        )
+        return [self._event(None, usage(list(self._results.values()), reasoning)), DONE]
 
     def _choice_chunk(
         self, choice: int, output: CompletionOutput, final: bool
     ) -> ChatCompletionChunkChoice | CompletionChunkChoice | None:
-        text, logprobs, finish = output.text, output.logprobs, output.finish_reason
+        text, logprobs = output.text, output.logprobs
+        finish: FinishReason | None = output.finish_reason
         if final:  # everything: what was not sent yet is the rest
             text = text[self._sent_chars[choice] :]
             logprobs = None if logprobs is None else logprobs[self._sent_tokens[choice] :]
@@ -102,8 +119,19 @@ class StreamedResponse:
         if not (text or logprobs or finish):
             return None
         if self._chat:
-            delta = ChoiceDelta(content=text) if text else ChoiceDelta()
+            reader = self._readers.get(choice) or self._readers.setdefault(choice, MessageReader(self._plan))
+            read = reader.read(text, final=finish is not None)
+            if finish is not None:
+                finish = reader.finish_reason(finish)
+            delta = ChoiceDelta(
+                content=read.content or None,
+                reasoning=read.reasoning or None,
+                reasoning_content=read.reasoning or None,
+                tool_calls=read.tool_calls or None,
+            )
             chat_logprobs = self._serving.chat_logprobs(logprobs)
+            if delta == ChoiceDelta() and not (chat_logprobs or finish):
+                return None
             return ChatCompletionChunkChoice(index=choice, delta=delta, logprobs=chat_logprobs, finish_reason=finish)
         completion_logprobs = self._serving.completion_logprobs(logprobs, self._logprob_chars[choice])
         if completion_logprobs is not None:

@@ -25,6 +25,8 @@ from batchgen.schemas import (
     BatchUsage,
     FileObject,
     InputTokensDetails,
+    OutputTokensDetails,
+    ResponseFormat,
 )
 
 _SCHEMA = """
@@ -71,12 +73,14 @@ CREATE TABLE IF NOT EXISTS batches (
     input_tokens INTEGER NOT NULL DEFAULT 0,
     cached_tokens INTEGER NOT NULL DEFAULT 0,
     output_tokens INTEGER NOT NULL DEFAULT 0,
+    reasoning_tokens INTEGER NOT NULL DEFAULT 0,
     metadata TEXT,
     max_decoding_length INTEGER,
     max_context_length INTEGER,
     temperature REAL,
     top_p REAL,
-    top_k INTEGER
+    top_k INTEGER,
+    response_format TEXT
 );
 CREATE INDEX IF NOT EXISTS batches_owner ON batches (owner, seq);
 CREATE INDEX IF NOT EXISTS batches_status ON batches (status);
@@ -132,6 +136,8 @@ _MIGRATIONS = (
         "sequences",
         "ALTER TABLE files ADD COLUMN sequences INTEGER NOT NULL DEFAULT 0; UPDATE files SET sequences = line_count",
     ),
+    ("batches", "reasoning_tokens", "ALTER TABLE batches ADD COLUMN reasoning_tokens INTEGER NOT NULL DEFAULT 0"),
+    ("batches", "response_format", "ALTER TABLE batches ADD COLUMN response_format TEXT"),
 )
 _encode = msgspec.json.encode
 
@@ -225,9 +231,10 @@ class Database:
     # -- batches -----------------------------------------------------------------------------------------------
 
     def insert_batch(self, batch: BatchObject, *, owner: str) -> None:
-        columns = [*_BATCH_SCALARS, "total", "metadata", "owner"]
+        columns = [*_BATCH_SCALARS, "total", "metadata", "response_format", "owner"]
         values = [getattr(batch, column) for column in _BATCH_SCALARS]
-        values += [batch.request_counts.total, _json_or_none(batch.metadata), owner]
+        values += [batch.request_counts.total, _json_or_none(batch.metadata), _json_or_none(batch.response_format)]
+        values.append(owner)
         with self._transaction() as conn:
             conn.execute(f"INSERT INTO batches ({', '.join(columns)}) VALUES ({_marks(columns)})", values)
 
@@ -362,11 +369,15 @@ def _batch(row: sqlite3.Row) -> BatchObject:
         **{column: row[column] for column in _BATCH_SCALARS},
         errors=None if row["errors"] is None else msgspec.json.decode(row["errors"], type=BatchErrors),
         metadata=None if row["metadata"] is None else msgspec.json.decode(row["metadata"], type=dict[str, str]),
+        response_format=(
+            None if row["response_format"] is None else msgspec.json.decode(row["response_format"], type=ResponseFormat)
+        ),
         request_counts=BatchRequestCounts(total=row["total"], completed=row["completed"], failed=row["failed"]),
         usage=BatchUsage(
             input_tokens=input_tokens,
             input_tokens_details=InputTokensDetails(cached_tokens=row["cached_tokens"]),
             output_tokens=output_tokens,
+            output_tokens_details=OutputTokensDetails(reasoning_tokens=row["reasoning_tokens"]),
             total_tokens=input_tokens + output_tokens,
         ),
     )

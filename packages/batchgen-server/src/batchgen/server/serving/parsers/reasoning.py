@@ -94,13 +94,14 @@ class ReasoningParser:
 
 
 class Qwen3ReasoningParser(ReasoningParser):
-    """Qwen3: ``<think>...</think>`` opens the output (or the prompt opens it, as the Thinking-2507 templates do).
-    As vLLM's qwen3 parser has it, an output whose block never closes is all content; so the reasoning is held back
-    until ``</think>`` comes (streamed in one piece then). A prompt that ends with a closed block
+    """Qwen3: ``<think>...</think>`` opens the output (or the prompt opens it, as the Thinking-2507 templates do); an
+    output without it is all content. A block that never closes (cut off by ``max_tokens``) is reasoning, so that
+    the reasoning streams as it comes: vLLM's qwen3 parser calls it content, and must then hold a stream's reasoning
+    back until ``</think>``, minutes of silence for a long thought. A prompt that ends with a closed block
     (``enable_thinking=False``) makes all the output content."""
 
     _prompt_opens = False
-    _unclosed_is_reasoning = False
+    _unclosed_is_reasoning = True
 
 
 class DeepSeekR1ReasoningParser(ReasoningParser):

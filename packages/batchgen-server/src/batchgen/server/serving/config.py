@@ -1,0 +1,32 @@
+"""How chat outputs are read: the tool-call and reasoning parsers, spelled as vLLM's flags spell them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..options import setting
+
+
+@dataclass(frozen=True, slots=True)
+class ServingConfig:
+    enable_auto_tool_choice: bool = setting(
+        False, "with tool_choice 'auto', parse the model's tool calls out of its text (needs --tool-call-parser)"
+    )
+    tool_call_parser: str | None = setting(
+        None,
+        "the format of the model's tool calls: hermes (Qwen 2.5/3, Hermes), llama3_json (Llama 3.x), mistral, "
+        "pythonic (Llama 4, ToolACE), kimi_k2 (Kimi K2)",
+    )
+    reasoning_parser: str | None = setting(
+        None, "split a thinking model's reasoning from its answer: qwen3 or deepseek_r1"
+    )
+
+    def __post_init__(self) -> None:
+        from .parsers import reasoning_parser, tool_call_parser
+
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        if self.tool_call_parser is not None:
+            tool_call_parser(self.tool_call_parser)
+        if self.reasoning_parser is not None:
+            reasoning_parser(self.reasoning_parser)

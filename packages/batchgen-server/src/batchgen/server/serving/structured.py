@@ -1,0 +1,202 @@
+"""A request's output constraint as an llguidance grammar: its ``response_format``, vLLM's ``structured_outputs``, a
+``tool_choice`` that forces a call, or its batch's default ``response_format``; each checked here, so that a schema
+the grammar cannot enforce is refused with the request's own error, naming the field and the cause.
+
+JSON grammars allow at most ``WHITESPACE`` between tokens: a random-weight model (or a confused one) would otherwise
+fill its budget with spaces and newlines, and its JSON would never end.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+from types import MappingProxyType
+from typing import Any
+
+import llguidance
+from llguidance import LLMatcher
+
+from batchgen.schemas import (
+    ChatCompletionRequest,
+    ChatTool,
+    CompletionRequest,
+    NamedToolChoice,
+    ResponseFormat,
+    StructuredOutputs,
+)
+
+from .errors import RequestRejected
+
+WHITESPACE = r"(\x0D?\x0A)?[\x20\x09]{0,20}"
+"""JSON's optional whitespace at each place: a space, or a newline and the indentation of a pretty-printed document
+(ten levels of two spaces)."""
+NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
+"""The arguments of a function declared without ``parameters``: ``{}``."""
+
+
+@dataclass(frozen=True, slots=True)
+class OutputConstraint:
+    grammar: str
+    """llguidance's grammar text, also the compiled grammar's cache key."""
+    param: str
+    """The request field it comes from."""
+
+
+def output_constraint(
+    body: ChatCompletionRequest | CompletionRequest,
+    default: ResponseFormat | None,
+    tokens: Mapping[str, int] = MappingProxyType({}),
+) -> OutputConstraint | None:
+    """The grammar every token of ``body``'s output must follow (``None``: unconstrained); ``default`` is its batch's
+    ``response_format``, for a request that sets no constraint of its own; ``tokens``: the tokenizer's added tokens
+    (markers such as ``<tool_call>``) by their text. ``RequestRejected`` when it cannot be enforced. ``body`` has
+    passed ``request_problem`` (one constraint at most, a named tool among the tools)."""
+    grammar: str | None
+    if isinstance(body, ChatCompletionRequest) and body.tools and body.tool_choice not in (None, "none", "auto"):
+        grammar, param = _tool_grammar(body.tools, body.tool_choice, body.parallel_tool_calls), "tool_choice"
+    elif body.structured_outputs is not None:
+        grammar, param = _structured_grammar(body.structured_outputs, tokens), "structured_outputs"
+    elif body.response_format is not None:
+        grammar, param = _format_grammar(body.response_format), "response_format"
+    elif default is not None:
+        grammar, param = _format_grammar(default), "response_format"
+    else:
+        return None
+    return _checked(grammar, param)
+
+
+def format_constraint(response_format: ResponseFormat) -> OutputConstraint | None:
+    """The grammar of a ``response_format`` (a batch's default is checked when the batch is created)."""
+    return _checked(_format_grammar(response_format), "response_format")
+
+
+def _checked(grammar: str | None, param: str) -> OutputConstraint | None:
+    if grammar is None:
+        return None
+    if problem := grammar_problem(grammar):
+        raise RequestRejected("invalid_grammar", f"{param} cannot be enforced: {problem}", param)
+    return OutputConstraint(grammar, param)
+
+
+@lru_cache(maxsize=1024)
+def grammar_problem(grammar: str) -> str:
+    """Why llguidance cannot build ``grammar`` (``""``: it can); each grammar checked once (a batch repeats its
+    schema on every line). Without the tokenizer: the engine compiles it against the vocabulary."""
+    return LLMatcher.validate_grammar(grammar)
+
+
+def _format_grammar(response_format: ResponseFormat) -> str | None:
+    if response_format.type == "json_object":
+        return _json_grammar({"type": "object"}, lenient=False)
+    if response_format.type == "json_schema":
+        if (json_schema := response_format.json_schema) is None:  # a batch's default (request_problem: a request's)
+            raise RequestRejected(
+                "invalid_value", "it is required when 'type' is 'json_schema'", "response_format.json_schema"
+            )
+        schema = {} if json_schema.schema_ is None else json_schema.schema_
+        return _json_grammar(schema, lenient=not json_schema.strict)
+    return None
+
+
+def _structured_grammar(outputs: StructuredOutputs, tokens: Mapping[str, int]) -> str:
+    options: dict[str, Any] = {"whitespace_pattern": outputs.whitespace_pattern or WHITESPACE}
+    if outputs.disable_any_whitespace:
+        options = {"whitespace_flexible": False}
+    if outputs.json is not None:
+        schema = outputs.json if isinstance(outputs.json, dict) else _parsed(outputs.json, "structured_outputs.json")
+        return _json_grammar(schema, lenient=False, options=options)
+    if outputs.json_object:
+        return _json_grammar({"type": "object"}, lenient=False, options=options)
+    if outputs.regex is not None:
+        return LLMatcher.grammar_from_regex(outputs.regex)
+    if outputs.choice is not None:
+        return llguidance.grammar_from("choice", outputs.choice)  # type: ignore[arg-type]  # it takes a list too
+    if outputs.grammar is not None:
+        try:
+            return llguidance.grammar_from("grammar", outputs.grammar)
+        except ValueError as exc:  # GBNF that does not convert to Lark
+            raise RequestRejected("invalid_grammar", str(exc), "structured_outputs.grammar") from None
+    assert outputs.structural_tag is not None  # request_problem: exactly one is set
+    return _structural_tag_grammar(outputs.structural_tag, tokens)
+
+
+def _structural_tag_grammar(text: str, tokens: Mapping[str, int]) -> str:
+    """vLLM's structural tag (``{"structures": [{"begin", "schema", "end"}], "triggers": [...]}``): free text in which
+    each structure, once its trigger is written, follows its schema up to its end. Written as llguidance's Lark (its
+    ``StructTag`` does the same) with each marker that is one token of the tokenizer (``<tool_call>``) named by its id:
+    llguidance reads such a token as special, and a quoted literal of its text could not match it."""
+    param = "structured_outputs.structural_tag"
+    spec = _parsed(text, param)
+    try:
+        triggers = [str(trigger) for trigger in spec["triggers"]]
+        rules = []
+        for index, structure in enumerate(spec["structures"]):
+            begin, end = str(structure["begin"]), str(structure["end"])
+            trigger = next((t for t in triggers if t and begin.startswith(t)), None)
+            if trigger is None:
+                raise RequestRejected("invalid_grammar", f"no trigger begins the structure {begin!r}", param)
+            schema = {"x-guidance": {"whitespace_pattern": WHITESPACE}, **structure["schema"]}
+            body = f"{_literal(begin[len(trigger) :], tokens)} %json {json.dumps(schema)} {_literal(end, tokens)}"
+            if trigger in tokens:
+                rules.append(f"tag_{index}: TAG_TEXT {_literal(trigger, tokens)} {body}")
+            else:  # a trigger of several tokens: found lazily in the free text
+                rules += [f"tag_{index}_trigger[lazy]: TAG_TEXT {_literal(trigger, tokens)}", f"tag_{index}: "
+                          f"tag_{index}_trigger {body}"]  # fmt: skip
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise RequestRejected(
+            "invalid_grammar",
+            f'it must be {{"structures": [{{"begin", "schema", "end"}}], "triggers": [...]}} ({exc!r})',
+            param,
+        ) from None
+    if not rules:
+        raise RequestRejected("invalid_grammar", "it has no structures", param)
+    tags = " | ".join(f"tag_{index}" for index in range(len(spec["structures"])))
+    return "\n".join(["%llguidance {}", f"start: ({tags})* TAG_TEXT", r"TAG_TEXT: /(.|\n)*/", *rules])
+
+
+def _literal(text: str, tokens: Mapping[str, int]) -> str:
+    """``text`` in Lark: quoted, but each marker that is one token named by its id (``<[151657]>``)."""
+    if not text:
+        return '""'
+    pattern = "|".join(map(re.escape, sorted((t for t in tokens if t in text), key=len, reverse=True)))
+    parts = re.split(f"({pattern})", text) if pattern else [text]
+    return " ".join(f"<[{tokens[part]}]>" if part in tokens else json.dumps(part) for part in parts if part)
+
+
+def _tool_grammar(tools: list[ChatTool], choice: Any, parallel: bool | None) -> str:
+    """A named function: its arguments, as JSON of its ``parameters``. ``required``: a JSON list of one call or more
+    (one with ``parallel_tool_calls: false``) ``{"name", "parameters"}`` of any of the tools (vLLM's shape)."""
+    functions = {tool.function.name: tool.function for tool in tools}
+    if isinstance(choice, NamedToolChoice):
+        function = functions[choice.function.name]
+        return _json_grammar(function.parameters or NO_ARGUMENTS, lenient=not function.strict)
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": name}, "parameters": function.parameters or NO_ARGUMENTS},
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for name, function in functions.items()
+    ]
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if parallel is False:
+        schema["maxItems"] = 1
+    return _json_grammar(schema, lenient=not all(function.strict for function in functions.values()))
+
+
+def _json_grammar(schema: dict[str, Any], *, lenient: bool, options: dict[str, Any] | None = None) -> str:
+    """``lenient``: keywords llguidance does not implement are ignored (the rest enforced), else refused by name."""
+    defaults = {"whitespace_pattern": WHITESPACE} if options is None else options
+    compile_options: Any = {**defaults, "lenient": lenient}  # llguidance's JsonCompileOptions
+    return LLMatcher.grammar_from_json_schema(schema, defaults=compile_options)
+
+
+def _parsed(text: str, param: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise RequestRejected("invalid_grammar", f"it is not JSON: {exc}", param) from None
