@@ -13,7 +13,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from transformers import PreTrainedModel
 
 from .batch_state import BatchState, SamplingInputs
@@ -241,7 +240,7 @@ class LLMEngine:
         masks = None
         if plan.inputs is not None:  # the constrained rows' masks are filled while the forward runs
             constrained, owners, matchers = plan.inputs.grammars()
-            masks = MaskFill(self.grammars, matchers) if matchers else None
+            masks = MaskFill(self.grammars, matchers, owners, self.runner.device) if matchers else None
         output = self.runner.forward(
             scheduled, self.scheduler.block_manager.tables.array, plan.sample_rows, plan.want_hidden, plan.device_tokens
         )
@@ -249,7 +248,7 @@ class LLMEngine:
         launched.hidden = output.hidden
         if plan.inputs is not None:
             if masks is not None:
-                plan.inputs.masks = constrained, masks.result()[torch.from_numpy(owners)]
+                plan.inputs.masks = constrained, masks.result()
             logits = output.logits
             if len(plan.logits_rows) != len(plan.sample_rows):  # a completed prompt feeds its n choices from one row
                 logits = logits[indices(plan.logits_rows, logits.device)]

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from .grammar import allowed
+from .grammar import token_bias
 from .request import TokenLogprob
 from .transfer import HostCopy, to_device
 
@@ -133,9 +133,8 @@ class Sampler:
         device = logits.device
         if rows.masks is not None:  # the grammar first: no bias can make a token it forbids possible
             at, masks = rows.masks
-            index = _index(at, device)
-            forbidden = ~allowed(to_device(masks, device), logits.shape[1])
-            logits = logits.index_put((index,), logits[index].masked_fill(forbidden, float("-inf")))
+            bias = masks if masks.is_floating_point() else token_bias(to_device(masks, device), logits.shape[1])
+            logits = logits + bias if len(at) == len(rows) else logits.index_add(0, _index(at, device), bias)
         if (biased := rows.bias()) is not None:
             at, tokens, values = biased
             bias = to_device(torch.from_numpy(values).to(logits.dtype), device)

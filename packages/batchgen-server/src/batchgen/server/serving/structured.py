@@ -90,14 +90,14 @@ def grammar_problem(grammar: str) -> str:
 
 def _format_grammar(response_format: ResponseFormat) -> str | None:
     if response_format.type == "json_object":
-        return _json_grammar({"type": "object"}, lenient=False)
+        return json_grammar({"type": "object"}, lenient=False)
     if response_format.type == "json_schema":
         if (json_schema := response_format.json_schema) is None:  # a batch's default (request_problem: a request's)
             raise RequestRejected(
                 "invalid_value", "it is required when 'type' is 'json_schema'", "response_format.json_schema"
             )
         schema = {} if json_schema.schema_ is None else json_schema.schema_
-        return _json_grammar(schema, lenient=not json_schema.strict)
+        return json_grammar(schema, lenient=not json_schema.strict)
     return None
 
 
@@ -107,9 +107,9 @@ def _structured_grammar(outputs: StructuredOutputs, tokens: Mapping[str, int]) -
         options = {"whitespace_flexible": False}
     if outputs.json is not None:
         schema = outputs.json if isinstance(outputs.json, dict) else _parsed(outputs.json, "structured_outputs.json")
-        return _json_grammar(schema, lenient=False, options=options)
+        return json_grammar(schema, lenient=False, options=options)
     if outputs.json_object:
-        return _json_grammar({"type": "object"}, lenient=False, options=options)
+        return json_grammar({"type": "object"}, lenient=False, options=options)
     if outputs.regex is not None:
         return LLMatcher.grammar_from_regex(outputs.regex)
     if outputs.choice is not None:
@@ -172,7 +172,7 @@ def _tool_grammar(tools: list[ChatTool], choice: Any, parallel: bool | None) -> 
     functions = {tool.function.name: tool.function for tool in tools}
     if isinstance(choice, NamedToolChoice):
         function = functions[choice.function.name]
-        return _json_grammar(function.parameters or NO_ARGUMENTS, lenient=not function.strict)
+        return json_grammar(function.parameters or NO_ARGUMENTS, lenient=not function.strict)
     calls = [
         {
             "type": "object",
@@ -185,10 +185,10 @@ def _tool_grammar(tools: list[ChatTool], choice: Any, parallel: bool | None) -> 
     schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
     if parallel is False:
         schema["maxItems"] = 1
-    return _json_grammar(schema, lenient=not all(function.strict for function in functions.values()))
+    return json_grammar(schema, lenient=not all(function.strict for function in functions.values()))
 
 
-def _json_grammar(schema: dict[str, Any], *, lenient: bool, options: dict[str, Any] | None = None) -> str:
+def json_grammar(schema: dict[str, Any], *, lenient: bool, options: dict[str, Any] | None = None) -> str:
     """``lenient``: keywords llguidance does not implement are ignored (the rest enforced), else refused by name."""
     defaults = {"whitespace_pattern": WHITESPACE} if options is None else options
     compile_options: Any = {**defaults, "lenient": lenient}  # llguidance's JsonCompileOptions
