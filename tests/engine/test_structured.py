@@ -1,0 +1,247 @@
+"""Structured outputs on the real engine with the random-weight demo model: every structure in its outputs comes from
+the grammar, so each output validates (jsonschema, a regex's fullmatch, a choice's membership), greedy or sampled,
+with n > 1, under preemption, on a prefix-cache hit, and a sampled output is the same whatever shares its batch."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jsonschema
+import msgspec
+import pytest
+
+from batchgen.schemas import BODY_TYPES, BatchInputLine, ChatCompletion, TextCompletion
+from batchgen.server.engine import EngineRequest, EngineResult, LLMEngine, SamplingParams
+from batchgen.server.serving import BatchDefaults, OpenAIServing
+from batchgen.server.serving.structured import output_constraint
+
+Run = Callable[..., dict[str, EngineResult]]
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
+ORDER = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 1, "maximum": 99999},
+        "lines": {
+            "type": "array",
+            "minItems": 1,
+            "maxItems": 2,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"},
+                    "qty": {"type": "integer", "minimum": 1, "maximum": 9},
+                },
+                "required": ["sku", "qty"],
+                "additionalProperties": False,
+            },
+        },
+        "status": {"enum": ["open", "paid", "shipped"]},
+        "note": {"anyOf": [{"type": "null"}, {"type": "string", "maxLength": 6}]},
+    },
+    "required": ["id", "lines", "status", "note"],
+    "additionalProperties": False,
+}
+REGEX = r"[a-z]{2,5}-[0-9]{1,3}"
+CHOICES = ["alpha", "beta", "gamma delta"]
+CLOSING = {str(ord('"')): 3.0, str(ord("}")): 3.0}
+"""Byte tokens of the demo tokenizer that close a JSON string and an object, made likelier."""
+
+
+def _line(url: str, body: dict[str, Any], custom_id: str = "c") -> BatchInputLine:
+    typed = msgspec.convert({"model": "demo", **body}, BODY_TYPES[url])
+    return BatchInputLine(custom_id=custom_id, method="POST", url=url, body=typed)
+
+
+def _schema_format(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "s", "schema": schema, "strict": True}}
+
+
+def _valid(kind: str, spec: Any, text: str) -> bool:
+    if kind == "schema":
+        jsonschema.validate(json.loads(text), spec)
+        return True
+    if kind == "regex":
+        return re.fullmatch(spec, text) is not None
+    return text in spec
+
+
+CASES = [
+    ("schema", PERSON, {"response_format": _schema_format(PERSON)}),
+    ("schema", ORDER, {"structured_outputs": {"json": ORDER, "disable_any_whitespace": True}}),
+    ("regex", REGEX, {"structured_outputs": {"regex": REGEX}}),
+    ("choice", CHOICES, {"structured_outputs": {"choice": CHOICES}}),
+]
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 1.0, "seed": 3, "n": 3}], ids=["greedy", "sampled-n3"])
+def test_every_constrained_chat_output_validates(
+    make_engine: Callable[..., LLMEngine], run_to_completion: Run, sampling: dict[str, Any]
+) -> None:
+    engine = make_engine()
+    serving = OpenAIServing(engine.tokenizer, ("demo",), engine.max_context_length)
+    lines, requests = [], []
+    for i, (_, _, constraint) in enumerate(CASES):
+        messages = [{"role": "user", "content": f"question {i}"}]
+        line = _line("/v1/chat/completions", {"messages": messages, "max_tokens": 500, **constraint, **sampling})
+        lines.append(line)
+        requests.append(serving.to_engine_requests(line.body, request_id=f"r{i}", defaults=BatchDefaults(), group="g"))
+    results = run_to_completion(engine, [r for rs in requests for r in rs])
+    for (kind, spec, _), line, line_requests in zip(CASES, lines, requests, strict=True):
+        out = serving.output_line(line, line_requests, [results[r.request_id] for r in line_requests], request_id="x")
+        body = out.response.body
+        assert isinstance(body, ChatCompletion) and len(body.choices) == sampling.get("n", 1)
+        for choice in body.choices:
+            assert choice.finish_reason == "stop", choice.message.content
+            assert _valid(kind, spec, choice.message.content or ""), choice.message.content
+
+
+def test_completions_take_a_json_object_format_and_a_batch_default(
+    make_engine: Callable[..., LLMEngine], run_to_completion: Run
+) -> None:
+    engine = make_engine()
+    serving = OpenAIServing(engine.tokenizer, ("demo",), engine.max_context_length)
+    defaults = msgspec.convert({"response_format": _schema_format(PERSON)}, BatchDefaults)
+    bodies = [
+        ({"prompt": ["a", "b"], "max_tokens": 300}, PERSON),  # the batch's default, for each prompt
+        (  # any object: the random model would write an endless key; a nudge towards closing ends it
+            {"prompt": "c", "max_tokens": 300, "response_format": {"type": "json_object"}, "logit_bias": CLOSING},
+            {"type": "object"},
+        ),
+        (
+            {"prompt": "d", "max_tokens": 300, "structured_outputs": {"json": ORDER, "disable_any_whitespace": True}},
+            ORDER,
+        ),
+    ]
+    for i, (body, schema) in enumerate(bodies):
+        line = _line("/v1/completions", body)
+        requests = serving.to_engine_requests(line.body, request_id=f"r{i}", defaults=defaults, group="g")
+        results = run_to_completion(engine, requests)
+        out = serving.output_line(line, requests, [results[r.request_id] for r in requests], request_id="x").response
+        assert isinstance(out.body, TextCompletion) and len(out.body.choices) == len(requests)
+        for choice in out.body.choices:
+            jsonschema.validate(json.loads(choice.text), schema)
+
+
+def _constrained(rid: str, prompt: list[int], grammar: str, **params: Any) -> EngineRequest:
+    return EngineRequest(rid, prompt, SamplingParams(max_tokens=500, grammar=grammar, **params), group="g")
+
+
+@pytest.fixture(scope="module")
+def grammars(tokenizer: Any) -> dict[str, str]:
+    """The llguidance grammars of the schemas, as the serving layer makes them."""
+    made = {}
+    for name, constraint_field in (
+        ("person", {"response_format": _schema_format(PERSON)}),
+        ("order", {"structured_outputs": {"json": ORDER, "disable_any_whitespace": True}}),
+    ):
+        body = msgspec.convert({"model": "demo", "prompt": "x", **constraint_field}, BODY_TYPES["/v1/completions"])
+        constraint = output_constraint(body, None)
+        assert constraint is not None
+        made[name] = constraint.grammar
+    return made
+
+
+def test_sampled_constrained_outputs_survive_preemption_and_do_not_depend_on_the_batch(
+    make_engine: Callable[..., LLMEngine],
+    run_to_completion: Run,
+    random_prompts: Callable[..., list[list[int]]],
+    grammars: dict[str, str],
+) -> None:
+    """A constrained sampled request alone, and among unconstrained and constrained neighbours in an engine so short
+    of KV blocks that it preempts: the same tokens, and every constrained output valid."""
+    prompts = random_prompts(10, 20, 60, seed=11)
+    subject = _constrained("subject", prompts[0], grammars["order"], temperature=1.0, seed=42, n=2)
+    alone = run_to_completion(make_engine(), [subject])["subject"]
+    neighbours = [
+        _constrained(f"c{i}", p, grammars["person" if i % 2 else "order"], temperature=0.8, seed=i)
+        for i, p in enumerate(prompts[1:6])
+    ]
+    neighbours += [
+        EngineRequest(f"u{i}", p, SamplingParams(max_tokens=120, temperature=1.0, seed=i, ignore_eos=True), group="g")
+        for i, p in enumerate(prompts[6:])
+    ]
+    engine = make_engine(num_kv_blocks=40, max_num_batched_tokens=64)
+    crowded = run_to_completion(engine, [*neighbours[:3], subject, *neighbours[3:]])
+    assert engine.stats().preemptions > 0
+    assert [o.token_ids for o in crowded["subject"].outputs] == [o.token_ids for o in alone.outputs]
+    for rid, result in crowded.items():
+        if rid.startswith("u"):
+            continue
+        schema = PERSON if rid.startswith("c") and int(rid[1:]) % 2 else ORDER
+        for output in result.outputs:
+            assert output.finish_reason == "stop"
+            jsonschema.validate(json.loads(output.text), schema)
+
+
+def test_a_prefix_cache_hit_keeps_the_grammar(
+    make_engine: Callable[..., LLMEngine], run_to_completion: Run, grammars: dict[str, str]
+) -> None:
+    engine = make_engine()
+    prompt = list(range(40, 104))  # four whole blocks: the second request finds them cached
+    first = run_to_completion(engine, [_constrained("a", prompt, grammars["person"])])["a"]
+    second = run_to_completion(engine, [_constrained("b", prompt, grammars["person"])])["b"]
+    assert first.cached_tokens == 0 and second.cached_tokens >= 48
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    jsonschema.validate(json.loads(second.outputs[0].text), PERSON)
+
+
+def test_a_grammar_the_engine_cannot_build_fails_only_its_request(
+    make_engine: Callable[..., LLMEngine], run_to_completion: Run, grammars: dict[str, str]
+) -> None:
+    results = run_to_completion(
+        make_engine(),
+        [_constrained("bad", [5, 6, 7], "start: undefined_rule"), _constrained("good", [5, 6, 7], grammars["person"])],
+    )
+    error = results["bad"].error
+    assert error is not None and error.code == "invalid_grammar" and "undefined_rule" in error.message
+    assert results["good"].error is None
+    jsonschema.validate(json.loads(results["good"].outputs[0].text), PERSON)
+
+
+def test_the_grammar_constrains_what_follows_the_end_of_the_reasoning(
+    make_engine: Callable[..., LLMEngine], run_to_completion: Run, tokenizer: Any
+) -> None:
+    """``grammar_after``: free text up to the marker (here ``#``, made likely by a logit bias), then the grammar."""
+    hash_id = tokenizer.convert_tokens_to_ids("#")
+    body = msgspec.convert(
+        {"model": "demo", "prompt": "x", "structured_outputs": {"choice": CHOICES}}, BODY_TYPES["/v1/completions"]
+    )
+    constraint = output_constraint(body, None)
+    assert constraint is not None
+    requests = [
+        EngineRequest(
+            f"r{seed}",
+            [70, 80, 90],
+            SamplingParams(
+                max_tokens=200,
+                temperature=1.0,
+                seed=seed,
+                logit_bias={hash_id: 4.0},
+                grammar=constraint.grammar,
+                grammar_after=(hash_id,),
+            ),
+            group="g",
+        )
+        for seed in range(6)
+    ]
+    results = run_to_completion(make_engine(), requests)
+    thoughts = []
+    for result in results.values():
+        text = result.outputs[0].text
+        thought, answer = text.split("#", 1)
+        assert answer in CHOICES and result.outputs[0].finish_reason == "stop", text
+        thoughts.append(thought)
+    assert any(len(thought) > 2 for thought in thoughts)  # the reasoning itself was free: not the grammar's
