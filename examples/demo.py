@@ -1,6 +1,7 @@
 """The main job end to end: start a server with the demo model, try one online chat call (streamed), run the example
-batches through the real REST API (chat, completions, embeddings), print a summary and the first results, stop the
-server. Exits non-zero on failure.
+batches through the real REST API (chat, completions, embeddings, and extraction: a JSON schema given once for the
+batch, which every line without a format of its own follows), print a summary and the first results, stop the server.
+Exits non-zero on failure.
 
     python examples/demo.py [--model demo] [--max-decoding-length 32]
 """
@@ -20,17 +21,35 @@ import httpx
 from batchgen.server.launcher import CLEAN_EXIT_CODES, ServerProcess
 
 EXAMPLES = Path(__file__).parent
-BATCHES = [
-    ("chat.jsonl", "/v1/chat/completions"),
-    ("completions.jsonl", "/v1/completions"),
-    ("embeddings.jsonl", "/v1/embeddings"),
+PERSON = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "person",
+        "strict": True,
+        "schema": {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "maxLength": 16},
+                "age": {"type": "integer", "minimum": 0, "maximum": 130},
+            },
+            "required": ["name", "age"],
+            "additionalProperties": False,
+        },
+    },
+}
+"""The extraction batch's ``response_format``: the lines that set no format of their own follow it."""
+BATCHES: list[tuple[str, str, dict[str, Any]]] = [
+    ("chat.jsonl", "/v1/chat/completions", {}),
+    ("completions.jsonl", "/v1/completions", {}),
+    ("embeddings.jsonl", "/v1/embeddings", {}),
+    ("extraction.jsonl", "/v1/chat/completions", {"response_format": PERSON}),
 ]
 TERMINAL = {"completed", "failed", "expired", "cancelled"}
 
 
 def run(http: httpx.Client, max_decoding_length: int, timeout_s: float) -> list[dict[str, Any]]:
     created = []
-    for name, endpoint in BATCHES:
+    for name, endpoint, defaults in BATCHES:
         with open(EXAMPLES / name, "rb") as f:
             upload = http.post("/v1/files", data={"purpose": "batch"}, files={"file": (name, f)})
         upload.raise_for_status()
@@ -41,6 +60,7 @@ def run(http: httpx.Client, max_decoding_length: int, timeout_s: float) -> list[
                 "endpoint": endpoint,
                 "max_decoding_length": max_decoding_length,
                 "metadata": {"ds_name": f"demo {name}"},
+                **defaults,
             },
         )
         batch.raise_for_status()
