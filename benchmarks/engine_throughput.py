@@ -169,9 +169,14 @@ def run_engine(
 
 
 def run_vllm(
-    python: Path, model_dir: Path, workload: list[tuple[list[int], int]], args: argparse.Namespace, eager: bool
+    python: Path,
+    model_dir: Path,
+    workload: list[Any],
+    args: argparse.Namespace,
+    eager: bool,
+    extra: tuple[str, ...] = (),
 ) -> tuple[Row, list[list[int]]]:
-    """vLLM's row and its tokens, from ``vllm_peer.py`` run by vLLM's own interpreter."""
+    """vLLM's row and its tokens, from ``vllm_peer.py`` (given ``extra`` arguments) run by vLLM's own interpreter."""
     with tempfile.TemporaryDirectory() as tmp:
         workload_path, out_path = Path(tmp) / "workload.json", Path(tmp) / "out.json"
         workload_path.write_text(json.dumps(workload))
@@ -183,7 +188,7 @@ def run_vllm(
             "--kv-cache-gib",
             str(args.kv_cache_gib),
         ]
-        command += ["--eager"] if eager else []
+        command += ["--eager", *extra] if eager else list(extra)
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
         env.pop("PYTHONPATH", None)  # vLLM's own packages only
         done = subprocess.run(command, env=env, capture_output=True, text=True)

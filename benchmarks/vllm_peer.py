@@ -1,11 +1,14 @@
-"""vLLM on the benchmark's model and workload, in vLLM's own virtualenv: the peer row of engine_throughput.py.
+"""vLLM on the benchmark's model and workload, in vLLM's own virtualenv: the peer row of engine_throughput.py and
+structured.py.
 
     VENV/bin/python benchmarks/vllm_peer.py MODEL_DIR WORKLOAD_JSON OUT_JSON --threads 1 [--eager] [--device cpu]
 
 Runs vLLM in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so process CPU time counts all of its work, on
-``--threads`` threads, with the engine's batching limits; greedy, ignore_eos, each request's own output length. Writes
-wall and CPU seconds of the timed run (after an 8-request warm-up, as for the engine) and every request's tokens.
-This file imports nothing of batchgen: vLLM and batchgen do not share an environment.
+``--threads`` threads, with the engine's batching limits; greedy, ignore_eos, each request's own output length. A
+workload item ``[prompt, length, schema]`` is constrained instead: compact JSON of ``schema`` (vLLM's
+``structured_outputs``, backend ``--structured-backend``), ending where the grammar does, at most ``length`` tokens.
+Writes wall and CPU seconds of the timed run (after an 8-request warm-up, as for the engine) and every request's
+tokens. This file imports nothing of batchgen: vLLM and batchgen do not share an environment.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--kv-cache-gib", type=int, default=4, help="KV cache memory on CPU")
+    parser.add_argument("--structured-backend", default="auto", help="xgrammar, guidance or auto (vLLM's choice)")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if args.device == "cpu":
@@ -38,6 +42,7 @@ def main() -> None:
     import torch
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import StructuredOutputsParams
 
     torch.set_num_threads(args.threads)
     with open(args.workload) as f:
@@ -50,9 +55,19 @@ def main() -> None:
         max_num_seqs=256,
         max_model_len=args.max_model_len,
         seed=0,
+        structured_outputs_config={"backend": args.structured_backend},
     )
-    prompts = [TokensPrompt(prompt_token_ids=prompt) for prompt, _ in workload]
-    params = [SamplingParams(max_tokens=length, ignore_eos=True, temperature=0.0) for _, length in workload]
+    prompts = [TokensPrompt(prompt_token_ids=item[0]) for item in workload]
+    params = [
+        SamplingParams(max_tokens=item[1], ignore_eos=True, temperature=0.0)
+        if len(item) < 3
+        else SamplingParams(
+            max_tokens=item[1],
+            temperature=0.0,
+            structured_outputs=StructuredOutputsParams(json=item[2], disable_any_whitespace=True),
+        )
+        for item in workload
+    ]
     llm.generate(prompts[:8], params[:8], use_tqdm=False)  # warm-up (and compilation), as for the engine
     # The engine measures with a cold cache (a fresh engine after its warm-up): so does vLLM, whose prefix cache
     # would otherwise serve the warm-up's 8 prompts.
