@@ -71,6 +71,9 @@ def test_the_flags_and_their_variables() -> None:
         ("a", "b"),
         "none",
     )
+    # vLLM's spelling: several names after one flag.
+    several = settings_from_args(build_parser().parse_args(["serve", "--served-model-name", "a", "b", "c"]))
+    assert several.engine.served_model_names == ("a", "b", "c")
     # By default the model answers to --model as given, a hub id or a path; the demo model stays "demo".
     for model in ("Qwen/Qwen2.5-0.5B-Instruct", ".", "/models/llama", "demo"):
         assert EngineConfig(model=model).served_model_names == (model,)

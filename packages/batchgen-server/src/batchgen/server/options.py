@@ -6,7 +6,8 @@ A value comes from the flag when it is given, else from the environment variable
 the field's name in kebab case (``max_num_seqs`` is ``--max-num-seqs``) unless the declaration names others; the
 variable is ``BATCHGEN_`` and the name in capitals. Types follow the annotation: ``bool`` is a pair of flags
 (``--insecure`` / ``--no-insecure``) and ``1/true/yes/on`` or ``0/false/no/off`` in the environment, ``tuple[str,
-...]`` a repeatable flag and a comma-separated variable, ``X | None`` an optional ``X``.
+...]`` a flag taking several values (``--served-model-name a b``, or repeated) and a comma-separated variable,
+``X | None`` an optional ``X``.
 
 This module imports nothing heavy, so ``--help`` answers at once.
 """
@@ -122,7 +123,8 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
         if option.kind is bool:
             group.add_argument(*option.flags, dest=option.name, action=argparse.BooleanOptionalAction, help=text)
         elif option.kind is tuple:
-            group.add_argument(*option.flags, dest=option.name, action="append", metavar="VALUE", help=text)
+            # vLLM's way: several values after one flag (``--served-model-name a b``), or the flag repeated
+            group.add_argument(*option.flags, dest=option.name, action="extend", nargs="+", metavar="VALUE", help=text)
         else:
             metavar = "TEXT" if option.kind is str else option.kind.__name__.upper()
             group.add_argument(*option.flags, dest=option.name, type=option.argument, metavar=metavar, help=text)
