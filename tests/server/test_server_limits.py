@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 from server_helpers import LiveServer, Receiver, Reply, chat_line, jsonl
 
@@ -335,3 +336,31 @@ def test_expired_files_are_gone(fast_clock: LiveServer) -> None:
         assert time.monotonic() < deadline, "the expired file's content is still there"
         time.sleep(0.1)
     assert fast_clock.http.get(f"/v1/files/{kept}").status_code == 200
+
+
+def test_output_expires_after_sets_the_results_expiry_and_expiry_deletes_them(fast_clock: LiveServer) -> None:
+    client = openai.OpenAI(base_url=f"{fast_clock.base_url}/v1", api_key="unused", max_retries=0)
+    input_file = fast_clock.upload([chat_line("a", max_tokens=2), chat_line("b", max_tokens=2)])["id"]
+    with pytest.raises(openai.BadRequestError):
+        client.batches.create(
+            input_file_id=input_file, endpoint="/v1/chat/completions", completion_window="24h",
+            output_expires_after={"anchor": "created_at", "seconds": 60},
+        )  # fmt: skip
+    created = client.batches.create(
+        input_file_id=input_file, endpoint="/v1/chat/completions", completion_window="24h",
+        output_expires_after={"anchor": "created_at", "seconds": 7200},
+    )  # fmt: skip
+    batch = fast_clock.wait(created.id)
+    assert batch["status"] == "completed", batch
+    output = client.files.retrieve(batch["output_file_id"])
+    assert output.expires_at == output.created_at + 7200
+    blob = fast_clock.storage_dir / "blobs" / output.id
+    with sqlite3.connect(fast_clock.storage_dir / "batchgen.db") as db:  # two hours pass
+        db.execute("UPDATE files SET expires_at = ? WHERE id = ?", (int(time.time()) - 1, output.id))
+    deadline = time.monotonic() + 10
+    while blob.exists():
+        assert time.monotonic() < deadline, "the expired output is still there"
+        time.sleep(0.1)
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(output.id)
+    assert client.files.retrieve(input_file).expires_at is None  # the input keeps its own expiry

@@ -176,10 +176,12 @@ class AsyncBatchGenHttpClient:
         top_p: float | None = None,
         top_k: int | None = None,
         response_format: ResponseFormatInput | None = None,
+        output_expires_after_s: int | None = None,
     ) -> BatchObject:
         """Start a batch; the batch-level ``GenerationDefaults`` apply to requests that do not set their own.
         ``response_format`` takes a request's ``response_format`` (a dict or a ``ResponseFormat``), or a pydantic
-        model class: every line's output then follows its JSON schema."""
+        model class: every line's output then follows its JSON schema. ``output_expires_after_s``: the output and
+        error files are deleted that long after they are created (3600 to 2592000)."""
         defaults = GenerationDefaults(
             max_decoding_length=max_decoding_length,
             max_context_length=max_context_length,
@@ -195,6 +197,7 @@ class AsyncBatchGenHttpClient:
                 completion_window=completion_window,
                 metadata=metadata,
                 defaults=defaults,
+                output_expires_after_s=output_expires_after_s,
             )
         )
 
@@ -249,6 +252,7 @@ class AsyncBatchGenHttpClient:
         top_p: float | None = None,
         top_k: int | None = None,
         response_format: ResponseFormatInput | None = None,
+        output_expires_after_s: int | None = None,
         wait: bool = True,
         poll_interval: float = 5.0,
         timeout: float | None = None,
@@ -272,6 +276,7 @@ class AsyncBatchGenHttpClient:
             top_p=top_p,
             top_k=top_k,
             response_format=response_format,
+            output_expires_after_s=output_expires_after_s,
         )
         if not wait:
             return batch

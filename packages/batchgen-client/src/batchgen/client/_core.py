@@ -320,13 +320,16 @@ class ClientCore:
         completion_window: str,
         metadata: Metadata | None,
         defaults: GenerationDefaults,
+        output_expires_after_s: int | None = None,
     ) -> ApiRequest[BatchObject]:
         """Unset (``None``) metadata and defaults are left out of the body."""
+        expiry = {"anchor": "created_at", "seconds": output_expires_after_s}
         body = {
             "input_file_id": input_file_id,
             "endpoint": endpoint,
             "completion_window": completion_window,
             **({"metadata": metadata} if metadata is not None else {}),
+            **({"output_expires_after": expiry} if output_expires_after_s is not None else {}),
             **msgspec.to_builtins(defaults),
         }
         return ApiRequest("POST", "/v1/batches", _parse_batch, json=msgspec.json.encode(body), headers=_idempotency())

@@ -19,8 +19,8 @@ TERMINAL_STATUSES: frozenset[str] = frozenset({"failed", "completed", "expired",
 ACTIVE_STATUSES: tuple[str, ...] = tuple(status for status in STATUSES if status not in TERMINAL_STATUSES)
 """Unfinished: the server's batch loop owns the batch, and picks it up again after a restart."""
 
-BatchEndpoint = Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
-ENDPOINTS: tuple[str, ...] = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+BatchEndpoint = Literal["/v1/responses", "/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
+ENDPOINTS: tuple[str, ...] = typing.get_args(BatchEndpoint)
 
 Metadata = dict[str, str]
 
@@ -111,6 +111,17 @@ class BatchList(Wire, kw_only=True):
     has_more: bool = False
 
 
+MIN_EXPIRY_S, MAX_EXPIRY_S = 3600, 30 * 24 * 3600
+"""What a file's expiry may be, after its anchor: an hour to 30 days, as at OpenAI."""
+
+
+class ExpiresAfter(Wire, kw_only=True, forbid_unknown_fields=True):
+    """Files expire ``seconds`` after their ``created_at`` (the only anchor), and are then deleted."""
+
+    anchor: Literal["created_at"]
+    seconds: Annotated[int, Meta(ge=MIN_EXPIRY_S, le=MAX_EXPIRY_S)]
+
+
 class CreateBatchRequest(GenerationDefaults, kw_only=True, forbid_unknown_fields=True, omit_defaults=False):
     """Body of ``POST /v1/batches``. Unknown fields are rejected so that typos do not pass silently; every field
     is sent (OpenAI requires ``endpoint`` and ``completion_window``)."""
@@ -119,3 +130,5 @@ class CreateBatchRequest(GenerationDefaults, kw_only=True, forbid_unknown_fields
     endpoint: str = "/v1/chat/completions"
     completion_window: str = "24h"
     metadata: Metadata | None = None
+    output_expires_after: ExpiresAfter | None = None
+    """When the batch's output and error files expire (they live until deleted without it)."""

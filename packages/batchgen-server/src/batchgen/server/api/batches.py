@@ -152,7 +152,8 @@ async def _create_batch(data: CreateBatchRequest, context: ServerContext, owner:
         response_format=data.response_format,
     )
     try:
-        return await asyncio.wrap_future(context.loop.admit(batch, owner, sequences))
+        expiry = None if data.output_expires_after is None else data.output_expires_after.seconds
+        return await asyncio.wrap_future(context.loop.admit(batch, owner, sequences, expiry))
     except CapacityExceeded as exc:
         if exc.too_large:
             raise invalid(

@@ -25,6 +25,7 @@ from litestar.params import Parameter
 from litestar.response import Stream
 
 from batchgen.schemas import FileDeleted, FileList, FileObject
+from batchgen.schemas.batches import MAX_EXPIRY_S, MIN_EXPIRY_S
 
 from ..ids import new_file_id
 from ..security.limits import is_valid_id
@@ -34,8 +35,6 @@ from .errors import ERROR_RESPONSES, APIError, invalid, not_found
 from .idempotency import IDEMPOTENCY_KEY, idempotent
 from .uploads import read_upload
 
-MIN_EXPIRY_S = 3600
-MAX_EXPIRY_S = 30 * 24 * 3600
 JSONL = "application/jsonl"
 log = logging.getLogger("batchgen.server.files")
 
@@ -170,7 +169,7 @@ class FilesController(Controller):
         file = await owned_file(context, file_id, owner)
         try:
             # Opened and checked before answering: a missing or damaged blob is a clear error, not a 200 cut short.
-            length, chunks = await asyncio.to_thread(_open_content, context, file)
+            length, chunks = await asyncio.to_thread(read_content, context, file)
         except FileNotFoundError:
             raise APIError(
                 500,
@@ -202,7 +201,7 @@ def content_disposition(filename: str) -> str:
     return f"attachment; filename=\"{fallback}\"; filename*=UTF-8''{quote(filename, safe='')}"
 
 
-def _open_content(context: ServerContext, file: FileObject) -> tuple[int, Iterator[bytes]]:
+def read_content(context: ServerContext, file: FileObject) -> tuple[int, Iterator[bytes]]:
     """A results file still being appended to is served up to its last complete line; a finished file once its
     content is checked against its size and checksum."""
     if file.status == "uploaded":
@@ -249,7 +248,7 @@ async def _store_upload(request: Request[Any, Any, Any], context: ServerContext,
             checksum=writer.checksum,
         )
         work = {"line_count": form.checker.requests, "sequences": form.checker.sequences}
-        await asyncio.to_thread(_commit, context, writer, file, owner, work)
+        await asyncio.to_thread(commit_file, context, writer, file, owner, work)
     except BaseException:
         if writer is not None:
             await asyncio.shield(asyncio.to_thread(writer.discard))
@@ -257,7 +256,9 @@ async def _store_upload(request: Request[Any, Any, Any], context: ServerContext,
     return file
 
 
-def _commit(context: ServerContext, writer: UploadWriter, file: FileObject, owner: str, work: dict[str, int]) -> None:
+def commit_file(
+    context: ServerContext, writer: UploadWriter, file: FileObject, owner: str, work: dict[str, int]
+) -> None:
     """The content durable under its id, then its row; on a failure (a full disk, even once the content is in place)
     neither is left behind."""
     try:

@@ -143,10 +143,12 @@ class BatchLoop:
         self._inbox.put(None)
         self._thread.join(timeout)
 
-    def admit(self, batch: BatchObject, owner: str, sequences: int) -> Future[BatchObject]:
+    def admit(
+        self, batch: BatchObject, owner: str, sequences: int, output_expiry_s: int | None = None
+    ) -> Future[BatchObject]:
         """Record a new ``validating`` batch and run it, unless its ``sequences`` exceed the free capacity
-        (``CapacityExceeded``)."""
-        return self._ask(partial(self._admit, batch, owner, sequences))
+        (``CapacityExceeded``); its results files expire ``output_expiry_s`` after they are created."""
+        return self._ask(partial(self._admit, batch, owner, sequences, output_expiry_s))
 
     def cancel(self, batch_id: str, owner: str) -> Future[BatchObject | None]:
         """Cancel the batch if it can be; the batch as it now is (``None`` if ``owner`` has no such batch)."""
@@ -229,12 +231,19 @@ class BatchLoop:
 
     # ---- admission and cancellation -----------------------------------------------------------------------------
 
-    def _admit(self, batch: BatchObject, owner: str, sequences: int, reply: Future[BatchObject]) -> None:
+    def _admit(
+        self,
+        batch: BatchObject,
+        owner: str,
+        sequences: int,
+        output_expiry_s: int | None,
+        reply: Future[BatchObject],
+    ) -> None:
         try:
             queued = sum(tracked.work for tracked in self._batches.values())
             if queued + sequences > self.capacity:
                 raise CapacityExceeded(sequences, queued, self.capacity)
-            self.store.insert(batch, owner)
+            self.store.insert(batch, owner, output_expiry_s)
             self._track(batch, owner, sequences)
         except Exception as exc:
             reply.set_exception(exc)

@@ -27,7 +27,10 @@ class Store(Protocol):
         """Batches to resume at start-up, oldest first, each with its owner (tenant)."""
         ...
 
-    def insert(self, batch: BatchObject, owner: str) -> None: ...
+    def insert(self, batch: BatchObject, owner: str, output_expiry_s: int | None = None) -> None:
+        """Record a new batch; its results files expire ``output_expiry_s`` after they are created (``None``:
+        never)."""
+        ...
 
     def get(self, batch_id: str, owner: str) -> BatchObject | None: ...
 
@@ -64,8 +67,8 @@ class DatabaseStore:
     def unfinished(self) -> list[tuple[BatchObject, str]]:
         return self.db.unfinished_batches()
 
-    def insert(self, batch: BatchObject, owner: str) -> None:
-        self.db.insert_batch(batch, owner=owner)
+    def insert(self, batch: BatchObject, owner: str, output_expiry_s: int | None = None) -> None:
+        self.db.insert_batch(batch, owner=owner, output_expiry_s=output_expiry_s)
 
     def get(self, batch_id: str, owner: str) -> BatchObject | None:
         return self.db.get_batch(batch_id, owner=owner)
@@ -78,6 +81,7 @@ class DatabaseStore:
 
     def start(self, batch: BatchObject, owner: str, **fields: Any) -> BatchObject:
         created_at = int(time.time())
+        expiry = self.db.output_expiry(batch.id)
         files = [
             FileObject(
                 id=file_id,
@@ -86,6 +90,7 @@ class DatabaseStore:
                 filename=f"{batch.id}_{kind}.jsonl",
                 purpose="batch_output",
                 status="uploaded",
+                expires_at=None if expiry is None else created_at + expiry,
             )
             for kind, file_id in (("output", new_file_id()), ("error", new_file_id()))
         ]
@@ -157,7 +162,7 @@ class FileStore:
     def unfinished(self) -> list[tuple[BatchObject, str]]:
         return []
 
-    def insert(self, batch: BatchObject, owner: str) -> None:
+    def insert(self, batch: BatchObject, owner: str, output_expiry_s: int | None = None) -> None:
         self.batch = batch
 
     def get(self, batch_id: str, owner: str) -> BatchObject | None:

@@ -80,7 +80,8 @@ CREATE TABLE IF NOT EXISTS batches (
     temperature REAL,
     top_p REAL,
     top_k INTEGER,
-    response_format TEXT
+    response_format TEXT,
+    output_expiry_s INTEGER
 );
 CREATE INDEX IF NOT EXISTS batches_owner ON batches (owner, seq);
 CREATE INDEX IF NOT EXISTS batches_status ON batches (status);
@@ -138,6 +139,7 @@ _MIGRATIONS = (
     ),
     ("batches", "reasoning_tokens", "ALTER TABLE batches ADD COLUMN reasoning_tokens INTEGER NOT NULL DEFAULT 0"),
     ("batches", "response_format", "ALTER TABLE batches ADD COLUMN response_format TEXT"),
+    ("batches", "output_expiry_s", "ALTER TABLE batches ADD COLUMN output_expiry_s INTEGER"),
 )
 _encode = msgspec.json.encode
 
@@ -230,13 +232,18 @@ class Database:
 
     # -- batches -----------------------------------------------------------------------------------------------
 
-    def insert_batch(self, batch: BatchObject, *, owner: str) -> None:
-        columns = [*_BATCH_SCALARS, "total", "metadata", "response_format", "owner"]
+    def insert_batch(self, batch: BatchObject, *, owner: str, output_expiry_s: int | None = None) -> None:
+        """``output_expiry_s``: its output and error files expire that long after they are created."""
+        columns = [*_BATCH_SCALARS, "total", "metadata", "response_format", "owner", "output_expiry_s"]
         values = [getattr(batch, column) for column in _BATCH_SCALARS]
         values += [batch.request_counts.total, _json_or_none(batch.metadata), _json_or_none(batch.response_format)]
-        values.append(owner)
+        values += [owner, output_expiry_s]
         with self._transaction() as conn:
             conn.execute(f"INSERT INTO batches ({', '.join(columns)}) VALUES ({_marks(columns)})", values)
+
+    def output_expiry(self, batch_id: str) -> int | None:
+        row = self._conn.execute("SELECT output_expiry_s FROM batches WHERE id = ?", (batch_id,)).fetchone()
+        return None if row is None else row["output_expiry_s"]
 
     def get_batch(self, batch_id: str, *, owner: str | None) -> BatchObject | None:
         row = self._one("batches", batch_id, owner)
