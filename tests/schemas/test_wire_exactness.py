@@ -17,6 +17,7 @@ import pytest
 from openai.pagination import SyncCursorPage, SyncPage
 from openai.types import batch_create_params, completion_create_params, embedding_create_params
 from openai.types.chat import completion_create_params as chat_create_params
+from openai.types.responses import response_create_params
 from openai.types.shared import ErrorObject
 from pydantic import BaseModel, TypeAdapter
 
@@ -45,20 +46,30 @@ from batchgen.schemas import (
     EmbeddingUsage,
     ErrorDetail,
     ErrorResponse,
+    ExpiresAfter,
     FileDeleted,
     FileList,
     FileObject,
+    FunctionCallItem,
     InputTokensDetails,
     ModelList,
     ModelObject,
+    OutputMessage,
+    OutputText,
     OutputTokensDetails,
     PromptTokensDetails,
+    ReasoningItem,
+    ReasoningText,
+    Response,
     ResponseFormat,
+    ResponseRequest,
+    ResponseUsage,
     TextCompletion,
     TextContentPart,
     TokenLogprob,
     TopLogprob,
 )
+from batchgen.schemas.responses_api import ResponseInputTokensDetails
 
 # --- our objects, full and minimal -----------------------------------------------------------------------------
 
@@ -200,6 +211,39 @@ def embedding_list() -> EmbeddingList:
     )
 
 
+def full_response() -> Response:
+    """What a response that thought, wrote and called a tool looks like (as ``serving.responses`` builds it)."""
+    return Response(
+        id="resp_1",
+        created_at=1_700_000_000,
+        status="completed",
+        completed_at=1_700_000_001,
+        instructions="Be brief.",
+        max_output_tokens=64,
+        metadata={"k": "v"},
+        model="demo",
+        output=[
+            ReasoningItem(id="rs_1", content=[ReasoningText(text="Hmm.")], status="completed"),
+            OutputMessage(id="msg_1", status="completed", content=[OutputText(text="Let me look.")]),
+            FunctionCallItem(
+                id="fc_1", call_id="call_1", name="weather", arguments='{"city": "Oslo"}', status="completed"
+            ),
+        ],
+        temperature=0.5,
+        text={"format": {"type": "json_object"}},  # (a json_schema's "schema" the SDK dumps as "schema_")
+        tool_choice={"type": "function", "name": "weather"},
+        tools=[{"type": "function", "name": "weather", "parameters": {"type": "object"}, "strict": True}],
+        top_p=1.0,
+        usage=ResponseUsage(
+            input_tokens=10,
+            input_tokens_details=ResponseInputTokensDetails(cached_tokens=4),
+            output_tokens=5,
+            output_tokens_details=OutputTokensDetails(reasoning_tokens=2),
+            total_tokens=15,
+        ),
+    )
+
+
 def full_model() -> ModelObject:
     return ModelObject(id="demo", created=1_700_000_000, owned_by="batchgen", max_context_length=2048)
 
@@ -238,6 +282,9 @@ RESPONSE_CASES: list[tuple[str, Callable[[], msgspec.Struct], type[BaseModel]]] 
     ("text completion full", full_text_completion, oai.Completion),
     ("text completion minimal", minimal_text_completion, oai.Completion),
     ("embeddings", embedding_list, oai.CreateEmbeddingResponse),
+    ("response full", full_response, oai.responses.Response),
+    ("response queued", lambda: Response(id="resp_2", created_at=1, status="queued", background=True, model="demo"),
+     oai.responses.Response),
 ]  # fmt: skip
 
 
@@ -359,8 +406,18 @@ REQUEST_CASES: list[tuple[str, msgspec.Struct, Any]] = [
                                         user="me"), embedding_create_params.EmbeddingCreateParams),
     ("embedding minimal", EmbeddingRequest(model="demo", input="a"), embedding_create_params.EmbeddingCreateParams),
     ("create batch", CreateBatchRequest(input_file_id="file-1", metadata={"k": "v"}, max_decoding_length=32,
-                                        temperature=1.0, top_p=0.5, top_k=5),
+                                        temperature=1.0, top_p=0.5, top_k=5,
+                                        output_expires_after=ExpiresAfter(anchor="created_at", seconds=7200)),
      batch_create_params.BatchCreateParams),
+    ("response", msgspec.convert({
+        "model": "demo", "instructions": "Be brief.", "max_output_tokens": 8, "temperature": 0.5, "top_p": 0.9,
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+                  {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                  {"type": "function_call_output", "call_id": "c", "output": "1"}],
+        "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}, "strict": True}},
+        "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}, "strict": True}],
+        "tool_choice": {"type": "function", "name": "f"}, "background": True, "metadata": {"k": "v"}},
+        ResponseRequest), response_create_params.ResponseCreateParamsNonStreaming),
 ]  # fmt: skip
 
 
@@ -387,6 +444,7 @@ def test_request_bodies_round_trip_through_the_sdk_shape() -> None:
         (ChatCompletionRequest, chat_create_params.CompletionCreateParamsStreaming),
         (CompletionRequest, completion_create_params.CompletionCreateParamsStreaming),
         (EmbeddingRequest, embedding_create_params.EmbeddingCreateParams),
+        (ResponseRequest, response_create_params.ResponseCreateParamsStreaming),
     ],
 )
 def test_every_field_the_sdk_sends_is_declared(ours: type[msgspec.Struct], official: Any) -> None:

@@ -380,3 +380,36 @@ def test_tool_results_render_in_the_follow_up(thinker: LiveServer) -> None:
         assert answer.status_code == 200, answer.text
         usage.append(answer.json()["usage"]["prompt_tokens"])
     assert usage[1] - usage[0] > len('{"city": "Oslo", "days": 1}') + len("-3 C and snow")  # the call and its result
+
+
+def test_responses_say_reasoning_and_calls_as_output_items(thinker: LiveServer) -> None:
+    chat = _auto_call(thinker, 1)
+    message = thinker.http.post("/v1/chat/completions", json=chat).json()["choices"][0]["message"]
+    shared = {name: chat[name] for name in ("temperature", "seed", "logit_bias", "structured_outputs", "stop")}
+    tools = [{"type": "function", **WEATHER["function"]}]
+    body = {"model": "thinker", "input": chat["messages"], "tools": tools, "max_output_tokens": 300, **shared}
+    response = thinker.http.post("/v1/responses", json=body).json()
+    kinds = [item["type"] for item in response["output"]]
+    assert response["status"] == "completed" and kinds[0] == "reasoning" and kinds[-1] == "function_call", response
+    reasoning, call = response["output"][0], response["output"][-1]
+    assert reasoning["content"][0]["text"] == message["reasoning"]
+    assert (call["name"], call["arguments"]) == ("weather", message["tool_calls"][0]["function"]["arguments"])
+    assert response["usage"]["output_tokens_details"]["reasoning_tokens"] > 0
+
+    with thinker.http.stream("POST", "/v1/responses", json={**body, "stream": True}) as streamed:
+        events = [json.loads(line[6:]) for line in streamed.iter_lines() if line.startswith("data: ")]
+    reasoned = "".join(event["delta"] for event in events if event["type"] == "response.reasoning_text.delta")
+    arguments = "".join(e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta")
+    assert reasoned == message["reasoning"] and arguments == call["arguments"]
+    final = events[-1]["response"]
+    assert events[-1]["type"] == "response.completed" and [item["type"] for item in final["output"]] == kinds
+
+    forced = _thinker_client(thinker).responses.create(
+        model="thinker", input="Weather?", tools=tools, tool_choice="required", max_output_tokens=500, temperature=1.0,  # type: ignore[arg-type]
+        extra_body={**NO_THINKING, "seed": 3},
+    )  # fmt: skip
+    calls = [item for item in forced.output if item.type == "function_call"]
+    assert forced.status == "completed" and calls, forced
+    assert all(call.name == "weather" for call in calls)
+    for forced_call in calls:
+        jsonschema.validate(json.loads(forced_call.arguments), PARAMETERS["weather"])

@@ -14,18 +14,18 @@ from .batches import (
     BatchStatus,
     BatchUsage,
     CreateBatchRequest,
+    ExpiresAfter,
     GenerationDefaults,
     InputTokensDetails,
     Metadata,
     OutputTokensDetails,
 )
+from .endpoints import BODY_TYPES, BatchInputLine, RequestBody, sequences_of
 from .errors import ErrorDetail, ErrorResponse
 from .files import FileDeleted, FileList, FileObject, FilePurpose, FileStatus
 from .health import HealthStatus, PoolStatus, ReplicaState, ReplicaStatus
 from .models import ModelList, ModelObject
 from .requests import (
-    BODY_TYPES,
-    BatchInputLine,
     ChatCompletionRequest,
     ChatMessage,
     ChatTool,
@@ -34,14 +34,12 @@ from .requests import (
     FunctionDefinition,
     JsonSchemaFormat,
     NamedToolChoice,
-    RequestBody,
     ResponseFormat,
     StreamOptions,
     StructuredOutputs,
     TextContentPart,
     ToolChoice,
     count_sequences,
-    sequences_of,
     unsupported_parameter,
 )
 from .responses import (
@@ -75,8 +73,44 @@ from .responses import (
     TopLogprob,
     parse_output_line,
 )
+from .responses_api import (
+    FunctionCallItem,
+    FunctionTool,
+    FunctionToolChoice,
+    InputContent,
+    InputItem,
+    OutputItem,
+    OutputMessage,
+    OutputText,
+    ReasoningItem,
+    ReasoningText,
+    Response,
+    ResponseEvent,
+    ResponseRequest,
+    ResponseStatus,
+    ResponseUsage,
+    TextConfig,
+    TextFormat,
+)
 
 __all__ = [
+    "FunctionCallItem",
+    "FunctionTool",
+    "FunctionToolChoice",
+    "InputContent",
+    "InputItem",
+    "OutputItem",
+    "OutputMessage",
+    "OutputText",
+    "ReasoningItem",
+    "ReasoningText",
+    "Response",
+    "ResponseEvent",
+    "ResponseRequest",
+    "ResponseStatus",
+    "ResponseUsage",
+    "TextConfig",
+    "TextFormat",
     "ACTIVE_STATUSES",
     "BODY_TYPES",
     "ENDPOINTS",
@@ -111,6 +145,7 @@ __all__ = [
     "CompletionTokensDetails",
     "CompletionUsage",
     "CreateBatchRequest",
+    "ExpiresAfter",
     "Embedding",
     "EmbeddingList",
     "EmbeddingRequest",

@@ -262,8 +262,6 @@ class EmbeddingRequest(RequestFields, kw_only=True):
     additional_data: Unsupported = None
 
 
-RequestBody = ChatCompletionRequest | CompletionRequest | EmbeddingRequest
-
 NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "modalities": (["text"],),
     "echo": (False,),
@@ -276,11 +274,14 @@ NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "normalize": (True,),
     "priority": (0,),
     "suffix": ("",),
+    "include": ([],),
+    "top_logprobs": (0,),
+    "truncation": ("disabled",),
 }
 """Values of ``Unsupported`` fields that change nothing here (what clients send as defaults), besides ``null``."""
 
 
-def unsupported_parameter(body: RequestBody) -> str | None:
+def unsupported_parameter(body: Body) -> str | None:
     """The first field of ``body`` that batchgen does not support, set to a value that would change the output (a
     ``best_of`` equal to ``n`` changes nothing); ``None`` if there is none."""
     for name in _unsupported_fields(type(body)):
@@ -294,7 +295,7 @@ def unsupported_parameter(body: RequestBody) -> str | None:
 
 
 @cache
-def _unsupported_fields(body_type: type[RequestBody]) -> tuple[str, ...]:
+def _unsupported_fields(body_type: type[Body]) -> tuple[str, ...]:
     hints = typing.get_type_hints(body_type, include_extras=True)
     return tuple(name for name, hint in hints.items() if hint == Unsupported)
 
@@ -306,26 +307,3 @@ def count_sequences(prompt: object, n: object = 1) -> int:
     """
     prompts = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
     return prompts * (n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1)
-
-
-def sequences_of(body: RequestBody) -> int:
-    """The work of a request, in the engine's sequences: what capacity and the engine's window count."""
-    if isinstance(body, EmbeddingRequest):
-        return count_sequences(body.input)
-    return count_sequences(getattr(body, "prompt", None), body.n)
-
-
-BODY_TYPES: dict[str, type[RequestBody]] = {
-    "/v1/chat/completions": ChatCompletionRequest,
-    "/v1/completions": CompletionRequest,
-    "/v1/embeddings": EmbeddingRequest,
-}
-
-
-class BatchInputLine(Body, kw_only=True):
-    """One line of a batch input file, its body decoded into the type of its ``url``."""
-
-    custom_id: str
-    method: str
-    url: str
-    body: RequestBody

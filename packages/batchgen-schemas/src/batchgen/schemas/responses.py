@@ -8,6 +8,7 @@ import msgspec
 
 from ._base import Wire
 from .errors import ErrorResponse
+from .responses_api import Response
 
 FinishReason = Literal["stop", "length", "tool_calls"]
 
@@ -126,7 +127,7 @@ class EmbeddingList(Wire, kw_only=True, tag_field="object", tag="list"):
     usage: EmbeddingUsage
 
 
-ResponseBody = ChatCompletion | TextCompletion | EmbeddingList | ErrorResponse
+ResponseBody = ChatCompletion | TextCompletion | EmbeddingList | Response | ErrorResponse
 
 
 class FunctionCallDelta(Wire, kw_only=True, omit_defaults=True):
@@ -224,7 +225,7 @@ class _RawOutputLine(msgspec.Struct):
     error: BatchLineError | None = None
 
 
-_SUCCESS_BODIES = msgspec.json.Decoder(ChatCompletion | TextCompletion | EmbeddingList)
+_SUCCESS_BODIES = msgspec.json.Decoder(ChatCompletion | TextCompletion | EmbeddingList | Response)
 _ERROR_BODY = msgspec.json.Decoder(ErrorResponse)
 _RAW_LINE = msgspec.json.Decoder(_RawOutputLine)
 

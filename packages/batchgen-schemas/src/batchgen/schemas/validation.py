@@ -26,19 +26,18 @@ from typing import Annotated, Any, BinaryIO, Generic, NamedTuple, TypeVar
 import msgspec
 
 from .batches import BatchError, BatchErrors
+from .endpoints import BODY_TYPES, BatchInputLine, RequestBody
 from .requests import (
-    BODY_TYPES,
     CONSTRAINTS,
     INT32_MAX,
-    BatchInputLine,
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
     NamedToolChoice,
     Prompt,
-    RequestBody,
     count_sequences,
 )
+from .responses_api import ResponseInputProblem, ResponseRequest, chat_request, response_field
 
 __all__ = [
     "DEFAULT_LIMITS",
@@ -444,6 +443,14 @@ also accepts ``"²"``, which ``int()`` refuses)."""
 def request_problem(body: RequestBody) -> tuple[str, str] | None:
     """What makes a body invalid beyond its fields' types, as ``(field, problem)``: the same checks for a batch line
     and an online request. A body without a problem hands the server nothing it could raise on."""
+    if isinstance(body, ResponseRequest):  # checked as the chat request it runs as, in its own terms
+        try:
+            chat = chat_request(body)
+        except ResponseInputProblem as exc:
+            return exc.field, exc.detail
+        if (found := request_problem(chat)) is not None:
+            return response_field(found[0]), found[1]
+        return None
     if isinstance(body, EmbeddingRequest):
         problem = _prompt_problem(body.input)
         return None if problem is None else ("input", problem)

@@ -27,6 +27,7 @@ from .api.models import ModelsController
 from .api.online import OnlineController
 from .api.openapi import BEARER_AUTH, openapi_config
 from .api.options import allow_route_methods
+from .api.responses import ResponsesController
 from .batches.crashes import CrashJournal
 from .batches.loop import BatchLoop
 from .batches.stores import DatabaseStore
@@ -127,7 +128,11 @@ def create_app(settings: Settings, engine: EngineClient | None = None) -> Litest
             db.close()
 
     # Online bodies are read whole before they are decoded: their own, smaller limit (uploads stream to disk).
-    online = Router(path="/", route_handlers=[OnlineController], request_max_body_size=settings.max_online_body_bytes)
+    online = Router(
+        path="/",
+        route_handlers=[OnlineController, ResponsesController],
+        request_max_body_size=settings.max_online_body_bytes,
+    )
     api = Router(
         path="/",
         route_handlers=[

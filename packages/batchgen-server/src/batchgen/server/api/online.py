@@ -24,15 +24,18 @@ from batchgen.schemas import (
     EmbeddingList,
     EmbeddingRequest,
     RequestBody,
+    ResponseRequest,
     TextCompletion,
 )
+from batchgen.schemas.responses_api import chat_request
 from batchgen.schemas.validation import request_problem
 
 from ..engine import EngineRequest, EngineResult
 from ..ids import new_request_id
 from ..serving import BatchDefaults, RequestRejected, failed
 from ..serving.openai_serving import ResponseBody
-from ..serving.streaming import DONE, StreamedResponse, error_event
+from ..serving.response_stream import ResponseStream
+from ..serving.streaming import StreamedResponse
 from .deps import ServerContext
 from .engine_calls import StreamBacklog
 from .errors import ERROR_RESPONSES, APIError
@@ -52,7 +55,7 @@ class OnlineController(Controller):
     async def chat(
         self, data: ChatCompletionRequest, request: Request[Any, Any, Any], context: ServerContext
     ) -> ChatCompletion | Stream:
-        response = await _serve(context, request, data)
+        response = await serve(context, request, data)
         assert isinstance(response, ChatCompletion | Stream)
         return response
 
@@ -65,7 +68,7 @@ class OnlineController(Controller):
     async def completions(
         self, data: CompletionRequest, request: Request[Any, Any, Any], context: ServerContext
     ) -> TextCompletion | Stream:
-        response = await _serve(context, request, data)
+        response = await serve(context, request, data)
         assert isinstance(response, TextCompletion | Stream)
         return response
 
@@ -73,12 +76,13 @@ class OnlineController(Controller):
     async def embeddings(
         self, data: EmbeddingRequest, request: Request[Any, Any, Any], context: ServerContext
     ) -> EmbeddingList:
-        response = await _serve(context, request, data)
+        response = await serve(context, request, data)
         assert isinstance(response, EmbeddingList)
         return response
 
 
-async def _serve(context: ServerContext, request: Request[Any, Any, Any], body: RequestBody) -> ResponseBody | Stream:
+async def serve(context: ServerContext, request: Request[Any, Any, Any], body: RequestBody) -> ResponseBody | Stream:
+    """Answer ``body`` now: whole, or as server-sent events with ``stream: true``."""
     if (problem := request_problem(body)) is not None:
         name, detail = problem
         raise APIError(400, f"Invalid '{name}': {detail}", code="invalid_request", param=name)
@@ -91,7 +95,12 @@ async def _serve(context: ServerContext, request: Request[Any, Any, Any], body: 
         raise APIError(exc.status_code, exc.message, code=exc.code, param=exc.param) from None
     context.online.check(sum(r.params.n for r in requests))
     if not isinstance(body, EmbeddingRequest) and body.stream:
-        events = _events(context, StreamedResponse(context.serving, body, requests, request_id), requests)
+        stream: StreamedResponse | ResponseStream
+        if isinstance(body, ResponseRequest):
+            stream = ResponseStream(context.serving, body, chat_request(body), requests, request_id)
+        else:
+            stream = StreamedResponse(context.serving, body, requests, request_id)
+        events = _events(context, stream, requests)
         # The content type as a header: Litestar would give a Stream the route's JSON media type.
         return Stream(events, headers={"content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache"})
     async with context.online.run(requests) as call:
@@ -103,7 +112,7 @@ async def _serve(context: ServerContext, request: Request[Any, Any, Any], body: 
 
 
 async def _events(
-    context: ServerContext, stream: StreamedResponse, requests: list[EngineRequest]
+    context: ServerContext, stream: StreamedResponse | ResponseStream, requests: list[EngineRequest]
 ) -> AsyncIterator[bytes]:
     """The events of a streamed request. A client that goes away cancels this (Litestar listens for it), which
     aborts the request in the engine."""
@@ -114,18 +123,18 @@ async def _events(
             async for index, result in call.results():
                 if (failure := failed([result])) is not None:
                     status, error = failure
-                    yield error_event(error.code, error.message, status)
-                    yield DONE
+                    for event in stream.error(error.code, error.message, status):
+                        yield event
                     return
                 for event in stream.add(index, result):
                     yield event
     except APIError as error:  # the engine stopped: the status is sent already
-        yield error_event(error.code or "server_error", error.message, error.status_code)
-        yield DONE
+        for event in stream.error(error.code or "server_error", error.message, error.status_code):
+            yield event
         return
     except StreamBacklog as backlog:
-        yield error_event("stream_backlog", str(backlog), 400)
-        yield DONE
+        for event in stream.error("stream_backlog", str(backlog), 400):
+            yield event
         return
     for event in stream.end():
         yield event

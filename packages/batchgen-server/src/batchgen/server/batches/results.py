@@ -14,7 +14,7 @@ from pathlib import Path
 
 import msgspec
 
-from batchgen.schemas import BatchOutputLine, CompletionUsage, EmbeddingUsage, parse_output_line
+from batchgen.schemas import BatchOutputLine, CompletionUsage, EmbeddingUsage, ResponseUsage, parse_output_line
 
 
 def succeeded(line: BatchOutputLine) -> bool:
@@ -46,6 +46,11 @@ class Tally:
             self.cached_tokens += usage.prompt_tokens_details.cached_tokens
             self.output_tokens += usage.completion_tokens
             self.reasoning_tokens += usage.completion_tokens_details.reasoning_tokens
+        elif isinstance(usage, ResponseUsage):
+            self.input_tokens += usage.input_tokens
+            self.cached_tokens += usage.input_tokens_details.cached_tokens
+            self.output_tokens += usage.output_tokens
+            self.reasoning_tokens += usage.output_tokens_details.reasoning_tokens
         elif isinstance(usage, EmbeddingUsage):
             self.input_tokens += usage.prompt_tokens
 

@@ -35,12 +35,15 @@ from batchgen.schemas import (
     NamedToolChoice,
     PromptTokensDetails,
     RequestBody,
+    Response,
+    ResponseRequest,
     TextCompletion,
     TokenLogprob,
     TopLogprob,
     sequences_of,
     unsupported_parameter,
 )
+from batchgen.schemas.responses_api import chat_request, response_field
 
 from ..engine.request import EngineError, EngineRequest, EngineResult, SamplingParams, Task
 from ..engine.request import TokenLogprob as EngineTokenLogprob
@@ -50,6 +53,7 @@ from .config import ServingConfig
 from .errors import RequestRejected
 from .messages import MessagePlan, MessageReader
 from .parsers import reasoning_parser, tool_call_parser
+from .responses import response_object
 from .structured import output_constraint
 
 if TYPE_CHECKING:
@@ -59,7 +63,7 @@ if TYPE_CHECKING:
 DEFAULT_MAX_SEQUENCES = 256
 PROMPT_TAIL_TOKENS = 32
 """The prompt's last tokens, as text, tell a reasoning parser whether the template opened or closed the thinking."""
-ResponseBody = ChatCompletion | TextCompletion | EmbeddingList
+ResponseBody = ChatCompletion | TextCompletion | EmbeddingList | Response
 
 
 class BatchDefaults(GenerationDefaults, kw_only=True):
@@ -177,6 +181,14 @@ class OpenAIServing:
                 "parameters it honours).",
                 name,
             )
+        if isinstance(body, ResponseRequest):  # runs as its chat request; its errors name the response's fields
+            try:
+                return self.to_engine_requests(
+                    chat_request(body), request_id=request_id, defaults=defaults, group=group, online=online
+                )
+            except RequestRejected as exc:
+                exc.param = None if exc.param is None else response_field(exc.param)
+                raise
         if isinstance(body, EmbeddingRequest):
             prompts = self._prompts(body.input, "input", _first(body.add_special_tokens, True))
             return [
@@ -336,6 +348,10 @@ class OpenAIServing:
         """The 200 body of a request whose results (in the order of its engine ``requests``) all succeeded."""
         if isinstance(body, EmbeddingRequest):
             return self._embedding_list(body, results)
+        if isinstance(body, ResponseRequest):
+            chat = self.response_body(chat_request(body), requests, results, request_id=request_id)
+            assert isinstance(chat, ChatCompletion)
+            return response_object(body, chat, request_id)
         if isinstance(body, ChatCompletionRequest):
             plan = self.message_plan(body, list(requests[0].prompt_token_ids))
             return self._chat_completion(body.model, plan, results[0], request_id)

@@ -29,6 +29,7 @@ from .messages import MessageReader
 from .openai_serving import OpenAIServing, usage
 
 DONE = b"data: [DONE]\n\n"
+Chunk = ChatCompletionChunk | TextCompletionChunk
 _encode = msgspec.json.Encoder().encode
 
 
@@ -73,33 +74,45 @@ class StreamedResponse:
 
     def start(self) -> list[bytes]:
         """A chat's opening events: each choice's role (a completion has none)."""
-        if not self._chat:
-            return []
-        opening = ChoiceDelta(role="assistant", content="")
-        return [self._event(ChatCompletionChunkChoice(index=choice, delta=opening)) for choice in range(self._body.n)]
+        return list(map(event, self.start_chunks()))
 
     def add(self, prompt_index: int, result: EngineResult) -> list[bytes]:
         """The events of one engine result: a partial one holds what is new, a final one everything (the rest of
         each choice is sent, and its end)."""
-        self._results[prompt_index] = result
-        events = []
-        for output in result.outputs:
-            choice = prompt_index * self._body.n + output.index
-            if choice not in self._ended and (chunk := self._choice_chunk(choice, output, result.finished)):
-                events.append(self._event(chunk))
-        return events
+        return list(map(event, self.add_chunks(prompt_index, result)))
 
     def end(self) -> list[bytes]:
         """The usage chunk when asked for, then ``[DONE]``."""
+        return [*map(event, self.end_chunks()), DONE]
+
+    def error(self, code: str, message: str, status_code: int) -> list[bytes]:
+        return [error_event(code, message, status_code), DONE]
+
+    def start_chunks(self) -> list[Chunk]:
+        if not self._chat:
+            return []
+        opening = ChoiceDelta(role="assistant", content="")
+        return [self._chunk(ChatCompletionChunkChoice(index=choice, delta=opening)) for choice in range(self._body.n)]
+
+    def add_chunks(self, prompt_index: int, result: EngineResult) -> list[Chunk]:
+        self._results[prompt_index] = result
+        chunks = []
+        for output in result.outputs:
+            choice = prompt_index * self._body.n + output.index
+            if choice not in self._ended and (chunk := self._choice_chunk(choice, output, result.finished)):
+                chunks.append(self._chunk(chunk))
+        return chunks
+
+    def end_chunks(self) -> list[Chunk]:
         if not self._usage:
-            return [DONE]
+            return []
         reasoning = sum(
             self._readers[output.index].reasoning_tokens(output.token_ids)
             for result in self._results.values()
             for output in result.outputs
             if output.index in self._readers and self._chat
         )
-        return [self._event(None, usage(list(self._results.values()), reasoning)), DONE]
+        return [self._chunk(None, usage(list(self._results.values()), reasoning))]
 
     def _choice_chunk(
         self, choice: int, output: CompletionOutput, final: bool
@@ -138,9 +151,9 @@ class StreamedResponse:
             self._logprob_chars[choice] += sum(map(len, completion_logprobs.tokens))
         return CompletionChunkChoice(index=choice, text=text, logprobs=completion_logprobs, finish_reason=finish)
 
-    def _event(
+    def _chunk(
         self, choice: ChatCompletionChunkChoice | CompletionChunkChoice | None, totals: CompletionUsage | None = None
-    ) -> bytes:
+    ) -> Chunk:
         """A chunk of one choice, or (``None``) the last one, with the ``totals``."""
         usage = totals if choice is None else self._so_far()
         chunk: ChatCompletionChunk | TextCompletionChunk
@@ -160,7 +173,7 @@ class StreamedResponse:
                 choices=[choice] if choice else [],
                 usage=usage,
             )
-        return event(chunk)
+        return chunk
 
     def _so_far(self) -> CompletionUsage | msgspec.UnsetType | None:
         """A content chunk's ``usage``: absent unless asked for, then null, or the counts so far (vLLM's
