@@ -210,7 +210,12 @@ def test_unsupported_or_invalid_requests_are_rejected(
 # --- nothing silent: every field honoured, a no-op, or refused by name -----------------------------------------------
 
 CHAT_BODY = {"messages": [{"role": "user", "content": "x"}]}
-PROMPTS = {"/v1/chat/completions": CHAT_BODY, "/v1/completions": {"prompt": "x"}, "/v1/embeddings": {"input": "x"}}
+PROMPTS = {
+    "/v1/chat/completions": CHAT_BODY,
+    "/v1/completions": {"prompt": "x"},
+    "/v1/embeddings": {"input": "x"},
+    "/v1/responses": {"input": "x"},
+}
 
 
 def _refused(serving: OpenAIServing, url: str, body: dict[str, Any]) -> RequestRejected:

@@ -309,7 +309,7 @@ def test_url_must_match_the_first_line_without_an_endpoint() -> None:
 
 def test_unknown_endpoint_argument_is_a_programming_error() -> None:
     with pytest.raises(ValueError, match="unsupported endpoint"):
-        run(jsonl(chat_line()), endpoint="/v1/responses")
+        run(jsonl(chat_line()), endpoint="/v1/moderations")
 
 
 @pytest.mark.parametrize("method", ["GET", "post", ""])
