@@ -1,0 +1,70 @@
+"""A prompt's own logprobs (``SamplingParams.prompt_logprobs``): what scoring asks for (``echo`` with ``logprobs``,
+vLLM's ``prompt_logprobs``). The logits row of prompt position ``p`` scores the prompt token at ``p + 1``, so a
+prefill chunk of such a request keeps its rows' logits (``logits_to_keep``) besides the sampled one; a long prompt's
+logprobs arrive over its chunks. They come from the model's raw logits in float32: no bias, penalty or grammar applies
+to a prompt.
+
+A request that asks for them reads nothing from the prefix cache (``Scheduler``): a cached token's K/V are there but
+its logits never were. That is vLLM's choice too; computing the whole prompt is what scoring costs anyway.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .request import TokenLogprob
+from .sequence import Sequence
+from .transfer import HostCopy, indices
+
+
+def prompt_rows(seq: Sequence, start: int, num_tokens: int) -> int:
+    """How many of a chunk's rows (the tokens ``start`` to ``start + num_tokens`` of ``seq``) score a prompt token:
+    those before the prompt's last position, for a sequence that still owes its request the prompt's logprobs."""
+    if not seq.state.wants_prompt_logprobs(seq):
+        return 0
+    return max(0, min(start + num_tokens, seq.num_prompt_tokens - 1) - start)
+
+
+@dataclass(slots=True)
+class PromptSpan:
+    """The rows of one chunk that score prompt tokens: they score the tokens ``first`` to ``first + count``."""
+
+    seq: Sequence
+    first: int
+    count: int
+
+
+class PromptLogprobs:
+    """A step's prompt logprobs, launched on the device with one transfer back: per scored token, its logprob and
+    rank, and the top ``k`` logprobs (the largest ``prompt_logprobs`` any span asks for)."""
+
+    def __init__(self, logits: torch.Tensor, spans: list[PromptSpan]) -> None:
+        self.spans = spans
+        targets: list[int] = []
+        for span in spans:
+            targets += span.seq.token_ids[span.first : span.first + span.count]
+        self._k = k = min(max(span.seq.state.request.params.prompt_logprobs or 0 for span in spans), logits.shape[1])
+        log_probs = torch.log_softmax(logits.float(), dim=-1)
+        target = indices(targets, logits.device).unsqueeze(1)
+        chosen = log_probs.gather(1, target)
+        rank = (log_probs > chosen).sum(dim=1, keepdim=True) + 1
+        top_lp, top_ids = log_probs.topk(k, dim=-1)
+        # One row per scored token: its logprob, its rank, then k logprobs and k ids (ids are exact in float64).
+        self._host = HostCopy(torch.cat([chosen.double(), rank.double(), top_lp.double(), top_ids.double()], dim=1))
+
+    def read(self) -> list[list[TokenLogprob]]:
+        """Each span's logprobs, in order: the step waits for them with its sampled tokens."""
+        rows, k = self._host.tolist(), self._k
+        out, at = [], 0
+        for span in self.spans:
+            top = min(span.seq.state.request.params.prompt_logprobs or 0, k)
+            tokens = span.seq.token_ids[span.first : span.first + span.count]
+            logprobs = []
+            for token_id, row in zip(tokens, rows[at : at + span.count], strict=True):
+                pairs = tuple(zip(map(int, row[2 + k : 2 + k + top]), row[2 : 2 + top], strict=True))
+                logprobs.append(TokenLogprob(token_id, row[0], pairs, int(row[1])))
+            out.append(logprobs)
+            at += span.count
+        return out
