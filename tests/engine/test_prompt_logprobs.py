@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from batchgen.server.engine import EngineRequest, EngineResult, LLMEngine, SamplingParams
+from batchgen.server.engine import EngineRequest, EngineResult, LLMEngine, SamplingParams, prompt_logprobs
 
 
 def _reference(hf_model: Any, prompt: list[int]) -> torch.Tensor:
@@ -37,7 +37,9 @@ def _request(request_id: str, prompt: list[int], top: int | None, **params: Any)
     return EngineRequest(request_id, prompt, SamplingParams(max_tokens=3, prompt_logprobs=top, **params))
 
 
-@pytest.mark.parametrize("budget", [2048, 16], ids=["whole", "chunked"])
+@pytest.mark.parametrize(
+    ("budget", "async_scheduling"), [(2048, "off"), (16, "off"), (16, "on")], ids=["whole", "chunked", "async"]
+)
 def test_prompt_logprobs_match_the_models_forward_with_others_in_the_batch(
     make_engine: Callable[..., LLMEngine],
     run_to_completion: Any,
@@ -45,8 +47,9 @@ def test_prompt_logprobs_match_the_models_forward_with_others_in_the_batch(
     hf_model: Any,
     hf_greedy: Any,
     budget: int,
+    async_scheduling: str,
 ) -> None:
-    engine = make_engine(max_num_batched_tokens=budget, block_size=8)
+    engine = make_engine(max_num_batched_tokens=budget, block_size=8, async_scheduling=async_scheduling)
     prompts = random_prompts(4, 20, 45, seed=3)
     requests = [
         _request("a", prompts[0], 2),
@@ -83,3 +86,22 @@ def test_a_one_token_prompt_has_only_the_null_entry(
 ) -> None:
     result = run_to_completion(make_engine(), [_request("one", [65], 3)])["one"]
     assert result.prompt_logprobs == [None]
+
+
+def test_preempted_scoring_requests_score_the_same(
+    make_engine: Callable[..., LLMEngine],
+    run_to_completion: Any,
+    random_prompts: Any,
+    hf_model: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A cache too small for all of them: sequences are preempted and recomputed; scored a few rows at a time."""
+    monkeypatch.setattr(prompt_logprobs, "ROWS_AT_ONCE", 5)
+    engine = make_engine(num_kv_blocks=14, block_size=8)
+    prompts = random_prompts(3, 28, 34, seed=5)
+    params = SamplingParams(max_tokens=20, prompt_logprobs=2, ignore_eos=True)
+    requests = [EngineRequest(f"r{i}", prompt, params) for i, prompt in enumerate(prompts)]
+    results = run_to_completion(engine, requests)
+    assert engine.scheduler.num_preemptions > 0
+    for i, prompt in enumerate(prompts):
+        _check(results[f"r{i}"], prompt, hf_model, 2)

@@ -18,6 +18,10 @@ from .request import TokenLogprob
 from .sequence import Sequence
 from .transfer import HostCopy, indices
 
+ROWS_AT_ONCE = 512
+"""Rows scored together: a long chunk's float32 log-softmax (and comparisons) is made a slice at a time, so a 2,048-row
+chunk over a 150,000-token vocabulary does not hold gigabytes of temporaries at once."""
+
 
 def prompt_rows(seq: Sequence, start: int, num_tokens: int) -> int:
     """How many of a chunk's rows (the tokens ``start`` to ``start + num_tokens`` of ``seq``) score a prompt token:
@@ -46,13 +50,16 @@ class PromptLogprobs:
         for span in spans:
             targets += span.seq.token_ids[span.first : span.first + span.count]
         self._k = k = min(max(span.seq.state.request.params.prompt_logprobs or 0 for span in spans), logits.shape[1])
-        log_probs = torch.log_softmax(logits.float(), dim=-1)
         target = indices(targets, logits.device).unsqueeze(1)
-        chosen = log_probs.gather(1, target)
-        rank = (log_probs > chosen).sum(dim=1, keepdim=True) + 1
-        top_lp, top_ids = log_probs.topk(k, dim=-1)
-        # One row per scored token: its logprob, its rank, then k logprobs and k ids (ids are exact in float64).
-        self._host = HostCopy(torch.cat([chosen.double(), rank.double(), top_lp.double(), top_ids.double()], dim=1))
+        parts = []
+        for start in range(0, logits.shape[0], ROWS_AT_ONCE):
+            log_probs = torch.log_softmax(logits[start : start + ROWS_AT_ONCE].float(), dim=-1)
+            chosen = log_probs.gather(1, target[start : start + ROWS_AT_ONCE])
+            rank = (log_probs > chosen).sum(dim=1, keepdim=True) + 1
+            top_lp, top_ids = log_probs.topk(k, dim=-1)
+            # A row per scored token: its logprob, its rank, then k logprobs and k ids (ids are exact in float64).
+            parts.append(torch.cat([chosen.double(), rank.double(), top_lp.double(), top_ids.double()], dim=1))
+        self._host = HostCopy(torch.cat(parts))
 
     def read(self) -> list[list[TokenLogprob]]:
         """Each span's logprobs, in order: the step waits for them with its sampled tokens."""
