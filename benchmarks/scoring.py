@@ -256,6 +256,7 @@ def main() -> None:
             f"{len(ours_gen)} greedy continuations identical"
         )
         rows.append(("batchgen server (local-completions)", seconds, cpu, parity))
+        print(f"measured: {rows}", flush=True)  # a long vLLM start may outlast the machine's patience
 
         python = None if args.no_vllm else vllm_python(args.vllm_python)
         if python is not None:
