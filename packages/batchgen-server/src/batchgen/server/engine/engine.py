@@ -256,8 +256,7 @@ class LLMEngine:
         launched = plan.launched
         launched.hidden = output.hidden
         if plan.spans:
-            scored = output.logits[indices(plan.prompt_index, output.logits.device)]
-            launched.prompt = PromptLogprobs(scored, plan.spans)
+            launched.prompt = PromptLogprobs(output.logits, plan.prompt_index, plan.spans)
         if plan.inputs is not None:
             if masks is not None:
                 plan.inputs.masks = constrained, masks.result()

@@ -47,6 +47,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     """The prompt's own logprobs (from the model's raw logits), each with this many top logprobs; ``None``: none.
     Such a request reads nothing from the prefix cache (a cached token has no logits)."""
+    prompt_ranks: bool = True
+    """Each prompt token's rank in the vocabulary too (vLLM's ``prompt_logprobs`` report it; ``echo`` does not): a
+    pass over every scored row's logits, the costliest part of scoring on CPU."""
     max_context_length: int | None = None
     """Cap on prompt + generated tokens (the batch's ``max_context_length``); the model's own limit always applies."""
     grammar: str | None = None

@@ -54,7 +54,7 @@ from .errors import RequestRejected
 from .messages import MessagePlan, MessageReader
 from .parsers import reasoning_parser, tool_call_parser
 from .responses import response_object
-from .scoring import echoed, engine_max_tokens, prompt_logprobs_count, wire_prompt_logprobs
+from .scoring import echoed, engine_max_tokens, prompt_logprobs_count, wants_ranks, wire_prompt_logprobs
 from .structured import output_constraint
 
 if TYPE_CHECKING:
@@ -272,6 +272,7 @@ class OpenAIServing:
             logprobs=logprobs,
             top_logprobs=top_logprobs,
             prompt_logprobs=prompt_logprobs_count(body),
+            prompt_ranks=wants_ranks(body),
             max_context_length=defaults.max_context_length,
             grammar=None if constraint is None else constraint.grammar,
         )

@@ -25,6 +25,12 @@ def prompt_logprobs_count(body: ChatCompletionRequest | CompletionRequest) -> in
     return max(counts) if counts else None
 
 
+def wants_ranks(body: ChatCompletionRequest | CompletionRequest) -> bool:
+    """Ranks are reported in ``prompt_logprobs`` only (an echo's logprobs have none): they cost a pass over the
+    logits of every prompt position."""
+    return body.prompt_logprobs is not None
+
+
 def engine_max_tokens(max_tokens: int | None) -> int | None:
     """``max_tokens`` 0 (only with ``echo``: the validator checks) runs one token, which the response leaves out."""
     return 1 if max_tokens == 0 else max_tokens
