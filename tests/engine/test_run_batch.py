@@ -36,7 +36,7 @@ def test_completions_file_with_per_request_failures(tmp_path: Path, capsys: pyte
     bodies = {
         "ok": {"prompt": ["x", "y"], "n": 2, "ignore_eos": True},
         "too-long": {"prompt": "z" * 300},
-        "echo": {"prompt": "x", "echo": True},
+        "suffix": {"prompt": "x", "suffix": "y"},
     }
     _write(source, "/v1/completions", bodies, copies=3)
     argv = ["run-batch", "-i", str(source), "-o", str(output), "--errors-output", str(errors)]

@@ -192,7 +192,7 @@ def test_context_length_error_becomes_a_400_line(serve: Callable[..., Any]) -> N
             },
             "response_format",
         ),
-        ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
+        ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
         ("/v1/completions", {"prompt": []}, "prompt"),
         ("/v1/completions", {"prompt": [[1, 2], [99999]]}, "prompt"),
         ("/v1/embeddings", {"input": ""}, "input"),

@@ -193,7 +193,8 @@ class SamplingFields(RequestFields, kw_only=True):
     length_penalty: Unsupported = None
     include_stop_str_in_output: Unsupported = None
     spaces_between_special_tokens: Unsupported = None
-    prompt_logprobs: Unsupported = None
+    prompt_logprobs: TopLogprobs | None = None
+    """vLLM's: the prompt's own logprobs, each with this many top logprobs (``prompt_logprobs`` in the response)."""
     allowed_token_ids: Unsupported = None
     bad_words: Unsupported = None
     echo: Unsupported = None
@@ -248,7 +249,11 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
 
 class CompletionRequest(SamplingFields, kw_only=True):
     prompt: Prompt
+    max_tokens: Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)] | None = None
+    """``0`` only with ``echo``: the prompt scored, nothing generated."""
     logprobs: TopLogprobs | None = None
+    echo: bool | None = None
+    """The prompt's tokens (and with ``logprobs`` their logprobs, the first ``null``) ahead of the completion's."""
     suffix: Unsupported = None
     prompt_embeds: Unsupported = None
 

@@ -85,13 +85,29 @@ class ChatCompletion(Wire, kw_only=True, tag_field="object", tag="chat.completio
     choices: list[ChatCompletionChoice]
     usage: CompletionUsage
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | msgspec.UnsetType = msgspec.UNSET
+    """vLLM's; only when the request asks for ``prompt_logprobs``."""
 
 
 class CompletionLogprobs(Wire, kw_only=True):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None = None
+    token_logprobs: list[float | None]
+    """``null`` only for an echoed prompt's first token (nothing precedes it)."""
+    top_logprobs: list[dict[str, float] | None] | None = None
     text_offset: list[int]
+
+
+class PromptLogprob(Wire, kw_only=True):
+    """vLLM's ``Logprob``: one token's logprob at a prompt position, its rank in the vocabulary (1: the likeliest)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+"""vLLM's ``prompt_logprobs``: per prompt token, ``null`` for the first, then token id -> its logprob, for the prompt's
+token and the top ones asked for."""
 
 
 class CompletionChoice(Wire, kw_only=True):
@@ -99,6 +115,8 @@ class CompletionChoice(Wire, kw_only=True):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason
+    prompt_logprobs: PromptLogprobs | msgspec.UnsetType = msgspec.UNSET
+    """vLLM's; only when the request asks for ``prompt_logprobs``."""
 
 
 class TextCompletion(Wire, kw_only=True, tag_field="object", tag="text_completion"):

@@ -462,11 +462,25 @@ def request_problem(body: RequestBody) -> tuple[str, str] | None:
         return "logit_bias", f"its keys must be token ids: integers from 0 to {INT32_MAX} written in plain digits."
     if isinstance(body, CompletionRequest) and (problem := _prompt_problem(body.prompt)) is not None:
         return "prompt", problem
+    if (scoring := _scoring_problem(body)) is not None:
+        return scoring
     if (structure := _structure_problem(body)) is not None:
         return structure
     for name, value in _free_form(body):
         if _too_deep(value):
             return name, f"it is nested more than {MAX_NESTING} levels deep."
+    return None
+
+
+def _scoring_problem(body: ChatCompletionRequest | CompletionRequest) -> tuple[str, str] | None:
+    """Prompt logprobs come whole with the final result (as vLLM's): not streamed; ``max_tokens`` 0 only echoes."""
+    echo = isinstance(body, CompletionRequest) and bool(body.echo)
+    if isinstance(body, CompletionRequest) and body.max_tokens == 0 and not echo:
+        return "max_tokens", "0 is allowed only with 'echo' (the prompt scored, nothing generated)."
+    if body.stream and body.prompt_logprobs is not None:
+        return "prompt_logprobs", "it is not available when 'stream' is true."
+    if body.stream and echo:
+        return "echo", "it is not available when 'stream' is true."
     return None
 
 

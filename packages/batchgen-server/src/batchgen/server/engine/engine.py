@@ -24,6 +24,7 @@ from .inputs import DeviceTokens
 from .interface import EngineStats
 from .model_runner import ModelRunner
 from .output_processor import Launched, OutputProcessor
+from .prompt_logprobs import PromptLogprobs, PromptSpan, prompt_rows
 from .request import EngineError, EngineRequest, EngineResult, Task, admission_error
 from .sampler import Sampler
 from .scheduler import ScheduledSeq, Scheduler
@@ -39,9 +40,15 @@ class _Plan:
     """A step prepared: what the forward returns logits for, and the rows the sampler reads."""
 
     sample_rows: list[int]
-    """Packed rows whose logits are sampled (a prompt's last token, each decode)."""
+    """Packed rows whose logits the forward keeps, in order: those sampled (a prompt's last token, each decode), and
+    those that score a prompt token (``prompt_logprobs.py``)."""
     logits_rows: list[int]
     """For each sampled logits row, its index in ``sample_rows`` (a completed prompt feeds its ``n`` choices)."""
+    direct: bool
+    """Whether ``logits_rows`` is every kept row once, in order (no prompt rows, no forks): no gather needed."""
+    prompt_index: list[int]
+    """The indices in ``sample_rows`` of the rows that score prompt tokens, in the order of ``spans``."""
+    spans: list[PromptSpan]
     inputs: SamplingInputs | None
     device_tokens: DeviceTokens | None
     want_hidden: bool
@@ -125,6 +132,8 @@ class LLMEngine:
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(64)
         state = RequestState(request, max_len, max_tokens, frozenset(stop_ids), seed)
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None] * prompt_len
         seq = state.new_sequence(list(request.prompt_token_ids), 0, self.tokenizer)
         seq.matcher, seq.grammar_active = matcher, not params.grammar_after
         state.seqs.append(seq)
@@ -246,11 +255,13 @@ class LLMEngine:
         )
         launched = plan.launched
         launched.hidden = output.hidden
+        if plan.spans:
+            launched.prompt = PromptLogprobs(output.logits, plan.prompt_index, plan.spans)
         if plan.inputs is not None:
             if masks is not None:
                 plan.inputs.masks = constrained, masks.result()
             logits = output.logits
-            if len(plan.logits_rows) != len(plan.sample_rows):  # a completed prompt feeds its n choices from one row
+            if not plan.direct:  # prompt rows kept, or a completed prompt feeds its n choices from one row
                 logits = logits[indices(plan.logits_rows, logits.device)]
             launched.sampled = self.sampler.launch(logits, plan.inputs)
         self.scheduler.advance(scheduled, launched.token_rows)
@@ -267,11 +278,17 @@ class LLMEngine:
         fork_seeds: dict[int, int] = {}
         device_rows: list[int] = []  # inputs the step in flight sampled: its output holds them
         device_sources: list[int] = []
+        prompt_index: list[int] = []
+        spans: list[PromptSpan] = []
         launched = Launched(scheduled, [], [], [])
         want_hidden = False
         row = 0
         for item in scheduled:
             seq = item.seq
+            if scored := prompt_rows(seq, seq.num_computed_tokens, item.num_tokens):  # before the sampled row
+                spans.append(PromptSpan(seq, seq.num_computed_tokens + 1, scored))
+                prompt_index += range(len(sample_rows), len(sample_rows) + scored)
+                sample_rows += range(row, row + scored)
             row += item.num_tokens
             launched.first_blocks.append(seq.num_computed_tokens // bs)
             launched.token_indices.append(len(seq.token_ids))
@@ -303,7 +320,10 @@ class LLMEngine:
         if device_rows:
             assert self._in_flight is not None and self._in_flight.sampled is not None
             device_tokens = DeviceTokens(device_rows, device_sources, self._in_flight.sampled.tokens)
-        return _Plan(sample_rows, logits_rows, inputs, device_tokens, want_hidden, launched)
+        direct = not spans and len(logits_rows) == len(sample_rows)
+        return _Plan(
+            sample_rows, logits_rows, direct, prompt_index, spans, inputs, device_tokens, want_hidden, launched
+        )
 
     def _settle(self, finished: list[EngineResult]) -> None:
         """Read the step in flight back (waiting for the device) and commit it."""
@@ -311,10 +331,11 @@ class LLMEngine:
         assert launched is not None
         try:
             token_ids, logprobs = launched.sampled.read() if launched.sampled is not None else ([], [])
+            prompt = launched.prompt.read() if launched.prompt is not None else []
         except Exception:  # the device failed running it (not the step just scheduled): its requests are suspect
             self._step = launched.scheduled
             raise
-        self.outputs.commit(launched, token_ids, logprobs, finished)
+        self.outputs.commit(launched, token_ids, logprobs, prompt, finished)
 
 
 def _request_ids(seqs: Iterable[Sequence]) -> list[str]:

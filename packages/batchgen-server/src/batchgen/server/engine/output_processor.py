@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from .pooling import normalized_mean
+from .prompt_logprobs import PromptLogprobs
 from .request import CompletionOutput, EngineResult, RequestTimes, TokenLogprob, failed_result
 from .sampler import Sampled
 from .scheduler import ScheduledSeq, Scheduler
@@ -31,6 +32,8 @@ class Launched:
     """Each sequence's index of the token the step samples (``PENDING`` there until settled)."""
     hidden: torch.Tensor | None = None
     sampled: Sampled | None = None
+    prompt: PromptLogprobs | None = None
+    """The prompt logprobs the step scored, where a chunk of a request that asks for them ran."""
     overlappable: bool = True
     """Whether the next step may be scheduled and launched before this one is settled (with async scheduling)."""
     token_rows: dict[Sequence, int] = field(default_factory=dict)
@@ -46,9 +49,19 @@ class OutputProcessor:
         self.totals = {"prompt": 0, "cached": 0, "generated": 0}
 
     def commit(
-        self, launched: Launched, token_ids: list[int], logprobs: list[Any], finished: list[EngineResult]
+        self,
+        launched: Launched,
+        token_ids: list[int],
+        logprobs: list[Any],
+        prompt: list[list[TokenLogprob]],
+        finished: list[EngineResult],
     ) -> None:
-        """Commit every sequence's part of a settled step; a request whose commit raises fails alone."""
+        """Commit every sequence's part of a settled step (``prompt``: the logprobs of ``launched.prompt``'s spans);
+        a request whose commit raises fails alone."""
+        if launched.prompt is not None:  # first: a request that ends in this step reports them
+            for span, values in zip(launched.prompt.spans, prompt, strict=True):
+                if span.seq.state.prompt_logprobs is not None:  # a recompute (preemption) writes the same values
+                    span.seq.state.prompt_logprobs[span.first : span.first + span.count] = values
         counting = self.scheduler.rows.using["penalties"] > 0
         counted_rows: list[int] = []
         counted_tokens: list[int] = []
@@ -188,6 +201,7 @@ class OutputProcessor:
             outputs=outputs,
             group=state.request.group,
             times=_times(state),
+            prompt_logprobs=state.prompt_logprobs,
         )
 
     def _text(self, seq: Sequence) -> str:

@@ -44,6 +44,12 @@ class SamplingParams:
     """Leave special tokens out of the text (the token ids keep them)."""
     logprobs: bool = False
     top_logprobs: int = 0
+    prompt_logprobs: int | None = None
+    """The prompt's own logprobs (from the model's raw logits), each with this many top logprobs; ``None``: none.
+    Such a request reads nothing from the prefix cache (a cached token has no logits)."""
+    prompt_ranks: bool = True
+    """Each prompt token's rank in the vocabulary too (vLLM's ``prompt_logprobs`` report it; ``echo`` does not): a
+    pass over every scored row's logits, the costliest part of scoring on CPU."""
     max_context_length: int | None = None
     """Cap on prompt + generated tokens (the batch's ``max_context_length``); the model's own limit always applies."""
     grammar: str | None = None
@@ -79,6 +85,8 @@ class TokenLogprob:
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
     """The ``top_logprobs`` most likely tokens at this position, most likely first."""
+    rank: int | None = None
+    """The token's rank among the vocabulary (1: the most likely); set on prompt logprobs only."""
 
 
 @dataclass(slots=True)
@@ -122,6 +130,8 @@ class EngineResult:
     group: str = ""
     times: RequestTimes | None = None
     """Set on the results of requests that ran (not on those refused at admission)."""
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    """With ``SamplingParams.prompt_logprobs``: one per prompt token, ``None`` for the first (nothing precedes it)."""
     finished: bool = True
     """``False`` for a streamed request's partial result: each of its outputs holds only what is new since the last
     one (tokens, text, logprobs), for the choices that moved. The final result holds everything, as unstreamed."""

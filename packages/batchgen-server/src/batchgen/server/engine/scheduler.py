@@ -93,7 +93,9 @@ class Scheduler:
                 if not _is_interactive(seq) or (refund := self._preempt_batch(scheduled)) is None:
                     break
                 budget += refund
-            cached = self.block_manager.match_prefix(seq) if seq.state.request.task == "generate" else 0
+            # Embeddings and prompt logprobs need every prompt position computed: a cached token has no hidden state.
+            reads_cache = seq.state.request.task == "generate" and not seq.state.wants_prompt_logprobs(seq)
+            cached = self.block_manager.match_prefix(seq) if reads_cache else 0
             num_tokens = min(seq.num_uncomputed, budget)
             while not self.block_manager.can_allocate(seq, num_tokens):
                 if not _is_interactive(seq) or (refund := self._preempt_batch(scheduled)) is None:

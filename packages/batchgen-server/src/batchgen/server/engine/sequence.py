@@ -39,6 +39,8 @@ class RequestState:
     seqs: list[Sequence] = field(default_factory=list)
     cached_tokens: int = 0
     embedding_sum: torch.Tensor | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    """One per prompt token (``None`` for the first), filled as its chunks run, where the request asks for them."""
     arrival: float = field(default_factory=time.time)
     scheduled: float | None = None
     first_token: float | None = None
@@ -46,6 +48,11 @@ class RequestState:
     @property
     def finished(self) -> bool:
         return all(seq.status is Status.FINISHED for seq in self.seqs)
+
+    def wants_prompt_logprobs(self, seq: Sequence) -> bool:
+        """Whether ``seq`` still owes the prompt's logprobs: the request asks for them, ``seq`` holds the prompt (not a
+        fork) and its first token is not out yet (after that every prompt position has been scored)."""
+        return self.prompt_logprobs is not None and not seq.forked and seq.index == 0 and self.first_token is None
 
     def choice_seed(self, index: int) -> int:
         """Choice ``index`` samples from ``mix64(seed, index)``: the same draws whatever else runs beside it."""

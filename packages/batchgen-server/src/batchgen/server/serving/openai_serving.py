@@ -8,7 +8,7 @@ import dataclasses
 import math
 import struct
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +54,7 @@ from .errors import RequestRejected
 from .messages import MessagePlan, MessageReader
 from .parsers import reasoning_parser, tool_call_parser
 from .responses import response_object
+from .scoring import echoed, engine_max_tokens, prompt_logprobs_count, wants_ranks, wire_prompt_logprobs
 from .structured import output_constraint
 
 if TYPE_CHECKING:
@@ -245,6 +246,7 @@ class OpenAIServing:
             raise RequestRejected(
                 "invalid_value", f"min_tokens {body.min_tokens} is more than max_tokens {max_tokens}", "min_tokens"
             )
+        max_tokens = engine_max_tokens(max_tokens)
         constraint = output_constraint(body, defaults.response_format, self._added_tokens)
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         logit_bias = {int(token): bias for token, bias in (body.logit_bias or {}).items()}
@@ -269,6 +271,8 @@ class OpenAIServing:
             skip_special_tokens=body.skip_special_tokens,
             logprobs=logprobs,
             top_logprobs=top_logprobs,
+            prompt_logprobs=prompt_logprobs_count(body),
+            prompt_ranks=wants_ranks(body),
             max_context_length=defaults.max_context_length,
             grammar=None if constraint is None else constraint.grammar,
         )
@@ -354,8 +358,13 @@ class OpenAIServing:
             return response_object(body, chat, request_id)
         if isinstance(body, ChatCompletionRequest):
             plan = self.message_plan(body, list(requests[0].prompt_token_ids))
-            return self._chat_completion(body.model, plan, results[0], request_id)
-        return self._text_completion(body.model, results, request_id)
+            chat = self._chat_completion(body.model, plan, results[0], request_id)
+            if body.prompt_logprobs is not None:
+                chat.prompt_logprobs = wire_prompt_logprobs(
+                    results[0].prompt_logprobs, body.prompt_logprobs, self._token_text
+                )
+            return chat
+        return self._text_completion(body, requests, results, request_id)
 
     def output_line(
         self, line: BatchInputLine, requests: list[EngineRequest], results: list[EngineResult], *, request_id: str
@@ -415,19 +424,36 @@ class OpenAIServing:
             usage=usage([result], reasoning_tokens),
         )
 
-    def _text_completion(self, model: str, results: list[EngineResult], request_id: str) -> TextCompletion:
-        choices = [
-            CompletionChoice(
-                index=prompt_index * len(result.outputs) + output.index,
-                text=output.text,
-                logprobs=self.completion_logprobs(output.logprobs),
-                finish_reason=output.finish_reason or "length",
-            )
-            for prompt_index, result in enumerate(results)
-            for output in result.outputs
-        ]
+    def _text_completion(
+        self, body: CompletionRequest, requests: list[EngineRequest], results: list[EngineResult], request_id: str
+    ) -> TextCompletion:
+        choices = []
+        for prompt_index, (request, result) in enumerate(zip(requests, results, strict=True)):
+            prompt_text = self._prompt_text(request) if body.echo else ""
+            for output in result.outputs:
+                text, token_ids = output.text, None
+                logprobs: Sequence[EngineTokenLogprob | None] | None = output.logprobs
+                if body.echo:
+                    text, token_ids, logprobs = echoed(body, request.prompt_token_ids, result, output, prompt_text)
+                choice = CompletionChoice(
+                    index=prompt_index * len(result.outputs) + output.index,
+                    text=text,
+                    logprobs=self.completion_logprobs(logprobs, token_ids=token_ids),
+                    finish_reason=output.finish_reason or "length",
+                )
+                if body.prompt_logprobs is not None:
+                    choice.prompt_logprobs = wire_prompt_logprobs(
+                        result.prompt_logprobs, body.prompt_logprobs, self._token_text
+                    )
+                choices.append(choice)
         return TextCompletion(
-            id=f"cmpl-{request_id}", created=int(time.time()), model=model, choices=choices, usage=usage(results)
+            id=f"cmpl-{request_id}", created=int(time.time()), model=body.model, choices=choices, usage=usage(results)
+        )
+
+    def _prompt_text(self, request: EngineRequest) -> str:
+        """An echoed prompt's text: its tokens decoded (as vLLM does for a prompt of token ids)."""
+        return str(
+            self.tokenizer.decode(request.prompt_token_ids, skip_special_tokens=request.params.skip_special_tokens)
         )
 
     def _embedding_list(self, body: EmbeddingRequest, results: list[EngineResult]) -> EmbeddingList:
@@ -462,21 +488,35 @@ class OpenAIServing:
             content.append(TokenLogprob(token=text, bytes=list(text.encode()), logprob=lp.logprob, top_logprobs=top))
         return ChoiceLogprobs(content=content)
 
+    def _top_by_text(self, top: tuple[tuple[int, float], ...]) -> dict[str, float]:
+        """Top logprobs keyed by token text, most likely first; tokens that decode alike (the bytes of a split
+        character) keep the likeliest's value, so the largest value is always the top token's."""
+        by_text: dict[str, float] = {}
+        for token_id, value in top:
+            by_text.setdefault(self._token_text(token_id), value)
+        return by_text
+
     def completion_logprobs(
-        self, logprobs: list[EngineTokenLogprob] | None, offset: int = 0
+        self,
+        logprobs: Sequence[EngineTokenLogprob | None] | None,
+        offset: int = 0,
+        token_ids: list[int] | None = None,
     ) -> CompletionLogprobs | None:
-        """``text_offset`` counts from ``offset`` (where a streamed chunk's tokens start in the choice's text)."""
+        """``text_offset`` counts from ``offset`` (where a streamed chunk's tokens start in the choice's text). An
+        entry is ``None`` only for an echoed prompt's first token: ``token_ids`` then name every entry's token."""
         if logprobs is None:
             return None
-        tokens = [self._token_text(lp.token_id) for lp in logprobs]
+        if token_ids is None:
+            token_ids = [lp.token_id for lp in logprobs if lp is not None]
+        tokens = [self._token_text(token_id) for token_id in token_ids]
         offsets = []
         for token in tokens:
             offsets.append(offset)
             offset += len(token)
         return CompletionLogprobs(
             tokens=tokens,
-            token_logprobs=[lp.logprob for lp in logprobs],
-            top_logprobs=[{self._token_text(i): v for i, v in lp.top} for lp in logprobs],
+            token_logprobs=[None if lp is None else lp.logprob for lp in logprobs],
+            top_logprobs=[None if lp is None else self._top_by_text(lp.top) for lp in logprobs],
             text_offset=offsets,
         )
 

@@ -1,0 +1,74 @@
+"""Scoring: a prompt's own logprobs, as evaluation harnesses ask for them. Legacy completions' ``echo`` puts the
+prompt's tokens, text and (with ``logprobs``) logprobs ahead of the completion's, the first token's ``null``;
+``max_tokens`` 0 with ``echo`` returns the prompt alone (the engine still samples one token, as vLLM's does). vLLM's
+``prompt_logprobs`` (chat and completions) reports them in its own shape: per prompt token ``null`` for the first,
+then token id -> ``{logprob, rank, decoded_token}`` for the prompt's token and the top ones asked for."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from batchgen.schemas import ChatCompletionRequest, CompletionRequest, PromptLogprob, PromptLogprobs
+
+from ..engine.request import CompletionOutput, EngineResult
+from ..engine.request import TokenLogprob as EngineTokenLogprob
+
+Logprobs = list[EngineTokenLogprob | None]
+
+
+def prompt_logprobs_count(body: ChatCompletionRequest | CompletionRequest) -> int | None:
+    """The top logprobs the engine computes at each prompt position (``None``: no prompt logprobs): enough for both
+    ``prompt_logprobs`` and an echo's ``logprobs``."""
+    echo = body.logprobs if isinstance(body, CompletionRequest) and body.echo else None
+    counts = [count for count in (body.prompt_logprobs, echo) if count is not None]
+    return max(counts) if counts else None
+
+
+def wants_ranks(body: ChatCompletionRequest | CompletionRequest) -> bool:
+    """Ranks are reported in ``prompt_logprobs`` only (an echo's logprobs have none): they cost a pass over the
+    logits of every prompt position."""
+    return body.prompt_logprobs is not None
+
+
+def engine_max_tokens(max_tokens: int | None) -> int | None:
+    """``max_tokens`` 0 (only with ``echo``: the validator checks) runs one token, which the response leaves out."""
+    return 1 if max_tokens == 0 else max_tokens
+
+
+def echoed(
+    body: CompletionRequest, prompt: list[int], result: EngineResult, output: CompletionOutput, prompt_text: str
+) -> tuple[str, list[int], Logprobs | None]:
+    """A choice with ``echo``: its text, its tokens and their logprobs, the prompt's ahead of the completion's (with
+    ``max_tokens`` 0 the prompt's alone)."""
+    generated = body.max_tokens != 0
+    text = prompt_text + output.text if generated else prompt_text
+    token_ids = [*prompt, *output.token_ids] if generated else list(prompt)
+    if body.logprobs is None:
+        return text, token_ids, None
+    assert result.prompt_logprobs is not None  # asked for with echo and logprobs (prompt_logprobs_count)
+    top = body.logprobs
+    logprobs: Logprobs = [
+        None if lp is None else dataclasses.replace(lp, top=lp.top[:top]) for lp in result.prompt_logprobs
+    ]
+    if generated:
+        logprobs += output.logprobs or []
+    return text, token_ids, logprobs
+
+
+def wire_prompt_logprobs(logprobs: Logprobs | None, top: int, token_text: Callable[[int], str]) -> PromptLogprobs:
+    """vLLM's ``prompt_logprobs``: the prompt token's own entry, then the ``top`` likeliest (ranks 1 to ``top``)."""
+    wire: PromptLogprobs = []
+    for lp in logprobs or []:
+        if lp is None:
+            wire.append(None)
+            continue
+        entry = {
+            str(lp.token_id): PromptLogprob(
+                logprob=lp.logprob, rank=lp.rank or 0, decoded_token=token_text(lp.token_id)
+            )
+        }
+        for rank, (token_id, value) in enumerate(lp.top[:top], start=1):
+            entry.setdefault(str(token_id), PromptLogprob(logprob=value, rank=rank, decoded_token=token_text(token_id)))
+        wire.append(entry)
+    return wire
