@@ -14,6 +14,7 @@ import struct
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 _SALTS = itertools.count(1)
@@ -55,7 +56,7 @@ class LoRAModule:
         return cls(name, path)
 
 
-def adapter_config(name: str, path: str | Path, max_rank: int) -> dict[str, object]:
+def adapter_config(name: str, path: str | Path, max_rank: int) -> dict[str, Any]:
     """The adapter's ``adapter_config.json``, once checked: a PEFT LoRA whose every part the engine applies exactly
     (plain LoRA on linear layers, ``lora_alpha`` scaling or rsLoRA, rank within ``--max-lora-rank``); raises
     ``AdapterRefused`` naming what it is not."""
@@ -66,7 +67,10 @@ def adapter_config(name: str, path: str | Path, max_rank: int) -> dict[str, obje
         raise AdapterRefused(f"LoRA adapter {name!r}: {directory} holds no adapter_config.json") from None
     except (OSError, ValueError) as exc:
         raise AdapterRefused(f"LoRA adapter {name!r}: cannot read {directory}/adapter_config.json ({exc})") from None
-    refuse = lambda why: AdapterRefused(f"LoRA adapter {name!r} cannot be served: {why}")  # noqa: E731
+
+    def refuse(why: str) -> AdapterRefused:
+        return AdapterRefused(f"LoRA adapter {name!r} cannot be served: {why}")
+
     if config.get("peft_type", "LORA") != "LORA":
         raise refuse(f"it is a {config.get('peft_type')} adapter, not LoRA")
     if config.get("use_dora"):
@@ -137,6 +141,6 @@ class Adapters:
         with self._lock:
             return self._served.get(name)
 
-    def names(self) -> list[str]:
+    def served(self) -> list[LoRARequest]:
         with self._lock:
-            return list(self._served)
+            return list(self._served.values())

@@ -71,8 +71,8 @@ class BatchState:
         grammar: Any = None,
         adapter: int = 0,
     ) -> int:
-        """A row for a sequence with these parameters, ``prompt`` and tokens ``generated`` so far, and the grammar
-        matcher that constrains its next token, if any, running with the LoRA adapter in slot ``adapter`` (``lora.py``)."""
+        """A row for a sequence with these parameters, ``prompt`` and tokens ``generated`` so far, the grammar matcher
+        that constrains its next token, if any, and the slot of its LoRA adapter (``lora.py``)."""
         if not self._free:
             self._grow()
         row = self._free.pop()

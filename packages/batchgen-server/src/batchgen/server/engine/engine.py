@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 from transformers import PreTrainedModel
 
-from .batch_state import BatchState, SamplingInputs
 from .adapters import AdapterRefused, Adapters
+from .batch_state import BatchState, SamplingInputs
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .fast_paths import describe
@@ -90,14 +90,14 @@ class LLMEngine:
         """What the step being run holds (its requests are the suspects if it fails); ``None`` between steps and while
         scheduling."""
         self._in_flight: Launched | None = None
-        adapters = Adapters(model_name, config.max_lora_rank, config.lora_modules) if config.enable_lora else None
-        for name in adapters.names() if adapters is not None else ():  # refused at start, naming what they ask for
-            assert self.lora is not None and (request := adapters.get(name)) is not None
-            self.lora.weights(request)
+        served = Adapters(model_name, config.max_lora_rank, config.lora_modules).served() if self.lora else []
+        for adapter in served:  # each read now: refused at start, naming what it asks for
+            assert self.lora is not None
+            self.lora.weights(adapter)
         if config.self_check:
             self_check(self)
-            if adapters is not None and (names := adapters.names()):
-                self_check(self, adapters.get(names[0]))
+            if served:  # the slots and the prefix cache's salt, against the adapter applied directly
+                self_check(self, served[0])
         logger.info("%s: fast paths: %s", model_name, describe(self.runner.paths))
 
     def reset(self) -> None:

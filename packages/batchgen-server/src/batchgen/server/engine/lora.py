@@ -63,9 +63,8 @@ def read_adapter(request: LoRARequest, linears: dict[str, torch.nn.Linear], max_
         state = load_file(directory / WEIGHT_FILES[0])
     else:
         state = torch.load(directory / WEIGHT_FILES[1], map_location="cpu", weights_only=True)
-    alpha, rank = float(config.get("lora_alpha", 8)), int(config.get("r", 8))  # type: ignore[arg-type]
-    alphas = dict(config.get("alpha_pattern") or {})  # type: ignore[call-overload]
-    ranks = dict(config.get("rank_pattern") or {})  # type: ignore[call-overload]
+    alpha, rank = float(config.get("lora_alpha", 8)), int(config.get("r", 8))
+    alphas, ranks = dict(config.get("alpha_pattern") or {}), dict(config.get("rank_pattern") or {})
     rslora = bool(config.get("use_rslora"))
     matrices: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for key, a in state.items():
@@ -143,8 +142,9 @@ class LoRASlots:
         max_cpu_loras: int,
         max_tokens: int,
     ) -> None:
-        if getattr(model, "_batchgen_lora", None) is not None:
-            model._batchgen_lora.remove()  # an earlier engine's, on a shared model
+        earlier: LoRASlots | None = getattr(model, "_batchgen_lora", None)
+        if earlier is not None:
+            earlier.remove()  # an earlier engine's, on a shared model
         self.linears = linears
         self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_rank, max(max_cpu_loras, max_loras)
         width = max_loras * max_rank
@@ -185,7 +185,7 @@ class LoRASlots:
     def _hook(self, module: torch.nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
         x = args[0]
         if self.reference is not None:
-            matrices = self.reference.get(module.lora_name)  # type: ignore[arg-type]
+            matrices = self.reference.get(str(module.lora_name))
             if matrices is None:
                 return output
             a, b = matrices
