@@ -3,6 +3,8 @@ server tests serve, and what peft's own forward answers for them."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -53,16 +55,16 @@ def peft_reference(model_dir: Path, adapters: dict[str, Path]) -> Any:
         model.load_adapter(adapters[name], adapter_name=name)
     model.eval()
 
+    @functools.cache
     @torch.no_grad()
-    def greedy(prompt: list[int], max_new_tokens: int, adapter: str | None) -> list[int]:
-        ids = torch.tensor([prompt])
-        kwargs = {"attention_mask": torch.ones_like(ids), "max_new_tokens": max_new_tokens, "do_sample": False}
-        if adapter is None:
-            with model.disable_adapter():
-                out = model.generate(input_ids=ids, **kwargs)
-        else:
-            model.set_adapter(adapter)
-            out = model.generate(input_ids=ids, **kwargs)
-        return out[0, len(prompt) :].tolist()
+    def generate(prompt: tuple[int, ...], max_new_tokens: int, adapter: str | None) -> list[int]:
+        """Greedy through the whole sequence's forward each token, EOS included (the engine runs ``ignore_eos``)."""
+        ids = list(prompt)
+        with model.disable_adapter() if adapter is None else contextlib.nullcontext():
+            if adapter is not None:
+                model.set_adapter(adapter)
+            for _ in range(max_new_tokens):
+                ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+        return ids[len(prompt) :]
 
-    return greedy
+    return lambda prompt, max_new_tokens, adapter: generate(tuple(prompt), max_new_tokens, adapter)

@@ -141,6 +141,22 @@ class Adapters:
         with self._lock:
             return self._served.get(name)
 
+    def names(self) -> list[str]:
+        with self._lock:
+            return list(self._served)
+
     def served(self) -> list[LoRARequest]:
         with self._lock:
             return list(self._served.values())
+
+
+class ServedNames:
+    """Every name a request may use: the base model's, and its adapters' (a batch may mix them, as one model)."""
+
+    def __init__(self, model_names: tuple[str, ...], adapters: Adapters | None) -> None:
+        self.model_names, self.adapters = model_names, adapters
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.model_names or (
+            isinstance(name, str) and self.adapters is not None and self.adapters.get(name) is not None
+        )
