@@ -55,7 +55,7 @@ def check_mix(
     """Prompts sharing a 16-token prefix, each under the base and each adapter, twice (the second round from the
     prefix cache): every output is peft's greedy one for its adapter, and no adapter reads another's blocks."""
     shared = list(range(40, 56))
-    prompts = [shared + [7 * i % 256, 100 + i] + list(range(i)) for i in range(4)]
+    prompts = [[*shared, 7 * i % 256, 100 + i, *range(i)] for i in range(4)]
     for round_ in range(2):
         requests = [
             EngineRequest(
