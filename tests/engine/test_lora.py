@@ -171,3 +171,25 @@ def test_a_request_for_an_adapter_of_another_model_fails_alone(
     assert error is not None and error.code == "invalid_adapter"
     assert "LoRA adapter 'other' does not fit the model: model.layers.0.self_attn.q_proj has A (4, 32)" in error.message
     assert results["good"].error is None and len(results["good"].outputs[0].token_ids) == 2
+
+
+def test_an_engine_without_lora_on_the_model_of_one_with_it_runs_the_base(
+    demo_path: Path,
+    tokenizer: Any,
+    adapters: dict[str, Path],
+    peft_greedy: Callable[[list[int], int, str | None], list[int]],
+    run_to_completion: Callable[..., Any],
+) -> None:
+    """Engines on one model share it: the next engine takes the slots' hooks off (or puts its own on)."""
+    first = lora_engine(demo_path, tokenizer, adapters, self_check=False)
+    model = first.runner.model
+    assert all(linear._forward_hooks for linear in first.lora.linears.values())  # type: ignore[union-attr]
+    plain = LLMEngine(
+        model, tokenizer, EngineConfig(model="demo", dtype="float32", device="cpu", num_kv_blocks=64), "demo"
+    )
+    assert plain.lora is None and not any(module._forward_hooks for module in model.modules())
+    prompt = list(range(30, 50))
+    result = run_to_completion(
+        plain, [EngineRequest("base", prompt, SamplingParams(max_tokens=TOKENS, ignore_eos=True))]
+    )
+    assert result["base"].outputs[0].token_ids == peft_greedy(prompt, TOKENS, None)

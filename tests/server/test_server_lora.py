@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from lora_helpers import make_adapters, peft_reference
+from lora_helpers import make_adapters
 from server_helpers import LiveServer
 
 PROMPTS = [[10, 20, 30, 40, 50, 60, 70, 80, 90], [5, 4, 3, 2, 1, 200, 201], [33] * 12]
@@ -17,22 +17,13 @@ TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from batchgen.server.engine.demo_model import demo_model_dir
-
-    return make_adapters(demo_model_dir(), tmp_path_factory.mktemp("adapters"))
+def adapters(lora_adapters: dict[str, Path]) -> dict[str, Path]:
+    return lora_adapters
 
 
 @pytest.fixture(scope="module")
-def expected(adapters: dict[str, Path]) -> Callable[[list[int], str | None], str]:
-    """peft's greedy text for a prompt under an adapter (``None``: the base)."""
-    from transformers import AutoTokenizer
-
-    from batchgen.server.engine.demo_model import demo_model_dir
-
-    greedy = peft_reference(demo_model_dir(), adapters)
-    tokenizer = AutoTokenizer.from_pretrained(demo_model_dir())
-    return lambda prompt, name: tokenizer.decode(greedy(prompt, TOKENS, name), skip_special_tokens=True)
+def expected(peft_text: Callable[[list[int], int, str | None], str]) -> Callable[[list[int], str | None], str]:
+    return lambda prompt, name: peft_text(prompt, TOKENS, name)
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from .fast_paths import describe
 from .grammar import GrammarError, MaskFill, compiler_for
 from .inputs import DeviceTokens
 from .interface import EngineStats
-from .lora import LoRASlots, build_slots
+from .lora import LoRASlots, build_slots, detach
 from .model_runner import ModelRunner
 from .output_processor import Launched, OutputProcessor
 from .prompt_logprobs import PromptLogprobs, PromptSpan, prompt_rows
@@ -80,6 +80,8 @@ class LLMEngine:
         self.grammars = compiler_for(tokenizer, self.vocab_size, config.grammar_timeout_s)
         self._requests: dict[str, RequestState] = {}
         self.lora: LoRASlots | None = build_slots(self.runner, config) if config.enable_lora else None
+        if self.lora is None:
+            detach(model)
         self.scheduler = Scheduler(
             self._fresh_cache(), self._fresh_rows(), config.max_num_seqs, config.max_num_batched_tokens,
             self.runner.copy_block, self.lora,

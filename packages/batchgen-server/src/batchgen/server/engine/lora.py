@@ -129,6 +129,15 @@ def build_slots(runner: ModelRunner, config: EngineConfig) -> LoRASlots:
     )
 
 
+def detach(model: torch.nn.Module) -> None:
+    """Take an earlier engine's slots off ``model`` (an engine without LoRA on a model shared with one that had it).
+    Compiled code is dropped with them: dynamo does not guard on a module's hooks."""
+    earlier: LoRASlots | None = vars(model).pop("_batchgen_lora", None)
+    if earlier is not None:
+        earlier.remove()
+        torch.compiler.reset()
+
+
 class LoRASlots:
     """The adapter slots laid over a model's decoder linears (see the module's docstring), and which adapter holds
     which slot. Not thread-safe but for ``weights``, which the submitting thread may call (``LLMEngine.prepare``)."""
@@ -142,9 +151,7 @@ class LoRASlots:
         max_cpu_loras: int,
         max_tokens: int,
     ) -> None:
-        earlier: LoRASlots | None = getattr(model, "_batchgen_lora", None)
-        if earlier is not None:
-            earlier.remove()  # an earlier engine's, on a shared model
+        detach(model)  # an earlier engine's, on a shared model
         self.linears = linears
         self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_rank, max(max_cpu_loras, max_loras)
         width = max_loras * max_rank
@@ -166,6 +173,7 @@ class LoRASlots:
             linear.lora_name = name  # type: ignore[assignment]
             self._handles.append(linear.register_forward_hook(self._hook))
         model._batchgen_lora = self  # type: ignore[assignment]
+        torch.compiler.reset()  # layers compiled before (by another engine on this model) ran without the hooks
         self.held: list[LoRARequest | None] = [None] * (max_loras + 1)
         """The adapter in each slot (slot 0 is the base's)."""
         self.users = [0] * (max_loras + 1)
