@@ -119,14 +119,14 @@ def build_slots(runner: ModelRunner, config: EngineConfig) -> LoRASlots:
     if config.max_loras < 1 or config.max_lora_rank < 1:
         raise ValueError("--max-loras and --max-lora-rank must be at least 1")
     graph_rows = runner.graphs.buckets[-1] if runner.graphs is not None else 0
-    return LoRASlots(
-        runner.model,
-        linears,
-        config.max_loras,
-        config.max_lora_rank,
-        config.max_cpu_loras or config.max_loras,
-        max(config.max_num_batched_tokens, graph_rows),
-    )
+    shape = (list(linears.values()), config.max_loras, config.max_lora_rank)
+    max_tokens = max(config.max_num_batched_tokens, graph_rows)
+    earlier: LoRASlots | None = vars(runner.model).get("_batchgen_lora")
+    if earlier is not None and earlier.shape == shape and earlier.mask.shape[0] >= max_tokens:
+        earlier.reset()  # an earlier engine's on this model, shared as its compiled layers are: none holds an adapter
+        earlier.held = [None] * len(earlier.held)
+        return earlier
+    return LoRASlots(runner.model, linears, *shape[1:], config.max_cpu_loras or config.max_loras, max_tokens)
 
 
 def detach(model: torch.nn.Module) -> None:
@@ -153,6 +153,7 @@ class LoRASlots:
     ) -> None:
         detach(model)  # an earlier engine's, on a shared model
         self.linears = linears
+        self.shape = (list(linears.values()), max_loras, max_rank)
         self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_rank, max(max_cpu_loras, max_loras)
         width = max_loras * max_rank
         first = next(iter(linears.values())).weight
