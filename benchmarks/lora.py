@@ -60,7 +60,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=2, help="runs of each row (the best)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    parser.add_argument("--kv-cache-gib", type=int, default=1)
+    parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache on CPU, each system's")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--skip-vllm", action="store_true")
     parser.add_argument("--vllm-python", default=None)

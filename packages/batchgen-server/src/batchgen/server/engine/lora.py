@@ -201,8 +201,9 @@ class LoRASlots:
             return output + torch.nn.functional.linear(torch.nn.functional.linear(x, a), b)
         flat = x.reshape(-1, x.shape[-1])
         mask = module.lora_mask[: flat.shape[0]]  # type: ignore[index]
-        down = torch.nn.functional.linear(flat, module.lora_a) * mask  # type: ignore[arg-type]
-        return output + torch.nn.functional.linear(down, module.lora_b).view(output.shape)  # type: ignore[arg-type]
+        down = torch.mm(flat, module.lora_a.t()).mul_(mask)  # type: ignore[operator]
+        # The add inside the GEMM (beta 1): one call, no temporary of the output's size.
+        return torch.addmm(output.reshape(-1, output.shape[-1]), down, module.lora_b.t()).view(output.shape)  # type: ignore[operator]
 
     # ---- adapters' weights in host memory ------------------------------------------------------------------------
 
