@@ -31,14 +31,14 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
     parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--kv-cache-gib", type=int, default=4, help="KV cache memory on CPU")
+    parser.add_argument("--kv-cache-gib", type=float, default=4, help="KV cache memory on CPU (whole GiB, 1 at least)")
     parser.add_argument("--structured-backend", default="auto", help="xgrammar, guidance or auto (vLLM's choice)")
     parser.add_argument("--loras", help="a JSON list: each request's LoRA adapter directory ('' for the base)")
     parser.add_argument("--max-lora-rank", type=int, default=16)
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if args.device == "cpu":
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_cache_gib)
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(args.kv_cache_gib)))
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0" if args.threads == 1 else "all")
         os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
 
