@@ -9,6 +9,9 @@ import asyncio
 
 import msgspec
 from litestar import Controller, MediaType, post
+from litestar.openapi import ResponseSpec
+
+from batchgen.schemas import ErrorResponse
 
 from ..engine.adapters import AdapterRefused, Adapters
 from .deps import ServerContext
@@ -37,10 +40,16 @@ def _adapters(context: ServerContext) -> Adapters:
     return adapters
 
 
+RESPONSES = {
+    **ERROR_RESPONSES,
+    403: ResponseSpec(ErrorResponse, description="Run-time LoRA updating is off", generate_examples=False),
+}
+
+
 class LoRAController(Controller):
     tags = ("models",)
 
-    @post("/v1/load_lora_adapter", status_code=200, media_type=MediaType.TEXT, responses=ERROR_RESPONSES)
+    @post("/v1/load_lora_adapter", status_code=200, media_type=MediaType.TEXT, responses=RESPONSES)
     async def load(self, context: ServerContext, data: LoadLoRAAdapterRequest) -> str:
         """Serve the PEFT LoRA adapter in ``lora_path`` as the model ``lora_name``."""
         adapters = _adapters(context)
@@ -54,7 +63,7 @@ class LoRAController(Controller):
             raise invalid(str(exc), param="lora_name", code="adapter_exists") from None
         return f"Success: LoRA adapter '{data.lora_name}' added successfully."
 
-    @post("/v1/unload_lora_adapter", status_code=200, media_type=MediaType.TEXT, responses=ERROR_RESPONSES)
+    @post("/v1/unload_lora_adapter", status_code=200, media_type=MediaType.TEXT, responses=RESPONSES)
     async def unload(self, context: ServerContext, data: UnloadLoRAAdapterRequest) -> str:
         """Serve the adapter ``lora_name`` no more (requests already running with it finish)."""
         if not _adapters(context).remove(data.lora_name):
