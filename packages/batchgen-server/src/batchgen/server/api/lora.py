@@ -18,12 +18,12 @@ from .deps import ServerContext
 from .errors import ERROR_RESPONSES, APIError, invalid, not_found
 
 
-class LoadLoRAAdapterRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class LoadLoRAAdapterRequest(msgspec.Struct, kw_only=True):  # other fields ignored, as vLLM does
     lora_name: str
     lora_path: str
 
 
-class UnloadLoRAAdapterRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class UnloadLoRAAdapterRequest(msgspec.Struct, kw_only=True):
     lora_name: str
     lora_path: str | None = None
 
