@@ -120,9 +120,14 @@ VLLM_VENV_PYTHON = Path("/work/vllm-venv/bin/python")
 
 
 def run_engine(
-    model: Any, tokenizer: Any, workload: list[tuple[list[int], int]], config: EngineConfig
+    model: Any,
+    tokenizer: Any,
+    workload: list[tuple[list[int], int]],
+    config: EngineConfig,
+    loras: list[Any] | None = None,
 ) -> tuple[Row, Row, EngineStats, list[list[int]]]:
-    """The engine's row, the raw-forward ceiling of the same run, the engine's final stats and every request's tokens.
+    """The engine's row, the raw-forward ceiling of the same run, the engine's final stats and every request's tokens;
+    request ``i`` runs with the LoRA adapter ``loras[i]`` where given (``benchmarks/lora.py``).
 
     The engine (and its KV cache) is released on return, so that the next system gets the memory back.
     """
@@ -146,7 +151,8 @@ def run_engine(
 
     engine.runner.forward = timed(engine.runner.forward)  # type: ignore[method-assign]
     for i, (prompt, out_len) in enumerate(workload):
-        engine.add_request(EngineRequest(f"r{i}", prompt, SamplingParams(max_tokens=out_len, ignore_eos=True)))
+        params = SamplingParams(max_tokens=out_len, ignore_eos=True)
+        engine.add_request(EngineRequest(f"r{i}", prompt, params, lora=loras[i] if loras else None))
     clock = Clock()
     tokens = 0
     steps = 0

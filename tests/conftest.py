@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 from server_helpers import TENANT_KEYS, LiveServer
@@ -49,3 +50,26 @@ def server_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callabl
 def keyed_server(server_factory: Callable[..., LiveServer]) -> LiveServer:
     """One server with two API keys (two tenants) for the session; its ``http`` uses ``TENANT_KEYS[0]``."""
     return server_factory("--api-key", TENANT_KEYS[1], api_key=TENANT_KEYS[0])
+
+
+@pytest.fixture(scope="session")
+def lora_adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Three LoRA adapters of the demo model made with peft (``lora_helpers.ADAPTERS``), by name."""
+    from lora_helpers import make_adapters
+
+    from batchgen.server.engine.demo_model import demo_model_dir
+
+    return make_adapters(demo_model_dir(), tmp_path_factory.mktemp("adapters"))
+
+
+@pytest.fixture(scope="session")
+def peft_text(lora_adapters: dict[str, Path]) -> Callable[[list[int], int, str | None], str]:
+    """``peft_text(prompt, tokens, adapter)``: the text of peft's greedy tokens (``None``: the base), as served."""
+    from lora_helpers import peft_reference
+    from transformers import AutoTokenizer
+
+    from batchgen.server.engine.demo_model import demo_model_dir
+
+    greedy = peft_reference(demo_model_dir(), lora_adapters)
+    tokenizer = AutoTokenizer.from_pretrained(demo_model_dir())
+    return lambda prompt, tokens, name: tokenizer.decode(greedy(prompt, tokens, name), skip_special_tokens=True)

@@ -29,7 +29,7 @@ def test_models(client: openai.OpenAI) -> None:
     assert [model.id for model in models.data] == ["demo"]
     model = client.models.retrieve("demo")
     assert (model.id, model.object, model.owned_by) == ("demo", "model", "batchgen")
-    assert model.model_extra == {"max_context_length": 2048}
+    assert model.model_extra == {"max_context_length": 2048, "parent": None, "root": None}  # vLLM's card: no LoRA
     with pytest.raises(openai.NotFoundError) as raised:
         client.models.retrieve("gpt-4o")
     assert raised.value.body["code"] == "model_not_found"  # type: ignore[index]

@@ -13,6 +13,10 @@ class ModelObject(Wire, kw_only=True):
     created: int
     owned_by: str = "batchgen"
     max_context_length: int
+    parent: str | None = None
+    """A LoRA adapter's base model (``None`` for the base itself)."""
+    root: str | None = None
+    """Where the model was loaded from: a LoRA adapter's directory."""
 
 
 class ModelList(Wire, kw_only=True):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from dataclasses import dataclass
 from functools import partial
 from itertools import compress
@@ -317,11 +317,13 @@ class _RequestValidator:
     (envelope, then body) to report its first problem precisely. ``validate`` is the hot loop.
     """
 
-    def __init__(self, endpoint: str | None, model: str | None) -> None:
+    def __init__(self, endpoint: str | None, model: str | None, family: Container[str] = ()) -> None:
         if endpoint is not None and endpoint not in BODY_TYPES:
             raise ValueError(f"unsupported endpoint {endpoint!r}; expected one of {sorted(BODY_TYPES)}")
         self.endpoint = endpoint
         self.model = model
+        self.family = family
+        """Names that may share a file with each other (a base model and its LoRA adapters)."""
         self._model_line: int | None = None
         self._custom_ids: dict[str, int] = {}
         self._decoder = None if endpoint is None else _REQUEST_DECODERS[endpoint]
@@ -408,7 +410,7 @@ class _RequestValidator:
     def _check_body(self, line: int, body: RequestBody) -> LineError | None:
         if self.model is None:
             self.model, self._model_line = body.model, line
-        elif body.model != self.model:
+        elif body.model != self.model and not (body.model in self.family and self.model in self.family):
             where = f"line {self._model_line}" if self._model_line is not None else "the batch"
             return LineError(
                 line=line,
@@ -575,15 +577,17 @@ def iter_input_lines(
     endpoint: str | None = None,
     model: str | None = None,
     limits: ValidationLimits = DEFAULT_LIMITS,
+    family: Container[str] = (),
 ) -> Iterator[BatchInputLine | LineError]:
     """Yield each request of a JSONL input file, typed, or the error found on its line.
 
     ``source`` is a path or a binary file object, read in chunks. ``endpoint`` is the batch's endpoint: every line's
     ``url`` must match it (without it, the first valid line's url sets it). ``model``, when given, is the model
-    every line must use (without it, the first valid line's model sets it). Blank lines are skipped. File-level
+    every line must use (without it, the first valid line's model sets it), or any name of ``family`` if it is one
+    (a base model and its LoRA adapters). Blank lines are skipped. File-level
     errors (``empty_file``, ``file_too_large``, ``too_many_requests``) come last and end the iteration.
     """
-    validator = _RequestValidator(endpoint, model)
+    validator = _RequestValidator(endpoint, model, family)
     for scanned in _LineScanner(limits).scan(source):
         for result in validator.validate(scanned):
             if isinstance(result, LineError):
@@ -599,9 +603,10 @@ def validate_input_file(
     model: str | None = None,
     limits: ValidationLimits = DEFAULT_LIMITS,
     max_errors: int = 100,
+    family: Container[str] = (),
 ) -> ValidationReport:
     """Validate a whole input file without keeping its requests; see :func:`iter_input_lines`."""
-    validator = _RequestValidator(endpoint, model)
+    validator = _RequestValidator(endpoint, model, family)
     scanner = _LineScanner(limits)
     errors: list[LineError] = []
     error_count = 0

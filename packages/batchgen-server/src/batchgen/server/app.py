@@ -23,6 +23,7 @@ from .api.errors import EXCEPTION_HANDLERS, add_request_id
 from .api.files import FilesController
 from .api.health import HealthController, PoolController
 from .api.legacy import legacy_inference
+from .api.lora import LoRAController
 from .api.models import ModelsController
 from .api.online import OnlineController
 from .api.openapi import BEARER_AUTH, openapi_config
@@ -137,6 +138,7 @@ def create_app(settings: Settings, engine: EngineClient | None = None) -> Litest
         path="/",
         route_handlers=[
             ModelsController,
+            LoRAController,
             FilesController,
             BatchesController,
             online,

@@ -41,14 +41,15 @@ def _run_batch(args: argparse.Namespace, settings: Settings) -> int:
     from .serving import BatchDefaults
 
     config = settings.engine
-    report = validate_input_file(args.input)  # before loading a model, which can take minutes
+    served = (*config.served_model_names, *config.lora_names)
+    report = validate_input_file(args.input, family=served)  # before loading a model, which can take minutes
     if not report.ok:
         _print_invalid(args.input, report.errors, report.error_count)
         return 2
-    if report.model not in config.served_model_names:
+    if report.model not in served:
         print(
             f"{args.input}: its requests ask for the model {report.model!r}, which this run does not serve "
-            f"({', '.join(map(repr, config.served_model_names))}); nothing was run. Pass --served-model-name "
+            f"({', '.join(map(repr, served))}); nothing was run. Pass --served-model-name "
             f"{report.model!r} to serve --model {config.model!r} under that name.",
             file=sys.stderr,
         )

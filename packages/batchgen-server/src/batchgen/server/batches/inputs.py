@@ -3,7 +3,7 @@ count), then one to hand out its unanswered lines. Neither holds more than a lin
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 
 from batchgen.schemas import BatchInputLine, sequences_of
 from batchgen.schemas.validation import LineError, ValidationLimits, iter_input_lines
@@ -16,9 +16,11 @@ MAX_REPORTED_ERRORS = 100
 
 
 class InputReader:
-    def __init__(self, store: Store, limits: ValidationLimits) -> None:
+    def __init__(self, store: Store, limits: ValidationLimits, models: Container[str] = ()) -> None:
         self.store = store
         self.limits = limits
+        self.models = models
+        """The names a file's lines may mix: the served model's and its LoRA adapters'."""
 
     def prepare(self, batch: Batch) -> Iterator[None]:
         """Read back what a resumed batch had written, then validate the input and count its unanswered work; a
@@ -63,4 +65,6 @@ class InputReader:
 
     def _items(self, batch: Batch) -> Iterator[BatchInputLine | LineError]:
         endpoint = batch.record.endpoint or None
-        return iter_input_lines(self.store.input_path(batch.record), endpoint=endpoint, limits=self.limits)
+        return iter_input_lines(
+            self.store.input_path(batch.record), endpoint=endpoint, limits=self.limits, family=self.models
+        )

@@ -115,7 +115,7 @@ class BatchLoop:
         self._stopped = False
         self._batches: dict[str, Batch] = {}
         self._next_expiry_check = 0.0
-        self._inputs = InputReader(store, limits)
+        self._inputs = InputReader(store, limits, serving.served_names)
         self._writer = ResultsWriter(store, flush_interval_s)
         self._quarantine = Quarantine(journal)
         self._tokenizer = Tokenizer(serving, self._inbox.put)

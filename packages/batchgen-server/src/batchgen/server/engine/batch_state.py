@@ -41,7 +41,7 @@ class BatchState:
         self.penalty_slot = np.full(capacity, -1, dtype=np.int64)
         """The row's place in ``counts``, or -1 (no penalty)."""
         self.adapter = np.zeros(capacity, dtype=np.int32)
-        """The LoRA adapter the row runs with (0: the base model)."""
+        """The slot of the LoRA adapter the row runs with (0: the base model; ``lora.py``)."""
         self.bias: list[tuple[np.ndarray, np.ndarray] | None] = [None] * capacity
         """``logit_bias`` as (token ids, values)."""
         self.stop_ids: list[np.ndarray] = [_NO_IDS] * capacity
@@ -69,9 +69,10 @@ class BatchState:
         generated: list[int],
         stop_ids: frozenset[int] = frozenset(),
         grammar: Any = None,
+        adapter: int = 0,
     ) -> int:
-        """A row for a sequence with these parameters, ``prompt`` and tokens ``generated`` so far, and the grammar
-        matcher that constrains its next token, if any."""
+        """A row for a sequence with these parameters, ``prompt`` and tokens ``generated`` so far, the grammar matcher
+        that constrains its next token, if any, and the slot of its LoRA adapter (``lora.py``)."""
         if not self._free:
             self._grow()
         row = self._free.pop()
@@ -83,7 +84,7 @@ class BatchState:
         self.prompt_len[row] = len(prompt)
         self.logprobs[row] = params.logprobs
         self.top_logprobs[row] = params.top_logprobs
-        self.adapter[row] = 0
+        self.adapter[row] = adapter
         bias = params.logit_bias
         self.bias[row] = (np.fromiter(bias, np.int64), np.fromiter(bias.values(), np.float64)) if bias else None
         self.stop_ids[row] = np.fromiter(sorted(stop_ids), np.int64) if params.min_tokens else _NO_IDS

@@ -123,6 +123,7 @@ class BlockManager:
         bs = self.block_size
         while len(hashes) < count:
             i = len(hashes)
-            parent = hashes[-1] if hashes else 0
+            # The first block's parent is the LoRA adapter's salt (0: the base): adapters never share blocks.
+            parent = hashes[-1] if hashes else seq.state.salt
             hashes.append(hash((parent, *seq.token_ids[i * bs : (i + 1) * bs])))
         return hashes[:count]

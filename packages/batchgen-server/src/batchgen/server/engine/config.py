@@ -97,11 +97,44 @@ class EngineConfig:
         "longest a structured-output grammar (a JSON schema, a regex...) may take to compile; the request is "
         "refused past it",
     )
+    enable_lora: bool = setting(
+        False, "serve LoRA adapters beside the base model (--lora-modules, or loaded at run time)"
+    )
+    lora_modules: tuple[str, ...] = setting(
+        (),
+        "LoRA adapters to serve, each name=path (a PEFT adapter's directory) or vLLM's JSON "
+        '\'{"name": ..., "path": ..., "base_model_name": ...}\'; a request\'s model names one',
+    )
+    max_loras: int = setting(1, "most LoRA adapters in one step (their slots on the device)")
+    max_lora_rank: int = setting(16, "highest LoRA rank served (an adapter above it is refused)")
+    max_cpu_loras: int | None = setting(
+        None, "LoRA adapters whose weights are kept in host memory (default: --max-loras); others are read again"
+    )
+    allow_runtime_lora_updating: bool = setting(
+        False,
+        "allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also on with vLLM's "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)",
+    )
 
     @property
     def served_model_names(self) -> tuple[str, ...]:
         """The names requests may use for the model, its id first."""
         return self.served_model_name or (self.model,)
+
+    @property
+    def lora_names(self) -> tuple[str, ...]:
+        """The names of the LoRA adapters served from the start (``--lora-modules``)."""
+        from .adapters import LoRAModule
+
+        return tuple(LoRAModule.parse(text).name for text in self.lora_modules) if self.enable_lora else ()
+
+    @property
+    def runtime_lora_updating(self) -> bool:
+        """Adapters may be loaded and unloaded at run time: the flag, or vLLM's environment variable."""
+        import os
+
+        vllm = os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true", "yes", "on")
+        return self.enable_lora and (self.allow_runtime_lora_updating or vllm)
 
     def uses_async_scheduling(self, device: torch.device) -> bool:
         from .errors import ModelLoadError

@@ -52,6 +52,8 @@ class EncoderEngine:
         error = admission_error(request, self.max_context_length, self._waiting, self.vocab_size)
         if error is None and request.task != "embed":
             error = EngineError("unsupported_endpoint", f"Model {self.model_name!r} is an embedding model.")
+        if error is None and request.lora is not None:  # its padded forward has no adapter slots
+            error = EngineError("invalid_adapter", f"Encoder model {self.model_name!r} serves no LoRA adapters.")
         if error is not None:
             self._ready.append(
                 EngineResult(request.request_id, len(request.prompt_token_ids), error=error, group=request.group)

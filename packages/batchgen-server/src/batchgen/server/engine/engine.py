@@ -13,8 +13,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from transformers import PreTrainedModel
 
+from .adapters import AdapterRefused, Adapters
 from .batch_state import BatchState, SamplingInputs
 from .block_manager import BlockManager
 from .config import EngineConfig
@@ -22,6 +24,7 @@ from .fast_paths import describe
 from .grammar import GrammarError, MaskFill, compiler_for
 from .inputs import DeviceTokens
 from .interface import EngineStats
+from .lora import LoRASlots, build_slots, detach
 from .model_runner import ModelRunner
 from .output_processor import Launched, OutputProcessor
 from .prompt_logprobs import PromptLogprobs, PromptSpan, prompt_rows
@@ -76,9 +79,12 @@ class LLMEngine:
         self._seeds = random.Random(config.seed)
         self.grammars = compiler_for(tokenizer, self.vocab_size, config.grammar_timeout_s)
         self._requests: dict[str, RequestState] = {}
+        self.lora: LoRASlots | None = build_slots(self.runner, config) if config.enable_lora else None
+        if self.lora is None:
+            detach(model)
         self.scheduler = Scheduler(
             self._fresh_cache(), self._fresh_rows(), config.max_num_seqs, config.max_num_batched_tokens,
-            self.runner.copy_block,
+            self.runner.copy_block, self.lora,
         )  # fmt: skip
         self.outputs = OutputProcessor(tokenizer, self.scheduler, self._requests)
         self._ready: list[EngineResult] = []
@@ -86,8 +92,14 @@ class LLMEngine:
         """What the step being run holds (its requests are the suspects if it fails); ``None`` between steps and while
         scheduling."""
         self._in_flight: Launched | None = None
+        served = Adapters(model_name, config.max_lora_rank, config.lora_modules).served() if self.lora else []
+        for adapter in served:  # each read now: refused at start, naming what it asks for
+            assert self.lora is not None
+            self.lora.weights(adapter)
         if config.self_check:
             self_check(self)
+            if served:  # the slots and the prefix cache's salt, against the adapter applied directly
+                self_check(self, served[0])
         logger.info("%s: fast paths: %s", model_name, describe(self.runner.paths))
 
     def reset(self) -> None:
@@ -113,6 +125,9 @@ class LLMEngine:
         if request.params.grammar is not None:
             with contextlib.suppress(GrammarError):
                 self.grammars.compile(request.params.grammar)
+        if request.lora is not None and self.lora is not None:
+            with contextlib.suppress(AdapterRefused):  # read here, off the step thread; refused when added
+                self.lora.weights(request.lora)
 
     def add_request(self, request: EngineRequest) -> None:
         params = request.params
@@ -125,6 +140,8 @@ class LLMEngine:
                 matcher = self.grammars.matcher(params.grammar)
             except GrammarError as exc:
                 error = EngineError("invalid_grammar", f"The grammar cannot be used: {exc}")
+        if error is None and request.lora is not None:
+            error = self._adapter_error(request)
         if error is not None:
             self._ready.append(EngineResult(request.request_id, prompt_len, error=error, group=request.group))
             return
@@ -139,6 +156,17 @@ class LLMEngine:
         state.seqs.append(seq)
         self._requests[request.request_id] = state
         self.scheduler.add(state.seqs[0])
+
+    def _adapter_error(self, request: EngineRequest) -> EngineError | None:
+        """Why the request's LoRA adapter cannot run (LoRA is off, the adapter is refused), or ``None``."""
+        assert request.lora is not None
+        if self.lora is None:
+            return EngineError("model_not_found", f"LoRA adapters are not enabled: no adapter {request.lora.name!r}.")
+        try:
+            self.lora.weights(request.lora)
+        except AdapterRefused as exc:
+            return EngineError("invalid_adapter", str(exc))
+        return None
 
     def abort_request(self, request_id: str) -> bool:
         """Drop a request at once (no result is produced for it); ``False`` if it is unknown or already done."""
@@ -246,6 +274,9 @@ class LLMEngine:
         """Prepare, run and sample a step, leaving it on the device; then advance its sequences as if it were done:
         their computed tokens count, and each sampled one holds a ``PENDING`` token until the step is settled."""
         plan = self._prepare(scheduled)
+        if self.lora is not None:  # each token runs with its row's adapter slot
+            rows = self.scheduler.rows.adapter
+            self.lora.prepare(np.repeat(rows[[item.seq.row for item in scheduled]], [i.num_tokens for i in scheduled]))
         masks = None
         if plan.inputs is not None:  # the constrained rows' masks are filled while the forward runs
             constrained, owners, matchers = plan.inputs.grammars()

@@ -63,6 +63,7 @@ class ModelRunner:
         self.device: torch.device = input_embeddings(model).device
         self.block_size = config.block_size
         probe = self._probe_layers()
+        self.attention_modules = probe.modules
         self.block_bytes = KVCache.block_bytes(probe.shapes, self.block_size)
         self.num_blocks = config.num_kv_blocks or self._blocks_that_fit(config)
         self.compiled = not config.enforce_eager and model.num_parameters() >= EAGER_BELOW_PARAMETERS

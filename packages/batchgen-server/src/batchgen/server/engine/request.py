@@ -5,7 +5,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Container
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from .adapters import LoRARequest
 
 logger = logging.getLogger("batchgen.server.engine")
 
@@ -77,6 +80,8 @@ class EngineRequest:
     running set is full."""
     stream: bool = False
     """Report each step's new tokens as they come (results with ``finished`` false) before the final result."""
+    lora: LoRARequest | None = None
+    """The LoRA adapter it runs with (``None``: the base model)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,10 +19,14 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Container
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .batch_state import BatchState
 from .block_manager import BlockManager
 from .sequence import PENDING, Sequence, Status
+
+if TYPE_CHECKING:
+    from .lora import LoRASlots
 
 
 @dataclass(slots=True)
@@ -40,6 +44,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         copy_block: Callable[[int, int], None],
+        adapters: LoRASlots | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.rows = rows
@@ -48,6 +53,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self._copy_block = copy_block
         """Copies a cache block's contents (a fork's partly filled last block)."""
+        self.adapters = adapters
+        """The LoRA slots: a sequence runs once its adapter holds one (``lora.py``)."""
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -56,6 +63,8 @@ class Scheduler:
     def reset(self, block_manager: BlockManager, rows: BatchState) -> None:
         """Forget every sequence, on a fresh cache and batch state (how the engine recovers from a failed step)."""
         self.block_manager, self.rows = block_manager, rows
+        if self.adapters is not None:
+            self.adapters.reset()
         self.waiting.clear()
         self.running = []
 
@@ -93,6 +102,9 @@ class Scheduler:
                 if not _is_interactive(seq) or (refund := self._preempt_batch(scheduled)) is None:
                     break
                 budget += refund
+            lora = seq.state.request.lora
+            if lora is not None and self.adapters is not None and not self.adapters.can_take(lora):
+                break  # every slot holds another adapter that runs: it waits for one to be released
             # Embeddings and prompt logprobs need every prompt position computed: a cached token has no hidden state.
             reads_cache = seq.state.request.task == "generate" and not seq.state.wants_prompt_logprobs(seq)
             cached = self.block_manager.match_prefix(seq) if reads_cache else 0
@@ -136,9 +148,11 @@ class Scheduler:
 
     def _run(self, seq: Sequence) -> None:
         seq.status = Status.RUNNING
+        request = seq.state.request
+        slot = self.adapters.acquire(request.lora) if self.adapters is not None else 0
         seq.row = self.rows.add_row(
-            seq.state.request.params, seq.seed, seq.state.request.prompt_token_ids, seq.generated_ids,
-            seq.state.stop_token_ids, seq.matcher if seq.grammar_active else None,
+            request.params, seq.seed, request.prompt_token_ids, seq.generated_ids,
+            seq.state.stop_token_ids, seq.matcher if seq.grammar_active else None, slot,
         )  # fmt: skip
         self.running.append(seq)
 
@@ -146,6 +160,8 @@ class Scheduler:
         """Give back what ``seq`` holds while it runs: its blocks and its row."""
         self.block_manager.free_seq(seq)
         if seq.row >= 0:
+            if self.adapters is not None:
+                self.adapters.release(int(self.rows.adapter[seq.row]))
             self.rows.remove(seq.row)
             seq.row = -1
 

@@ -22,6 +22,7 @@ from .loader import input_embeddings
 from .request import EngineRequest, EngineResult, SamplingParams
 
 if TYPE_CHECKING:
+    from .adapters import LoRARequest
     from .engine import LLMEngine
 
 NEW_TOKENS = 4
@@ -33,7 +34,9 @@ def tolerance(dtype: torch.dtype) -> float:
     return {torch.float64: 1e-6, torch.float32: 1e-3}.get(dtype, 0.3)
 
 
-def self_check(engine: LLMEngine) -> None:
+def self_check(engine: LLMEngine, lora: LoRARequest | None = None) -> None:
+    """The check; with ``lora``, of that adapter's requests against the model's forward with the adapter applied
+    directly (``LoRASlots.referencing``), prefix-cache hit included."""
     model = engine.runner.model
     bs = engine.config.block_size
     vocab = input_embeddings(model).shape[0]
@@ -47,15 +50,16 @@ def self_check(engine: LLMEngine) -> None:
     scheduler.max_num_batched_tokens = bs + 4  # the longer prompt takes several steps, beside the other's decode
     try:
         results = _run(
-            engine, [EngineRequest("self-check-0", first, params), EngineRequest("self-check-1", second, params)]
+            engine,
+            [EngineRequest("self-check-0", first, params, lora=lora), EngineRequest("self-check-1", second, params)],
         )
-        results += _run(engine, [EngineRequest("self-check-2", first, params)])  # its prefix is cached now
+        results += _run(engine, [EngineRequest("self-check-2", first, params, lora=lora)])  # its prefix is cached now
     finally:
         scheduler.max_num_batched_tokens = budget
         engine.reset_stats()
     tol = tolerance(engine.runner.cache.k[0].dtype)
-    for result, prompt in zip(results, (first, second, first), strict=True):
-        _compare(engine, result, prompt, tol)
+    for result, prompt, adapter in zip(results, (first, second, first), (lora, None, lora), strict=True):
+        _compare(engine, result, prompt, tol, adapter)
 
 
 def _run(engine: LLMEngine, requests: list[EngineRequest]) -> list[EngineResult]:
@@ -67,13 +71,16 @@ def _run(engine: LLMEngine, requests: list[EngineRequest]) -> list[EngineResult]
     return [results[request.request_id] for request in requests]
 
 
-def _compare(engine: LLMEngine, result: EngineResult, prompt: list[int], tol: float) -> None:
+def _compare(engine: LLMEngine, result: EngineResult, prompt: list[int], tol: float, lora: LoRARequest | None) -> None:
     architecture = engine.runner.architecture
     if result.error is not None:
         raise ModelNotSupported(architecture, f"a self-check request failed in the engine: {result.error.message}")
+    where = "" if lora is None else f" with LoRA adapter {lora.name!r}"
     output = result.outputs[0]
     assert output.logprobs is not None
-    reference = _reference_logprobs(engine, prompt + output.token_ids)[len(prompt) - 1 :]
+    slots = engine.lora
+    with slots.referencing(slots.weights(lora) if lora else None) if slots is not None else nullcontext():
+        reference = _reference_logprobs(engine, prompt + output.token_ids)[len(prompt) - 1 :]
     worst = 0.0
     for position, (token, expected) in enumerate(zip(output.logprobs, reference, strict=False)):
         pairs = [(token.token_id, token.logprob), *token.top]
@@ -82,12 +89,12 @@ def _compare(engine: LLMEngine, result: EngineResult, prompt: list[int], tol: fl
             raise ModelNotSupported(
                 architecture,
                 f"greedy decoding through the engine picked another token than the model's own forward "
-                f"(self-check, generated token {position})",
+                f"(self-check{where}, generated token {position})",
             )
     if worst > tol:
         raise ModelNotSupported(
             architecture,
-            f"its logprobs through the engine differ from the model's own forward by {worst:.3g} "
+            f"its logprobs through the engine{where} differ from the model's own forward by {worst:.3g} "
             f"(self-check tolerance {tol:g}); run with the self-check off only if you know why",
         )
 

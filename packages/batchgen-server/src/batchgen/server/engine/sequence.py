@@ -46,6 +46,11 @@ class RequestState:
     first_token: float | None = None
 
     @property
+    def salt(self) -> int:
+        """What its prompt's KV blocks are hashed from, besides their tokens: its LoRA adapter's salt (0: the base)."""
+        return self.request.lora.salt if self.request.lora is not None else 0
+
+    @property
     def finished(self) -> bool:
         return all(seq.status is Status.FINISHED for seq in self.seqs)
 

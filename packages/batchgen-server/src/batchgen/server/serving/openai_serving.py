@@ -45,6 +45,7 @@ from batchgen.schemas import (
 )
 from batchgen.schemas.responses_api import chat_request, response_field
 
+from ..engine.adapters import Adapters, LoRARequest, ServedNames
 from ..engine.request import EngineError, EngineRequest, EngineResult, SamplingParams, Task
 from ..engine.request import TokenLogprob as EngineTokenLogprob
 from ..ids import engine_request_id, new_line_id
@@ -86,8 +87,12 @@ class OpenAIServing:
         max_sequences: int = DEFAULT_MAX_SEQUENCES,
         generation_defaults: Mapping[str, Any] | None = None,
         config: ServingConfig = ServingConfig(),  # noqa: B008 (frozen)
+        adapters: Adapters | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.adapters = adapters
+        """The LoRA adapters served beside the model, which a request's ``model`` may name (``--lora-modules``)."""
+        self.served_names = ServedNames(model_names, adapters)
         self.model_names = model_names
         """The names requests may use for the model, its id first (``--served-model-name``)."""
         self.max_context_length = max_context_length
@@ -142,6 +147,9 @@ class OpenAIServing:
             max_sequences,
             load_generation_defaults(config),
             serving,
+            Adapters(config.served_model_names[0], config.max_lora_rank, config.lora_modules)
+            if config.enable_lora
+            else None,
         )
 
     @property
@@ -160,14 +168,7 @@ class OpenAIServing:
 
         ``output_line`` and ``response_body`` take their results in the same order.
         """
-        if body.model not in self.model_names:
-            raise RequestRejected(
-                "model_not_found",
-                f"The model {body.model!r} does not exist: this server serves "
-                f"{' or '.join(repr(name) for name in self.model_names)}.",
-                "model",
-                status_code=404,
-            )
+        lora = self._adapter(body.model)
         sequences = sequences_of(body)
         if sequences > self.max_sequences:
             raise RequestRejected(
@@ -193,7 +194,9 @@ class OpenAIServing:
         if isinstance(body, EmbeddingRequest):
             prompts = self._prompts(body.input, "input", _first(body.add_special_tokens, True))
             return [
-                EngineRequest(engine_request_id(request_id, i), ids, task="embed", group=group, interactive=online)
+                EngineRequest(
+                    engine_request_id(request_id, i), ids, task="embed", group=group, interactive=online, lora=lora
+                )
                 for i, ids in enumerate(prompts)
             ]
         if "generate" not in self.tasks:
@@ -223,9 +226,24 @@ class OpenAIServing:
                 group=group,
                 interactive=online,
                 stream=online and bool(body.stream),
+                lora=lora,
             )
             for i, ids in enumerate(prompts)
         ]
+
+    def _adapter(self, model: str) -> LoRARequest | None:
+        """The LoRA adapter ``model`` names (``None``: the base model); 404 for a name not served."""
+        if model in self.model_names:
+            return None
+        if self.adapters is not None and (lora := self.adapters.get(model)) is not None:
+            return lora
+        names = [*self.model_names, *(self.adapters.names() if self.adapters is not None else ())]
+        raise RequestRejected(
+            "model_not_found",
+            f"The model {model!r} does not exist: this server serves {' or '.join(map(repr, names))}.",
+            "model",
+            status_code=404,
+        )
 
     def _sampling_params(
         self, body: ChatCompletionRequest | CompletionRequest, defaults: BatchDefaults

@@ -1,0 +1,286 @@
+"""LoRA adapters applied beside the base model's weights, many in one step.
+
+Every linear of the decoder layers gets ``--max-loras`` fixed adapter slots: its ``lora_a`` stacks the slots' A
+matrices (``[slots * rank, in]``), its ``lora_b`` their B matrices with the adapter's scaling folded in (``[out,
+slots * rank]``), each padded with zeros to ``--max-lora-rank`` (a smaller rank, or an adapter that does not target
+this linear, adds exact zeros). A step's rows each run with one slot (0: the base alone): one ``[tokens, slots *
+rank]`` mask, filled once a step, keeps each token's own slot's columns, so a linear's LoRA is two small GEMMs for
+the whole step, whatever the mix::
+
+    y = base(x) + ((x @ lora_a.T) * mask[token]) @ lora_b.T
+
+The shapes never depend on the mix, so the compiled layers and the CUDA graphs serve any mix (the mask is a static
+buffer refilled before a replay), and loading an adapter into a slot is an in-place copy. The delta is a forward
+hook on the linear: it adds to whatever forward the linear runs (the packed CPU linear, or its own), so the fast
+paths keep their one rule (``fast_paths.py``) and step aside as before.
+
+Slots go to the adapters of the running sequences; a sequence whose adapter finds none free waits (``scheduler.py``).
+Adapters' weights stay in host memory for ``--max-cpu-loras`` adapters, least recently used evicted, read again from
+their directory when needed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from .adapters import WEIGHT_FILES, AdapterRefused, LoRARequest, adapter_config
+from .errors import ModelNotSupported
+from .fast_forward import decoder_layers
+from .transfer import to_device
+
+if TYPE_CHECKING:
+    from .config import EngineConfig
+    from .model_runner import ModelRunner
+
+PEFT_PREFIX = "base_model.model."
+
+
+@dataclass(slots=True)
+class AdapterWeights:
+    """An adapter's matrices by the module name they adapt: A ``[r, in]``, and B ``[out, r]`` times its scaling."""
+
+    request: LoRARequest
+    matrices: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+def read_adapter(request: LoRARequest, linears: dict[str, torch.nn.Linear], max_rank: int) -> AdapterWeights:
+    """The adapter in ``request.path``, checked against the model's decoder linears ``linears`` (by module name);
+    raises ``AdapterRefused`` naming what the engine cannot apply exactly."""
+    config = adapter_config(request.name, request.path, max_rank)
+    directory = Path(request.path)
+    if (directory / WEIGHT_FILES[0]).is_file():
+        from safetensors.torch import load_file
+
+        state = load_file(directory / WEIGHT_FILES[0])
+    else:
+        state = torch.load(directory / WEIGHT_FILES[1], map_location="cpu", weights_only=True)
+    alpha, rank = float(config.get("lora_alpha", 8)), int(config.get("r", 8))
+    alphas, ranks = dict(config.get("alpha_pattern") or {}), dict(config.get("rank_pattern") or {})
+    rslora = bool(config.get("use_rslora"))
+    matrices: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for key, a in state.items():
+        if ".lora_A." not in key:
+            continue
+        module = key.removeprefix(PEFT_PREFIX).split(".lora_A.")[0]
+        linear = linears.get(module)
+        if linear is None:
+            raise AdapterRefused(
+                f"LoRA adapter {request.name!r} cannot be served: it adapts {module!r}, which is not a linear layer "
+                "of the model's decoder layers"
+            )
+        b = state[key.replace(".lora_A.", ".lora_B.")]
+        r = _pattern(ranks, module, rank)
+        if a.shape != (r, linear.in_features) or b.shape != (linear.out_features, r):
+            raise AdapterRefused(
+                f"LoRA adapter {request.name!r} does not fit the model: {module} has A {tuple(a.shape)} and B "
+                f"{tuple(b.shape)} for a linear of {linear.in_features} -> {linear.out_features} at rank {r}"
+            )
+        a_alpha = float(_pattern(alphas, module, alpha))
+        scaling = a_alpha / (r**0.5 if rslora else r)
+        dtype = linear.weight.dtype
+        matrices[module] = (a.to(dtype), (b.double() * scaling).to(dtype))
+    if not matrices:
+        raise AdapterRefused(f"LoRA adapter {request.name!r} holds no LoRA weights")
+    return AdapterWeights(request, matrices)
+
+
+def _pattern(pattern: dict[str, Any], module: str, default: Any) -> Any:
+    """PEFT's per-module override: the entry whose key ends the module's name."""
+    for key, value in pattern.items():
+        if module == key or module.endswith("." + key):
+            return value
+    return default
+
+
+def decoder_linears(model: torch.nn.Module, layers: list[torch.nn.Module]) -> dict[str, torch.nn.Linear]:
+    """Every linear of the decoder layers (attention and MLP projections, fused ones included) by module name."""
+    inside = {id(module) for layer in layers for module in layer.modules()}
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and id(module) in inside
+    }
+
+
+def build_slots(runner: ModelRunner, config: EngineConfig) -> LoRASlots:
+    """The slots over the runner's model, for ``--max-loras`` adapters of rank up to ``--max-lora-rank``."""
+    linears = decoder_linears(runner.model, decoder_layers(runner.model, runner.attention_modules))
+    if not linears:
+        raise ModelNotSupported(runner.architecture, "LoRA: no linear layers found in its decoder layers")
+    if config.max_loras < 1 or config.max_lora_rank < 1:
+        raise ValueError("--max-loras and --max-lora-rank must be at least 1")
+    graph_rows = runner.graphs.buckets[-1] if runner.graphs is not None else 0
+    shape = (list(linears.values()), config.max_loras, config.max_lora_rank)
+    max_tokens = max(config.max_num_batched_tokens, graph_rows)
+    earlier: LoRASlots | None = vars(runner.model).get("_batchgen_lora")
+    if earlier is not None and earlier.shape == shape and earlier.mask.shape[0] >= max_tokens:
+        earlier.reset()  # an earlier engine's on this model, shared as its compiled layers are: none holds an adapter
+        earlier.held = [None] * len(earlier.held)
+        return earlier
+    return LoRASlots(runner.model, linears, *shape[1:], config.max_cpu_loras or config.max_loras, max_tokens)
+
+
+def detach(model: torch.nn.Module) -> None:
+    """Take an earlier engine's slots off ``model`` (an engine without LoRA on a model shared with one that had it).
+    Compiled code is dropped with them: dynamo does not guard on a module's hooks."""
+    earlier: LoRASlots | None = vars(model).pop("_batchgen_lora", None)
+    if earlier is not None:
+        earlier.remove()
+        torch.compiler.reset()
+
+
+class LoRASlots:
+    """The adapter slots laid over a model's decoder linears (see the module's docstring), and which adapter holds
+    which slot. Not thread-safe but for ``weights``, which the submitting thread may call (``LLMEngine.prepare``)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        linears: dict[str, torch.nn.Linear],
+        max_loras: int,
+        max_rank: int,
+        max_cpu_loras: int,
+        max_tokens: int,
+    ) -> None:
+        detach(model)  # an earlier engine's, on a shared model
+        self.linears = linears
+        self.shape = (list(linears.values()), max_loras, max_rank)
+        self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_rank, max(max_cpu_loras, max_loras)
+        width = max_loras * max_rank
+        first = next(iter(linears.values())).weight
+        self.device, self.dtype = first.device, first.dtype
+        self.mask = torch.zeros(max_tokens, width, dtype=self.dtype, device=self.device)
+        """Row ``t``: ones over the columns of token ``t``'s slot (none for the base)."""
+        self._columns = torch.arange(width, device=self.device) // max_rank + 1
+        """The slot (from 1) of each column."""
+        self.reference: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+        """While set, every token runs with these matrices (an adapter's, or none: the base), computed directly (the
+        self-check's reference)."""
+        self._handles = []
+        for name, linear in linears.items():
+            weight = linear.weight
+            linear.register_buffer("lora_a", weight.new_zeros(width, linear.in_features), persistent=False)
+            linear.register_buffer("lora_b", weight.new_zeros(linear.out_features, width), persistent=False)
+            linear.register_buffer("lora_mask", self.mask, persistent=False)
+            linear.lora_name = name  # type: ignore[assignment]
+            self._handles.append(linear.register_forward_hook(self._hook))
+        model._batchgen_lora = self  # type: ignore[assignment]
+        torch.compiler.reset()  # layers compiled before (by another engine on this model) ran without the hooks
+        self.held: list[LoRARequest | None] = [None] * (max_loras + 1)
+        """The adapter in each slot (slot 0 is the base's)."""
+        self.users = [0] * (max_loras + 1)
+        """Running rows per slot."""
+        self._idle: OrderedDict[int, None] = OrderedDict((slot, None) for slot in range(1, max_loras + 1))
+        """Slots no row uses, least recently used first (the one a new adapter takes)."""
+        self._cache: OrderedDict[tuple[str, int], AdapterWeights] = OrderedDict()
+        self._cache_lock = threading.Lock()
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        for linear in self.linears.values():
+            for buffer in ("lora_a", "lora_b", "lora_mask"):
+                linear._buffers.pop(buffer, None)
+
+    def _hook(self, module: torch.nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
+        x = args[0]
+        if self.reference is not None:
+            matrices = self.reference.get(str(module.lora_name))
+            if matrices is None:
+                return output
+            a, b = matrices
+            return output + torch.nn.functional.linear(torch.nn.functional.linear(x, a), b)
+        flat = x.reshape(-1, x.shape[-1])
+        mask = module.lora_mask[: flat.shape[0]]  # type: ignore[index]
+        down = torch.mm(flat, module.lora_a.t()).mul_(mask)  # type: ignore[operator]
+        # The add inside the GEMM (beta 1): one call, no temporary of the output's size.
+        return torch.addmm(output.reshape(-1, output.shape[-1]), down, module.lora_b.t()).view(output.shape)  # type: ignore[operator]
+
+    # ---- adapters' weights in host memory ------------------------------------------------------------------------
+
+    def weights(self, request: LoRARequest) -> AdapterWeights:
+        """The adapter's weights, read from its directory unless among the ``--max-cpu-loras`` kept; raises
+        ``AdapterRefused``."""
+        key = (request.name, request.salt)
+        with self._cache_lock:
+            if (found := self._cache.get(key)) is not None:
+                self._cache.move_to_end(key)
+                return found
+        found = read_adapter(request, self.linears, self.max_rank)
+        with self._cache_lock:
+            self._cache[key] = found
+            while len(self._cache) > self.max_cpu_loras:
+                self._cache.popitem(last=False)
+        return found
+
+    # ---- slots ---------------------------------------------------------------------------------------------------
+
+    def can_take(self, request: LoRARequest) -> bool:
+        """Whether a row of ``request``'s adapter can run now: its adapter holds a slot, or one is idle."""
+        return request in self.held or bool(self._idle)
+
+    def acquire(self, request: LoRARequest | None) -> int:
+        """A slot for a row of this adapter (check ``can_take``): the one it holds, or the idle slot used least
+        recently, its weights copied in. 0 (the base) for ``None``."""
+        if request is None:
+            return 0
+        if request in self.held:
+            slot = self.held.index(request)
+        else:
+            slot = next(iter(self._idle))
+            self._load(slot, self.weights(request))
+            self.held[slot] = request
+        self._idle.pop(slot, None)
+        self.users[slot] += 1
+        return slot
+
+    def release(self, slot: int) -> None:
+        if slot:
+            self.users[slot] -= 1
+            if not self.users[slot]:
+                self._idle[slot] = None  # most recently used: kept loaded the longest
+
+    def reset(self) -> None:
+        """No row runs (the engine reset): every slot idle, the adapters left in them."""
+        self.users = [0] * len(self.users)
+        self._idle = OrderedDict((slot, None) for slot in range(1, self.max_loras + 1))
+
+    @torch.no_grad()
+    def _load(self, slot: int, adapter: AdapterWeights) -> None:
+        columns = slice((slot - 1) * self.max_rank, slot * self.max_rank)
+        for name, linear in self.linears.items():
+            lora_a, lora_b = linear.lora_a, linear.lora_b
+            assert isinstance(lora_a, torch.Tensor) and isinstance(lora_b, torch.Tensor)
+            lora_a[columns] = 0
+            lora_b[:, columns] = 0
+            if (matrices := adapter.matrices.get(name)) is not None:
+                a, b = matrices
+                lora_a[columns.start : columns.start + a.shape[0]] = a.to(self.device)
+                lora_b[:, columns.start : columns.start + b.shape[1]] = b.to(self.device)
+
+    # ---- a step --------------------------------------------------------------------------------------------------
+
+    def prepare(self, token_slots: np.ndarray) -> None:
+        """The step's tokens, each with its row's slot: the mask's first rows (a graph's padding rows beyond them
+        keep stale rows, and their outputs are dropped)."""
+        slots = to_device(torch.from_numpy(token_slots), self.device)
+        self.mask[: len(token_slots)] = (slots[:, None] == self._columns[None, :]).to(self.dtype)
+
+    @contextmanager
+    def referencing(self, adapter: AdapterWeights | None) -> Iterator[None]:
+        """Every token through ``adapter`` (``None``: the base alone), computed directly (not through the slots): the
+        self-check's reference."""
+        self.reference = adapter.matrices if adapter is not None else {}
+        try:
+            yield
+        finally:
+            self.reference = None

@@ -1,0 +1,195 @@
+"""LoRA adapters (``engine/lora.py``): adapters made with peft on the demo model (float32), mixed with the base in one
+batch, against peft's own forward of each; through the eager, compiled and CUDA-graph paths; the refusals."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lora_helpers import make_adapters, peft_reference
+from transformers import AutoModelForCausalLM
+
+from batchgen.server.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams, model_runner
+from batchgen.server.engine.adapters import AdapterRefused, Adapters, adapter_config
+
+NAMES = [None, "alpha", "beta", "gamma"]
+TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def adapters(demo_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return make_adapters(demo_path, tmp_path_factory.mktemp("adapters"))
+
+
+@pytest.fixture(scope="module")
+def served(adapters: dict[str, Path]) -> Adapters:
+    return Adapters("demo", 8, tuple(f"{name}={path}" for name, path in adapters.items()))
+
+
+@pytest.fixture(scope="module")
+def peft_greedy(demo_path: Path, adapters: dict[str, Path]) -> Callable[[list[int], int, str | None], list[int]]:
+    return peft_reference(demo_path, adapters)
+
+
+def lora_engine(demo_path: Path, tokenizer: Any, adapters: dict[str, Path], **overrides: Any) -> LLMEngine:
+    """Its own float32 model (the LoRA hooks go on the model), two slots for three adapters: rows wait for a slot."""
+    model = AutoModelForCausalLM.from_pretrained(demo_path, dtype=torch.float32).eval()
+    config = EngineConfig(
+        model="demo", dtype="float32", device="cpu", num_kv_blocks=256, block_size=8, max_num_batched_tokens=32,
+        enable_lora=True, lora_modules=tuple(f"{name}={path}" for name, path in adapters.items()), max_loras=2,
+        max_lora_rank=8, **overrides,
+    )  # fmt: skip
+    return LLMEngine(model, tokenizer, config, "demo")
+
+
+def check_mix(
+    engine: LLMEngine,
+    served: Adapters,
+    peft_greedy: Callable[[list[int], int, str | None], list[int]],
+    run_to_completion: Callable[..., Any],
+) -> None:
+    """Prompts sharing a 16-token prefix, each under the base and each adapter, twice (the second round from the
+    prefix cache): every output is peft's greedy one for its adapter, and no adapter reads another's blocks."""
+    shared = list(range(40, 56))
+    prompts = [[*shared, 7 * i % 256, 100 + i, *range(i)] for i in range(4)]
+    for round_ in range(2):
+        requests = [
+            EngineRequest(
+                f"{round_}-{i}-{name}", prompt, SamplingParams(max_tokens=TOKENS, ignore_eos=True),
+                lora=served.get(name) if name else None,
+            )
+            for i, prompt in enumerate(prompts)
+            for name in NAMES
+        ]  # fmt: skip
+        results = run_to_completion(engine, requests)
+        outputs: dict[str | None, list[list[int]]] = {}
+        for request in requests:
+            result = results[request.request_id]
+            assert result.error is None, result.error
+            name = request.lora.name if request.lora else None
+            tokens = result.outputs[0].token_ids
+            assert tokens == peft_greedy(request.prompt_token_ids, TOKENS, name), request.request_id
+            outputs.setdefault(name, []).append(tokens)
+            if round_:  # the whole shared prefix and more came from its own adapter's blocks
+                assert result.cached_tokens >= 16, request.request_id
+        assert len({json.dumps(outputs[name]) for name in NAMES}) == len(NAMES), "an adapter left the text unchanged"
+
+
+def test_an_adapter_reads_no_other_adapters_cached_blocks(
+    demo_path: Path, tokenizer: Any, adapters: dict[str, Path], served: Adapters, run_to_completion: Callable[..., Any]
+) -> None:
+    engine = lora_engine(demo_path, tokenizer, adapters, self_check=False)
+    prompt = list(range(60, 90))
+    cached = {}
+    for name in [None, "alpha", "beta", "alpha"]:
+        request = EngineRequest(f"r-{len(cached)}", prompt, SamplingParams(max_tokens=2), lora=served.get(name or ""))
+        cached[len(cached)] = run_to_completion(engine, [request])[request.request_id].cached_tokens
+    assert cached == {0: 0, 1: 0, 2: 0, 3: 24}
+
+
+def test_a_mix_of_adapters_and_the_base_in_one_batch_is_peft_token_for_token(
+    demo_path: Path,
+    tokenizer: Any,
+    adapters: dict[str, Path],
+    served: Adapters,
+    peft_greedy: Callable[[list[int], int, str | None], list[int]],
+    run_to_completion: Callable[..., Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On the fast path, which tiny models skip by default: compiled layers with the LoRA hooks inside them, the
+    packed linears under them. The same tokens as peft, no fast path fell back, every slot given back."""
+    monkeypatch.setattr(model_runner, "EAGER_BELOW_PARAMETERS", 0)
+    engine = lora_engine(demo_path, tokenizer, adapters)
+    check_mix(engine, served, peft_greedy, run_to_completion)
+    assert engine.runner.fast is not None and all(off is None for _, off in engine.stats().fast_paths)
+    assert engine.lora is not None and engine.lora.users == [0, 0, 0]
+
+
+def test_the_graph_path_applies_the_mix(
+    graphs_on_cpu: None,
+    demo_path: Path,
+    tokenizer: Any,
+    adapters: dict[str, Path],
+    served: Adapters,
+    peft_greedy: Callable[[list[int], int, str | None], list[int]],
+    run_to_completion: Callable[..., Any],
+) -> None:
+    from graph_helpers import Rerun
+
+    engine = lora_engine(demo_path, tokenizer, adapters)
+    check_mix(engine, served, peft_greedy, run_to_completion)
+    assert engine.runner.graphs is not None and Rerun.replays > 0 and engine.runner.graph_path.on
+
+
+def _peft_adapter(demo_path: Path, path: Path, **spec: Any) -> Path:
+    return make_adapters(demo_path, path, {"x": spec})["x"]
+
+
+@pytest.mark.parametrize(
+    ("spec", "refusal"),
+    [
+        ({"r": 4, "target_modules": ["q_proj"], "use_dora": True}, "it uses DoRA"),
+        ({"r": 4, "target_modules": ["q_proj"], "modules_to_save": ["lm_head"]}, "modules_to_save: ['lm_head']"),
+        ({"r": 4, "target_modules": ["embed_tokens"]}, "it adapts an embedding (base_model.model.model.embed_tokens"),
+        ({"r": 16, "target_modules": ["q_proj"]}, "its rank 16 is above --max-lora-rank 8"),
+        ({"r": 4, "target_modules": ["q_proj"], "bias": "lora_only"}, "it trains biases"),
+    ],
+)
+def test_what_the_engine_cannot_apply_exactly_is_refused_by_name(
+    demo_path: Path, tmp_path: Path, spec: dict[str, Any], refusal: str
+) -> None:
+    path = _peft_adapter(demo_path, tmp_path, **spec)
+    with pytest.raises(AdapterRefused, match="LoRA adapter 'x' cannot be served: ") as refused:
+        adapter_config("x", path, 8)
+    assert refusal in str(refused.value)
+    with pytest.raises(AdapterRefused, match="cannot be served"):  # at start too: --lora-modules x=path
+        Adapters("demo", 8, (f"x={path}",))
+
+
+def test_a_request_for_an_adapter_of_another_model_fails_alone(
+    demo_path: Path, tokenizer: Any, adapters: dict[str, Path], tmp_path: Path, run_to_completion: Callable[..., Any]
+) -> None:
+    """An adapter loaded at run time, made for another base (hidden size 32): its request fails with the reason when
+    the engine reads it, the others run."""
+    from batchgen.server.engine.demo_model import BOS, EOS, PAD, build_model
+
+    vocab = tokenizer.get_vocab()
+    build_model(len(vocab), vocab[BOS], vocab[EOS], vocab[PAD], hidden_size=32).save_pretrained(tmp_path / "other")
+    path = make_adapters(tmp_path / "other", tmp_path, {"x": {"r": 4, "target_modules": ["q_proj"]}})["x"]
+    engine = lora_engine(demo_path, tokenizer, adapters, self_check=False)
+    other = Adapters("demo", 8).add("other", str(path))
+    requests = [
+        EngineRequest("bad", [1, 2, 3], SamplingParams(max_tokens=2), lora=other),
+        EngineRequest("good", [1, 2, 3], SamplingParams(max_tokens=2)),
+    ]
+    results = run_to_completion(engine, requests)
+    error = results["bad"].error
+    assert error is not None and error.code == "invalid_adapter"
+    assert "LoRA adapter 'other' does not fit the model: model.layers.0.self_attn.q_proj has A (4, 32)" in error.message
+    assert results["good"].error is None and len(results["good"].outputs[0].token_ids) == 2
+
+
+def test_an_engine_without_lora_on_the_model_of_one_with_it_runs_the_base(
+    demo_path: Path,
+    tokenizer: Any,
+    adapters: dict[str, Path],
+    peft_greedy: Callable[[list[int], int, str | None], list[int]],
+    run_to_completion: Callable[..., Any],
+) -> None:
+    """Engines on one model share it: the next engine takes the slots' hooks off (or puts its own on)."""
+    first = lora_engine(demo_path, tokenizer, adapters, self_check=False)
+    model = first.runner.model
+    assert all(linear._forward_hooks for linear in first.lora.linears.values())  # type: ignore[union-attr]
+    plain = LLMEngine(
+        model, tokenizer, EngineConfig(model="demo", dtype="float32", device="cpu", num_kv_blocks=64), "demo"
+    )
+    assert plain.lora is None and not any(module._forward_hooks for module in model.modules())
+    prompt = list(range(30, 50))
+    result = run_to_completion(
+        plain, [EngineRequest("base", prompt, SamplingParams(max_tokens=TOKENS, ignore_eos=True))]
+    )
+    assert result["base"].outputs[0].token_ids == peft_greedy(prompt, TOKENS, None)

@@ -1,0 +1,128 @@
+"""LoRA adapters through the API (``--enable-lora``): served beside the demo model, named by a request's ``model``,
+listed by ``/v1/models``, mixed with the base in one batch, loaded and unloaded at run time; every answer checked
+against peft's own forward of the adapter."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from lora_helpers import make_adapters
+from server_helpers import LiveServer
+
+PROMPTS = [[10, 20, 30, 40, 50, 60, 70, 80, 90], [5, 4, 3, 2, 1, 200, 201], [33] * 12]
+TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def adapters(lora_adapters: dict[str, Path]) -> dict[str, Path]:
+    return lora_adapters
+
+
+@pytest.fixture(scope="module")
+def expected(peft_text: Callable[[list[int], int, str | None], str]) -> Callable[[list[int], str | None], str]:
+    return lambda prompt, name: peft_text(prompt, TOKENS, name)
+
+
+@pytest.fixture(scope="module")
+def lora_server(server_factory: Callable[..., LiveServer], adapters: dict[str, Path]) -> Iterator[LiveServer]:
+    """alpha and beta from the start (one flag, several values, and vLLM's JSON form), gamma loaded at run time."""
+    yield server_factory(
+        "--enable-lora",
+        "--lora-modules",
+        f"alpha={adapters['alpha']}",
+        f'{{"name": "beta", "path": "{adapters["beta"]}", "base_model_name": "demo"}}',
+        "--max-loras", "2", "--max-lora-rank", "8", "--allow-runtime-lora-updating",
+    )  # fmt: skip
+
+
+def completion(server: LiveServer, model: str, prompt: list[int]) -> Any:
+    body = {"model": model, "prompt": prompt, "max_tokens": TOKENS, "ignore_eos": True}
+    return server.http.post("/v1/completions", json=body)
+
+
+def test_adapters_are_listed_with_their_base_and_answer_as_peft(
+    lora_server: LiveServer, adapters: dict[str, Path], expected: Callable[[list[int], str | None], str]
+) -> None:
+    models = {model["id"]: model for model in lora_server.http.get("/v1/models").json()["data"]}
+    assert models["demo"]["parent"] is None
+    assert {name: (models[name]["parent"], models[name]["root"]) for name in ("alpha", "beta")} == {
+        name: ("demo", str(adapters[name].resolve())) for name in ("alpha", "beta")
+    }
+    assert lora_server.http.get("/v1/models/beta").json()["parent"] == "demo"
+    for name in ("demo", "alpha", "beta"):
+        response = completion(lora_server, name, PROMPTS[0])
+        assert response.status_code == 200, response.text
+        assert response.json()["model"] == name
+        assert response.json()["choices"][0]["text"] == expected(PROMPTS[0], None if name == "demo" else name)
+
+
+def test_an_unknown_adapter_is_404_model_not_found(lora_server: LiveServer) -> None:
+    response = completion(lora_server, "delta", PROMPTS[0])
+    assert response.status_code == 404
+    error = response.json()["error"]
+    assert (error["code"], error["param"], error["type"]) == ("model_not_found", "model", "invalid_request_error")
+    assert "'delta' does not exist: this server serves 'demo' or 'alpha' or 'beta'" in error["message"]
+
+
+def test_load_at_run_time_then_a_batch_mixing_adapters_and_the_base(
+    lora_server: LiveServer, adapters: dict[str, Path], expected: Callable[[list[int], str | None], str]
+) -> None:
+    response = lora_server.http.post(
+        "/v1/load_lora_adapter", json={"lora_name": "gamma", "lora_path": str(adapters["gamma"])}
+    )
+    assert response.status_code == 200 and "gamma" in response.text
+    again = lora_server.http.post("/v1/load_lora_adapter", json={"lora_name": "gamma", "lora_path": "/nowhere"})
+    assert again.status_code == 400 and again.json()["error"]["code"] == "invalid_adapter"
+    names = ["demo", "alpha", "beta", "gamma"]
+    lines = [
+        {
+            "custom_id": f"{name}-{i}",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": name, "prompt": prompt, "max_tokens": TOKENS, "ignore_eos": True},
+        }
+        for i, prompt in enumerate(PROMPTS)
+        for name in names
+    ]
+    batch = lora_server.run(lines, endpoint="/v1/completions")
+    assert batch["status"] == "completed", batch.get("errors")
+    results = {line["custom_id"]: line["response"]["body"] for line in lora_server.lines(batch["output_file_id"])}
+    for i, prompt in enumerate(PROMPTS):
+        for name in names:
+            body = results[f"{name}-{i}"]
+            assert body["choices"][0]["text"] == expected(prompt, None if name == "demo" else name), f"{name}-{i}"
+    # Unloaded: refused from then on, and gone from the list.
+    assert lora_server.http.post("/v1/unload_lora_adapter", json={"lora_name": "gamma"}).status_code == 200
+    assert completion(lora_server, "gamma", PROMPTS[0]).status_code == 404
+    assert "gamma" not in {model["id"] for model in lora_server.http.get("/v1/models").json()["data"]}
+    missing = lora_server.http.post("/v1/unload_lora_adapter", json={"lora_name": "gamma"})
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_an_adapter_the_engine_cannot_apply_is_refused_by_name(
+    lora_server: LiveServer, tmp_path: Path, adapters: dict[str, Path]
+) -> None:
+    from batchgen.server.engine.demo_model import demo_model_dir
+
+    dora = make_adapters(demo_model_dir(), tmp_path, {"dora": {"r": 4, "target_modules": ["q_proj"], "use_dora": True}})
+    response = lora_server.http.post(
+        "/v1/load_lora_adapter", json={"lora_name": "dora", "lora_path": str(dora["dora"])}
+    )
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("invalid_adapter", "lora_path")
+    assert (
+        error["message"]
+        == "LoRA adapter 'dora' cannot be served: it uses DoRA (use_dora), which the engine does not apply"
+    )
+
+
+def test_run_time_loading_is_refused_unless_allowed(live_server: LiveServer, adapters: dict[str, Path]) -> None:
+    response = live_server.http.post(
+        "/v1/load_lora_adapter", json={"lora_name": "alpha", "lora_path": str(adapters["alpha"])}
+    )
+    assert response.status_code == 403
+    assert response.json()["error"]["code"] == "runtime_lora_updating_disabled"
