@@ -8,6 +8,7 @@ key); ``/schema/openapi.json`` and ``/schema/openapi.yaml``: the document.
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -33,10 +34,13 @@ from batchgen.schemas import (
     CreateBatchRequest,
     EmbeddingRequest,
     ErrorResponse,
+    Response,
+    ResponseRequest,
     TextCompletion,
     TextCompletionChunk,
 )
 from batchgen.schemas.requests import NO_OP_VALUES, ChoiceCount, Prompt, TokenId, Unsupported
+from batchgen.schemas.responses_api import ResponseEvent
 
 from ..security.limits import MAX_METADATA_KEY_LENGTH, MAX_METADATA_KEYS, MAX_METADATA_VALUE_LENGTH
 from ..static_files import SAME_ORIGIN_POLICY, static_files
@@ -101,12 +105,14 @@ def openapi_config() -> OpenAPIConfig:
 
 
 REF = "#/components/schemas/{name}"
-REQUEST_BODIES = (ChatCompletionRequest, CompletionRequest, EmbeddingRequest, CreateBatchRequest)
-STREAMS = {
+REQUEST_BODIES = (ChatCompletionRequest, CompletionRequest, EmbeddingRequest, ResponseRequest, CreateBatchRequest)
+RESPONSE_EVENTS = typing.Union[tuple(ResponseEvent.__subclasses__())]  # type: ignore[valid-type]  # noqa: UP007
+STREAMS: dict[str, tuple[type, Any]] = {
     "/v1/chat/completions": (ChatCompletion, ChatCompletionChunk),
     "/v1/completions": (TextCompletion, TextCompletionChunk),
+    "/v1/responses": (Response, RESPONSE_EVENTS),
 }
-"""The endpoints that answer ``stream: true`` with server-sent events: their whole answer, and the chunk each event
+"""The endpoints that answer ``stream: true`` with server-sent events: their whole answer, and what each event
 carries (their handlers return either, which Litestar cannot describe)."""
 
 _TEXT = {"type": "string", "minLength": 1}
@@ -154,7 +160,7 @@ def _completed(document: dict[str, Any]) -> dict[str, Any]:
     checks the server makes beyond the types, the Idempotency-Key's length and the event streams."""
     schemas = document["components"]["schemas"]
     _, components = msgspec.json.schema_components(
-        (*REQUEST_BODIES, *(chunk for _, chunk in STREAMS.values()), ErrorResponse), ref_template=REF
+        (*REQUEST_BODIES, *(chunk for _, chunk in STREAMS.values()), Response, ErrorResponse), ref_template=REF
     )
     schemas.update(components)
     for body in REQUEST_BODIES:
@@ -174,7 +180,9 @@ def _completed(document: dict[str, Any]) -> dict[str, Any]:
             answer = item["post"]["responses"]["200"]
             whole, chunk = STREAMS[path]
             answer["content"]["application/json"] = {"schema": {"$ref": REF.format(name=whole.__name__)}}
-            answer["content"]["text/event-stream"] = {"schema": _event(chunk.__name__)}
+            answer["content"]["text/event-stream"] = {
+                "schema": _response_event() if chunk is RESPONSE_EVENTS else _event(chunk.__name__)
+            }
     return document
 
 
@@ -225,6 +233,19 @@ def _unsupported(name: str) -> dict[str, Any]:
         spellings = [bool(value), int(value)] if value in (0, 1) else [value]
         values.update((msgspec.json.encode(spelling), spelling) for spelling in spellings)
     return {"enum": list(values.values())}
+
+
+def _response_event() -> dict[str, Any]:
+    """One server-sent event of a streamed response: its ``type`` as the event's name, the event as its data."""
+    events = [{"$ref": REF.format(name=event.__name__)} for event in ResponseEvent.__subclasses__()]
+    json_data = {"type": "string", "contentMediaType": "application/json", "contentSchema": {"anyOf": events}}
+    return {
+        "type": "object",
+        "required": ["event", "data"],
+        "properties": {"event": {"type": "string"}, "data": json_data},
+        "description": "With `stream: true`: `event: <type>` and `data: <event JSON>`, `response.created` first and "
+        "`response.completed` (or `response.incomplete`) last.",
+    }
 
 
 def _event(chunk: str) -> dict[str, Any]:
