@@ -3,7 +3,7 @@ and within a time limit; a matcher per constrained sequence; each step's token m
 the GIL) while the forward runs, for the sampler to apply.
 
 llguidance over xgrammar (``benchmarks/structured.py``, RESULTS.md): on CPU it compiles the schemas of a real-world
-corpus about 10x faster (p50 1.1 ms, p99 2.5 ms against 10 and 63 ms at 32k tokens), refuses by name a JSON-schema
+corpus about 10x faster (p50 1.6 ms, p99 3.8 ms against 15 and 200 ms at 32k tokens), refuses by name a JSON-schema
 keyword it does not implement where xgrammar ignores it (so ``strict`` can be honoured), and ships as one small wheel
 with no Python dependency, where xgrammar pulls in torch, triton and transformers of its own choosing. Its masks cost
 more per token (computed lazily, 67 us against 11 at 32k tokens), which the fill hides behind the forward.
