@@ -96,7 +96,7 @@ def try_online(http: httpx.Client, model: str) -> None:
 def print_summary(batches: list[dict[str, Any]]) -> None:
     header = f"{'input':<18} {'status':<10} {'total':>5} {'ok':>4} {'fail':>4} {'in tok':>7} {'out tok':>7} {'secs':>5}"
     print(f"\n{header}\n{'-' * len(header)}")
-    for (name, _), batch in zip(BATCHES, batches, strict=True):
+    for (name, _, _), batch in zip(BATCHES, batches, strict=True):
         counts, usage = batch["request_counts"], batch["usage"]
         seconds = (batch["completed_at"] or batch["failed_at"] or batch["created_at"]) - batch["created_at"]
         print(
