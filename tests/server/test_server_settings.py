@@ -189,6 +189,12 @@ def test_a_bad_variable_is_a_usage_error(monkeypatch: pytest.MonkeyPatch, capsys
     assert exited.value.code == 2 and "BATCHGEN_PORT='ten': not a valid int" in capsys.readouterr().err
 
 
+def test_adapters_without_enable_lora_are_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--lora-modules", "a=/adapters/a"])
+    assert exited.value.code == 2 and "--lora-modules needs --enable-lora" in capsys.readouterr().err
+
+
 @pytest.fixture
 def read_only_disk(tmp_path: Path) -> Iterator[Path]:
     """A small tmpfs that a test fills, then remounts read-only (root only: the storage-fault tests mount one too)."""

@@ -23,13 +23,10 @@ from .settings import Settings
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     """The server's settings: flags given, then BATCHGEN_* variables, then defaults."""
-    return build(
-        Settings,
-        args,
-        engine=build(EngineConfig, args),
-        cluster=build(ClusterConfig, args),
-        serving=build(ServingConfig, args),
-    )
+    engine = build(EngineConfig, args)
+    if engine.lora_modules and not engine.enable_lora:  # adapters the server would silently not serve
+        raise ValueError("--lora-modules needs --enable-lora")
+    return build(Settings, args, engine=engine, cluster=build(ClusterConfig, args), serving=build(ServingConfig, args))
 
 
 def _run_batch(args: argparse.Namespace, settings: Settings) -> int:
@@ -120,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         settings = settings_from_args(args)
-    except ValueError as exc:  # a BATCHGEN_* variable that does not parse
+    except ValueError as exc:  # a BATCHGEN_* variable that does not parse, or flags that contradict each other
         parser.error(str(exc))
     if args.command == "serve":
         from .serve import serve
