@@ -162,9 +162,14 @@ async def _create_batch(data: CreateBatchRequest, context: ServerContext, owner:
                 param="input_file_id",
                 code="batch_too_large",
             ) from None
-        raise APIError(
-            429,
-            f"The server is busy: {exc.queued} sequences are queued and the capacity is {exc.capacity}. Retry later.",
-            code="queue_full",
-            headers={"Retry-After": str(context.settings.retry_after_s)},
-        ) from None
+        raise queue_full(exc, context) from None
+
+
+def queue_full(exc: CapacityExceeded, context: ServerContext) -> APIError:
+    """The 429 of work the batch loop has no room for now, with when to retry."""
+    return APIError(
+        429,
+        f"The server is busy: {exc.queued} sequences are queued and the capacity is {exc.capacity}. Retry later.",
+        code="queue_full",
+        headers={"Retry-After": str(context.settings.retry_after_s)},
+    )

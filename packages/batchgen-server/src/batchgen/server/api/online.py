@@ -81,18 +81,30 @@ class OnlineController(Controller):
         return response
 
 
-async def serve(context: ServerContext, request: Request[Any, Any, Any], body: RequestBody) -> ResponseBody | Stream:
-    """Answer ``body`` now: whole, or as server-sent events with ``stream: true``."""
+async def engine_requests(
+    context: ServerContext, body: RequestBody, request_id: str, *, online: bool
+) -> list[EngineRequest]:
+    """``body`` checked as a batch line is checked, as its engine requests; an ``APIError`` names what is wrong."""
     if (problem := request_problem(body)) is not None:
         name, detail = problem
         raise APIError(400, f"Invalid '{name}': {detail}", code="invalid_request", param=name)
-    request_id = new_request_id()
     try:  # tokenizing a long prompt takes a while: not on the event loop
-        requests = await asyncio.to_thread(
-            context.serving.to_engine_requests, body, request_id=request_id, defaults=NO_DEFAULTS, group="", online=True
+        return await asyncio.to_thread(
+            context.serving.to_engine_requests,
+            body,
+            request_id=request_id,
+            defaults=NO_DEFAULTS,
+            group="",
+            online=online,
         )
     except RequestRejected as exc:
         raise APIError(exc.status_code, exc.message, code=exc.code, param=exc.param) from None
+
+
+async def serve(context: ServerContext, request: Request[Any, Any, Any], body: RequestBody) -> ResponseBody | Stream:
+    """Answer ``body`` now: whole, or as server-sent events with ``stream: true``."""
+    request_id = new_request_id()
+    requests = await engine_requests(context, body, request_id, online=True)
     context.online.check(sum(r.params.n for r in requests))
     if not isinstance(body, EmbeddingRequest) and body.stream:
         stream: StreamedResponse | ResponseStream

@@ -28,17 +28,16 @@ from batchgen.schemas import (
     parse_output_line,
 )
 from batchgen.schemas.batches import MAX_EXPIRY_S
-from batchgen.schemas.validation import request_problem
 
 from ..batches.loop import CapacityExceeded
 from ..ids import new_batch_id, new_file_id, new_request_id
 from ..security.limits import is_valid_id
-from ..serving import RequestRejected
 from ..serving.responses import pending_response
+from .batches import queue_full
 from .deps import ServerContext, now
 from .errors import ERROR_RESPONSES, APIError, not_found
 from .files import commit_file, read_content
-from .online import NO_DEFAULTS, serve
+from .online import engine_requests, serve
 
 RETENTION_S = MAX_EXPIRY_S
 """How long a background response (its request and its answer) is kept: 30 days."""
@@ -108,15 +107,7 @@ def _batch_id(response_id: str) -> str | None:
 async def _store(body: ResponseRequest, context: ServerContext, owner: str) -> Response:
     """Check ``body`` as an online request is checked (a bad one is refused now, not failed later), then store it
     as a one-line batch and admit it: once this answers, the response runs, whatever happens to the server."""
-    if (problem := request_problem(body)) is not None:
-        name, detail = problem
-        raise APIError(400, f"Invalid '{name}': {detail}", code="invalid_request", param=name)
-    try:
-        await asyncio.to_thread(
-            context.serving.to_engine_requests, body, request_id=new_request_id(), defaults=NO_DEFAULTS, group=""
-        )
-    except RequestRejected as exc:
-        raise APIError(exc.status_code, exc.message, code=exc.code, param=exc.param) from None
+    await engine_requests(context, body, new_request_id(), online=False)
     batch_id = new_batch_id()
     response_id = _PREFIX + batch_id.removeprefix(_BATCH_PREFIX)
     created_at = now()
@@ -156,12 +147,7 @@ async def _store(body: ResponseRequest, context: ServerContext, owner: str) -> R
     except CapacityExceeded as exc:
         await asyncio.to_thread(context.db.delete_file, file.id)
         context.blobs.delete(file.id)
-        raise APIError(
-            429,
-            f"The server is busy: {exc.queued} sequences are queued and the capacity is {exc.capacity}. Retry later.",
-            code="queue_full",
-            headers={"Retry-After": str(context.settings.retry_after_s)},
-        ) from None
+        raise queue_full(exc, context) from None
     return pending_response(body, response_id.removeprefix(_PREFIX), "queued", created_at)
 
 
