@@ -56,7 +56,6 @@ class _OpenItem:
 
     index: int
     kind: str
-    text: str = ""
     call: ToolCall | None = None
     deltas: list[str] = field(default_factory=list)
 

@@ -5,7 +5,6 @@ the reasoning (with ``--reasoning-parser``), the message, then the function call
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import msgspec
 
@@ -24,7 +23,7 @@ from batchgen.schemas import (
 )
 from batchgen.schemas.batches import OutputTokensDetails
 from batchgen.schemas.responses import CompletionUsage, FinishReason, ToolCall
-from batchgen.schemas.responses_api import IncompleteDetails, ResponseInputTokensDetails
+from batchgen.schemas.responses_api import IncompleteDetails, ItemStatus, ResponseInputTokensDetails
 
 
 def response_id(request_id: str) -> str:
@@ -32,17 +31,17 @@ def response_id(request_id: str) -> str:
     return f"resp_{request_id.removeprefix('req_')}"
 
 
-def message_item(request_id: str, text: str | None, status: Any = "completed") -> OutputMessage:
+def message_item(request_id: str, text: str | None, status: ItemStatus = "completed") -> OutputMessage:
     """The message, with its text (``None``: a streamed one's opening, no content part yet)."""
     return OutputMessage(id=f"msg_{request_id}", status=status, content=[] if text is None else [OutputText(text=text)])
 
 
-def reasoning_item(request_id: str, text: str | None, status: Any = "completed") -> ReasoningItem:
+def reasoning_item(request_id: str, text: str | None, status: ItemStatus = "completed") -> ReasoningItem:
     content = [] if text is None else [ReasoningText(text=text)]
     return ReasoningItem(id=f"rs_{request_id}", content=content, status=status)
 
 
-def call_item(request_id: str, call: ToolCall, status: Any = "completed") -> FunctionCallItem:
+def call_item(request_id: str, call: ToolCall, status: ItemStatus = "completed") -> FunctionCallItem:
     return FunctionCallItem(
         id=f"fc_{call.id}", call_id=call.id, name=call.function.name, arguments=call.function.arguments, status=status
     )
