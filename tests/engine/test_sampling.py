@@ -65,6 +65,19 @@ def test_top_k_one_equals_greedy(
         assert top1.outputs[0].token_ids == greedy.outputs[0].token_ids
 
 
+@pytest.mark.parametrize("temperature", [5e-324, 1e-40, 9e-6])
+def test_a_temperature_too_small_to_divide_by_is_greedy(
+    make_engine: Callable[..., LLMEngine], run_to_completion: Run, temperature: float
+) -> None:
+    """logits / 1e-40 overflow float32 and the distribution is NaN, which draws anything (found by tests/fuzz: a
+    token the grammar forbade); below vLLM's 1e-5 a request decodes greedily."""
+    engine = make_engine()
+    prompt = [5, 6, 7, 8]
+    greedy = _generate(engine, run_to_completion, prompt, max_tokens=12, ignore_eos=True)
+    cold = _generate(engine, run_to_completion, prompt, max_tokens=12, ignore_eos=True, temperature=temperature, seed=1)
+    assert cold.outputs[0].token_ids == greedy.outputs[0].token_ids
+
+
 def test_n_sampled_choices_are_independent(
     make_engine: Callable[..., LLMEngine], run_to_completion: Run, random_prompts: Run
 ) -> None:

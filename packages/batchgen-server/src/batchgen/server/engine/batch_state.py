@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .request import SamplingParams
+from .request import GREEDY_BELOW, SamplingParams
 from .sampler import int64_bits
 from .transfer import to_device
 
@@ -79,7 +79,7 @@ class BatchState:
         self.floats[:, row] = [getattr(params, name) for name in _FLOATS]
         self.top_k[row] = min(params.top_k, TOP_K_OFF) if params.top_k > 0 else TOP_K_OFF
         self.seed[row] = int64_bits(seed)
-        self.sampled[row] = params.temperature > 0
+        self.sampled[row] = params.temperature >= GREEDY_BELOW
         self.min_tokens[row] = params.min_tokens
         self.prompt_len[row] = len(prompt)
         self.logprobs[row] = params.logprobs

@@ -16,12 +16,17 @@ FinishReason = Literal["stop", "length"]
 Task = Literal["generate", "embed"]
 
 
+GREEDY_BELOW = 1e-5
+"""vLLM's threshold: dividing the logits by a smaller temperature overflows float32 (a row of ``inf`` gives a NaN
+distribution, which draws any token, one a grammar forbids included); so small a temperature is greedy anyway."""
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     max_tokens: int | None = None
     """Most tokens to generate per choice; ``None`` runs until a stop condition or the context is full."""
     temperature: float = 0.0
-    """``0`` is greedy decoding."""
+    """Below ``GREEDY_BELOW`` (``0`` included) greedy decoding."""
     top_p: float = 1.0
     top_k: int = 0
     """``0`` or ``-1`` disable top-k."""
