@@ -198,6 +198,20 @@ def test_a_prefix_cache_hit_keeps_the_grammar(
     jsonschema.validate(json.loads(second.outputs[0].text), PERSON)
 
 
+def test_a_grammar_that_can_only_end_ends_the_output_before_min_tokens(
+    make_engine: Callable[..., LLMEngine], run_to_completion: Run
+) -> None:
+    """min_tokens bans the stop tokens, and a finished grammar allows nothing else: the grammar ends the output."""
+    engine = make_engine()
+    serving = OpenAIServing(engine.tokenizer, ("demo",), engine.max_context_length)
+    body = {"prompt": [0], "max_tokens": 40, "min_tokens": 30, "structured_outputs": {"json": {"enum": [3]}}}
+    for sampling in ({}, {"temperature": 1.0, "seed": 1}):
+        line = _line("/v1/completions", {**body, **sampling})
+        requests = serving.to_engine_requests(line.body, request_id="r", defaults=BatchDefaults(), group="g")
+        ((output,),) = [result.outputs for result in run_to_completion(engine, requests).values()]
+        assert (output.text, output.finish_reason) == ("3", "stop")
+
+
 def test_a_grammar_the_engine_cannot_build_fails_only_its_request(
     make_engine: Callable[..., LLMEngine], run_to_completion: Run, grammars: dict[str, str]
 ) -> None:

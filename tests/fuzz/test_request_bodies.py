@@ -151,6 +151,20 @@ ATTACKS = [
     ("/v1/completions", {"model": "demo", "prompt": "x", "max_tokens": 2, "logit_bias": {"1" * 4300: 1}}),
     ("/v1/chat/completions", {**CHAT, "tools": [_nested(70)]}),
     ("/v1/chat/completions", {**CHAT, "chat_template_kwargs": {"e": _nested(900)}}),
+    (
+        "/v1/chat/completions",
+        {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"a": 10**28}}}},
+    ),
+    (
+        "/v1/completions",
+        {
+            "model": "demo",
+            "prompt": [0],
+            "max_tokens": 2,
+            "temperature": 1e-40,
+            "response_format": {"type": "json_object"},
+        },
+    ),
 ]
 """What the attack found, always among the examples."""
 

@@ -192,7 +192,8 @@ def json_grammar(schema: dict[str, Any], *, lenient: bool, options: dict[str, An
     """``lenient``: keywords llguidance does not implement are ignored (the rest enforced), else refused by name."""
     defaults = {"whitespace_pattern": WHITESPACE} if options is None else options
     compile_options: Any = {**defaults, "lenient": lenient}  # llguidance's JsonCompileOptions
-    return LLMatcher.grammar_from_json_schema(schema, defaults=compile_options)
+    # As text: llguidance converts a dict itself and raises on an integer past 64 bits; JSON text it parses as a float.
+    return LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=compile_options)
 
 
 def _parsed(text: str, param: str) -> Any:
