@@ -22,7 +22,7 @@ from server_helpers import LiveServer
 API_KEY = "schemathesis-key-0123"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 CONFIG = Path(__file__).parents[2] / "schemathesis.toml"
-EXAMPLES_PER_OPERATION_AND_MODE = 8
+EXAMPLES_PER_OPERATION_AND_MODE = 4
 
 
 def test_every_check_passes(server_factory: Callable[..., LiveServer]) -> None:
