@@ -106,6 +106,20 @@ def schemathesis(session: nox.Session) -> None:
 
 
 @nox.session(venv_backend="none")
+def explore(session: nox.Session) -> None:
+    """The property and fuzz tests with new random cases each run (the suite draws the same ones every time, so it
+    fails only on a change): `nox -s explore -- --hypothesis-seed 7`."""
+    install_project(session, "test")
+    tests = [
+        "tests/fuzz/test_request_bodies.py",
+        "tests/schemas",
+        "tests/server/test_server_errors.py",
+        "tests/reliability/test_security_limits.py",
+    ]
+    run(session, "-m", "pytest", *tests, "--hypothesis-profile", "explore", *session.posargs)
+
+
+@nox.session(venv_backend="none")
 def bench(session: nox.Session) -> None:
     """Run one benchmark script: `nox -s bench -- benchmarks/validator.py`."""
     install_project(session, "test")
