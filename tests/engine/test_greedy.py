@@ -49,7 +49,7 @@ def test_tiny_block_budget_forces_preemption(
     random_prompts: Callable[..., Any],
     hf_greedy: Callable[..., list[int]],
 ) -> None:
-    prompts = random_prompts(32, 20, 80, seed=1)
+    prompts = random_prompts(12, 20, 80, seed=1)
     engine = make_engine(num_kv_blocks=16, block_size=8, max_num_batched_tokens=64)
     requests = [EngineRequest(f"r{i}", p, SamplingParams(max_tokens=MAX_NEW)) for i, p in enumerate(prompts)]
     results = run_to_completion(engine, requests)
