@@ -29,8 +29,9 @@ def small_kv_cache() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    """One real server for the whole session (``base_url``, ``storage_dir``, ``http`` and helpers)."""
-    with ServerProcess(tmp_path_factory.mktemp("server")) as process:
+    """One real server for the whole session (``base_url``, ``storage_dir``, ``http`` and helpers); its activity
+    line every 0.2 s (tests/server/test_metrics_and_logs.py reads it)."""
+    with ServerProcess(tmp_path_factory.mktemp("server"), "--log-interval-s", "0.2") as process:
         server = LiveServer(process)
         yield server
         server.http.close()

@@ -7,6 +7,7 @@ import json
 import logging
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -83,8 +84,10 @@ def test_json_logs_are_one_object_per_line() -> None:
 
 
 @pytest.mark.parametrize("fmt", ["text", "json"])
-def test_the_server_logs_batches_and_activity_but_not_polling(fmt: str, server_factory: object, tmp_path: Path) -> None:
-    server = server_factory("--log-format", fmt, "--log-interval-s", "0.2")  # type: ignore[operator]
+def test_the_server_logs_batches_and_activity_but_not_polling(
+    fmt: str, live_server: LiveServer, server_factory: Callable[..., LiveServer]
+) -> None:
+    server = live_server if fmt == "text" else server_factory("--log-format", fmt, "--log-interval-s", "0.2")
     batch = server.run([chat_line(f"l{i}", max_tokens=40, ignore_eos=True) for i in range(8)])
     for _ in range(20):
         server.http.get(f"/v1/batches/{batch['id']}")
