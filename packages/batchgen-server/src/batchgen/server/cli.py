@@ -24,8 +24,9 @@ from .settings import Settings
 def settings_from_args(args: argparse.Namespace) -> Settings:
     """The server's settings: flags given, then BATCHGEN_* variables, then defaults."""
     engine = build(EngineConfig, args)
-    if engine.lora_modules and not engine.enable_lora:  # adapters the server would silently not serve
-        raise ValueError("--lora-modules needs --enable-lora")
+    problem = engine.usage_problem()
+    if problem is not None:
+        raise ValueError(problem)
     return build(Settings, args, engine=engine, cluster=build(ClusterConfig, args), serving=build(ServingConfig, args))
 
 

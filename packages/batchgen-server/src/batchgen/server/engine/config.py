@@ -25,6 +25,12 @@ DTYPE_ALIASES = {
 }
 """What ``--dtype`` accepts besides ``auto``, and the torch dtype each names."""
 
+QUANTIZATION_METHODS = ("bitsandbytes", "torchao", "fp8")
+"""What ``--quantization`` takes (vLLM's in-flight methods that a transformers quantizer provides)."""
+
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
+"""What ``--kv-cache-dtype`` takes (vLLM's names; ``quantization.py`` says which a device can hold)."""
+
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -51,6 +57,18 @@ class EngineConfig:
     device: str | None = setting(None, "cuda, cuda:1 or cpu (default: cuda when available)")
     dtype: str = setting(
         "auto", "auto (bfloat16 on GPU, float32 on CPU), bfloat16 (bf16), float16 (half, fp16), float32 (fp32), float64"
+    )
+    quantization: str | None = setting(
+        None,
+        "quantize a float checkpoint as it loads: bitsandbytes (4-bit nf4), torchao (int8 weight-only) or fp8 "
+        "(FineGrainedFP8, CUDA only); a quantized checkpoint is served as it is, without it",
+        flags=("--quantization", "-q"),
+    )
+    kv_cache_dtype: str = setting(
+        "auto",
+        "the KV cache's dtype: auto (the model's), bfloat16 or float16 (a 16-bit cache, CPU included: twice the "
+        "tokens of a float32 model's), fp8, fp8_e4m3 or fp8_e5m2 (refused where the attention kernels cannot read "
+        "them)",
     )
     device_map: str | None = setting(None, "'auto' spreads a model too large for one GPU over the devices (accelerate)")
     block_size: int = setting(16, "tokens per KV-cache block")
@@ -135,6 +153,16 @@ class EngineConfig:
 
         vllm = os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true", "yes", "on")
         return self.enable_lora and (self.allow_runtime_lora_updating or vllm)
+
+    def usage_problem(self) -> str | None:
+        """Why these flags cannot go together or take that value (a usage error), or ``None``."""
+        if self.lora_modules and not self.enable_lora:  # adapters the server would silently not serve
+            return "--lora-modules needs --enable-lora"
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            return f"--quantization {self.quantization!r}: use {', '.join(QUANTIZATION_METHODS)}"
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            return f"--kv-cache-dtype {self.kv_cache_dtype!r}: use {', '.join(KV_CACHE_DTYPES)}"
+        return None
 
     def uses_async_scheduling(self, device: torch.device) -> bool:
         from .errors import ModelLoadError

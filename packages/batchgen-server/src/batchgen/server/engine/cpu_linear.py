@@ -43,6 +43,9 @@ def refusal(module: torch.nn.Module | None) -> str | None:
         return f"its weight is a {kind} of {weight.dtype} on {weight.device.type}, not a plain float32 CPU tensor"
     if module.bias is not None and not plain_tensor(module.bias, torch.float32, "cpu"):
         return "its bias is not a plain float32 CPU tensor"
+    installed = vars(module).get("forward")
+    if installed is not None and getattr(installed, "__func__", None) is not _forward:
+        return "its forward is another's (a quantizer's, a hook's)"  # compressed-tensors' decompressing forward
     return None
 
 
@@ -136,7 +139,7 @@ def forward_of(module: torch.nn.Module | None) -> Callable[[torch.Tensor], torch
     assert isinstance(module, torch.nn.Linear)
     installed = vars(module).get("forward")
     if installed is not None:
-        return installed if getattr(installed, "__func__", None) is _forward else None
+        return types.MethodType(_forward, module)  # ours (``supports`` refuses anyone else's): the panels are there
     try:
         panels = pack(module.weight)
     except native.Unavailable as exc:

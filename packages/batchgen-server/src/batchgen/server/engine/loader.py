@@ -22,6 +22,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_N
 from .config import EngineConfig
 from .demo_model import demo_model_dir
 from .errors import ModelLoadError
+from .quantization import check, in_flight, kv_cache_dtype, method_of
 
 GENERATION_DEFAULTS = {
     "temperature": "temperature",
@@ -60,10 +61,25 @@ def load_model(config: EngineConfig) -> tuple[PreTrainedModel, PreTrainedTokeniz
         kwargs["device_map"] = config.device_map
     try:
         model_config = AutoConfig.from_pretrained(path, **hub)
-        model_class = AutoModel if is_encoder_only(model_config) else AutoModelForCausalLM
-        model = model_class.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as exc:  # transformers' errors for missing files, unknown ids, bad configs
         raise ModelLoadError(_why_not_loaded(config.model, exc)) from exc
+    device = config.resolved_device()
+    kv_cache_dtype(config.kv_cache_dtype, device)  # refused before the weights load
+    if config.quantization is not None and (
+        quantize := in_flight(config.quantization, model_config, device, kwargs["dtype"])
+    ):
+        kwargs["quantization_config"] = quantize
+    check(kwargs.get("quantization_config") or getattr(model_config, "quantization_config", None), device)
+    model_class = AutoModel if is_encoder_only(model_config) else AutoModelForCausalLM
+    try:
+        model = model_class.from_pretrained(path, **kwargs)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(_why_not_loaded(config.model, exc)) from exc
+    except (ImportError, RuntimeError) as exc:  # a quantizer's library missing, or its kernels absent here
+        method = method_of(model_config) or config.quantization
+        if method is None:
+            raise
+        raise ModelLoadError(_why_not_quantized(method, exc)) from exc
     tokenizer = load_tokenizer(config)
     if config.device_map is None:
         model = model.to(config.resolved_device())  # type: ignore[arg-type]  # transformers types to() oddly
@@ -124,6 +140,14 @@ def load_generation_defaults(config: EngineConfig) -> dict[str, Any]:
         raise ModelLoadError(f"--generation-config {choice!r}: no generation_config.json there ({exc})") from exc
     values = {field: getattr(generation, name, None) for name, field in GENERATION_DEFAULTS.items()}
     return {field: value for field, value in values.items() if value is not None}
+
+
+def _why_not_quantized(method: str, exc: Exception) -> str:
+    detail = next(iter(str(exc).strip().splitlines()), type(exc).__name__)
+    return (
+        f"the {method} quantization cannot load here: {detail} (pip install 'batchgen-server[quant]' for the CPU "
+        "methods; docs/server.md lists what runs where)"
+    )
 
 
 def _why_not_loaded(model: str, exc: Exception, what: str = "model") -> str:
