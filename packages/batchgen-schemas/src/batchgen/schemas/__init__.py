@@ -23,7 +23,7 @@ from .batches import (
 from .endpoints import BODY_TYPES, BatchInputLine, RequestBody, sequences_of
 from .errors import ErrorDetail, ErrorResponse
 from .files import FileDeleted, FileList, FileObject, FilePurpose, FileStatus
-from .health import HealthStatus, PoolStatus, ReplicaState, ReplicaStatus
+from .health import HealthStatus, KVCacheCapacity, PoolStatus, ReplicaState, ReplicaStatus
 from .models import ModelList, ModelObject
 from .requests import (
     ChatCompletionRequest,
@@ -164,6 +164,7 @@ __all__ = [
     "FunctionDefinition",
     "GenerationDefaults",
     "HealthStatus",
+    "KVCacheCapacity",
     "InputTokensDetails",
     "JsonSchemaFormat",
     "Metadata",

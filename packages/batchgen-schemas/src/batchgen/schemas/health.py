@@ -33,10 +33,24 @@ class ReplicaStatus(Wire, kw_only=True):
     """Its last failure, if any (kept after it recovered, for the record)."""
 
 
+class KVCacheCapacity(Wire, kw_only=True):
+    """The KV cache the engine holds (all replicas together with ``--replicas``)."""
+
+    dtype: str
+    """``bfloat16``, ``float16``, ``float32``...: ``--kv-cache-dtype``, or the model's."""
+    tokens: int
+    """Tokens it holds: its blocks times the block size."""
+    blocks: int
+    bytes: int
+    """Its memory: every layer's K and V."""
+
+
 class HealthStatus(Wire, kw_only=True):
     status: Literal["healthy", "unhealthy"]
     reason: str | None = None
     model: str | None = None
+    kv_cache: KVCacheCapacity | None = None
+    """``None`` for an engine with no KV cache (an encoder's)."""
     replicas: list[ReplicaStatus] | None = None
     """Each engine replica's state with ``--replicas``; ``None`` with the single in-process engine."""
 

@@ -8,7 +8,7 @@ from litestar import Controller, Response, get
 from litestar.openapi import ResponseSpec
 from litestar.status_codes import HTTP_200_OK, HTTP_503_SERVICE_UNAVAILABLE
 
-from batchgen.schemas import HealthStatus, PoolStatus
+from batchgen.schemas import HealthStatus, KVCacheCapacity, PoolStatus
 
 from ..engines import replica_states
 from ..observability.metrics import CONTENT_TYPE
@@ -33,7 +33,9 @@ class HealthController(Controller):
     async def health(self, context: ServerContext) -> Response[HealthStatus]:
         engine, fault, replicas = context.engine, context.loop.status.storage_fault, replica_states(context.engine)
         if engine.healthy and fault is None:
-            body = HealthStatus(status="healthy", model=context.model.id, replicas=replicas)
+            body = HealthStatus(
+                status="healthy", model=context.model.id, kv_cache=_kv_cache(context), replicas=replicas
+            )
             return Response(body, status_code=HTTP_200_OK)
         if not engine.healthy:
             state = "restarting after a failure" if engine.state == "restarting" else "stopped"
@@ -46,6 +48,18 @@ class HealthController(Controller):
     @get("/metrics", media_type=CONTENT_TYPE, summary="Prometheus metrics (docs/server.md lists the families)")
     async def metrics(self, context: ServerContext) -> bytes:
         return await asyncio.to_thread(context.metrics.render)
+
+
+def _kv_cache(context: ServerContext) -> KVCacheCapacity | None:
+    stats = context.engine.stats()
+    if not stats.kv_cache_dtype:
+        return None
+    return KVCacheCapacity(
+        dtype=stats.kv_cache_dtype,
+        tokens=stats.kv_cache_tokens,
+        blocks=stats.kv_blocks_total,
+        bytes=stats.kv_cache_bytes,
+    )
 
 
 class PoolController(Controller):

@@ -203,6 +203,9 @@ class LLMEngine:
             cached_tokens=totals["cached"],
             generated_tokens=totals["generated"],
             preemptions=scheduler.num_preemptions,
+            kv_cache_tokens=self.runner.num_blocks * self.config.block_size,
+            kv_cache_bytes=self.runner.num_blocks * self.runner.block_bytes,
+            kv_cache_dtype=str(self.runner.cache.k[0].dtype).removeprefix("torch."),
             fast_paths=tuple(path.state() for path in self.runner.paths),
         )
 

@@ -37,6 +37,11 @@ class EngineStats:
     cached_tokens: int
     generated_tokens: int
     preemptions: int
+    kv_cache_tokens: int = 0
+    """The KV cache's capacity: tokens (its blocks times the block size), and bytes (every layer's K and V)."""
+    kv_cache_bytes: int = 0
+    kv_cache_dtype: str = ""
+    """Its dtype (``bfloat16``...: ``--kv-cache-dtype``, or the model's); empty for an engine with none."""
     fast_paths: tuple[tuple[str, str | None], ...] = ()
     """Each fast path (``fast_paths.py``) by name, with why it is off (``None`` while on)."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -23,12 +24,13 @@ from .attention import (
 )
 from .config import EngineConfig
 from .cuda_graphs import CudaGraph, DecodeGraphs
-from .errors import ModelNotSupported
+from .errors import ModelLoadError, ModelNotSupported
 from .fast_forward import FastForward
 from .fast_paths import FastPath
 from .inputs import DeviceTokens, InputBuffers, PackedInputs
-from .kv_cache import KVCache
+from .kv_cache import KVCache, LayerShape
 from .loader import input_embeddings
+from .quantization import kv_cache_dtype
 from .scheduler import ScheduledSeq
 from .transfer import indices
 
@@ -64,12 +66,13 @@ class ModelRunner:
         self.block_size = config.block_size
         probe = self._probe_layers()
         self.attention_modules = probe.modules
-        self.block_bytes = KVCache.block_bytes(probe.shapes, self.block_size)
+        shapes = self._cache_shapes(probe.shapes, config)
+        self.block_bytes = KVCache.block_bytes(shapes, self.block_size)
         self.num_blocks = config.num_kv_blocks or self._blocks_that_fit(config)
         self.compiled = not config.enforce_eager and model.num_parameters() >= EAGER_BELOW_PARAMETERS
         graphs = uses_graphs(self.compiled, self.device, config)
         # With graphs, one more block than the block manager hands out: the scratch block of padding rows.
-        self.cache = KVCache(probe.shapes, self.num_blocks + graphs, self.block_size)
+        self.cache = KVCache(shapes, self.num_blocks + graphs, self.block_size)
         self.inputs = InputBuffers(config.max_num_batched_tokens, self.block_size, self.device)
         # The eager retry's attention: what any device runs without compiling (eager flex is a dense reference over
         # the whole cache, far too large for a real one).
@@ -112,6 +115,16 @@ class ModelRunner:
                 "a paged KV cache",
             )
         return probe
+
+    def _cache_shapes(self, shapes: list[LayerShape], config: EngineConfig) -> list[LayerShape]:
+        """The probed layers' K/V shapes, in ``--kv-cache-dtype``'s dtype where it names one (the attention reads a
+        16-bit cache into the query's dtype)."""
+        dtype = kv_cache_dtype(config.kv_cache_dtype, self.device)
+        if dtype is None:
+            return shapes
+        if config.attention_backend == "flex":  # it reads the cache in place, in the query's dtype
+            raise ModelLoadError(f"--kv-cache-dtype {config.kv_cache_dtype} needs --attention-backend gather")
+        return [dataclasses.replace(shape, dtype=dtype) for shape in shapes]
 
     def _blocks_that_fit(self, config: EngineConfig) -> int:
         if self.device.type == "cuda":

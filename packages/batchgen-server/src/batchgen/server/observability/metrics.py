@@ -184,6 +184,16 @@ class _StateCollector(Collector):
             "Share of KV-cache blocks in use (0 to 1).",
             used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0,
         )
+        if stats.kv_cache_dtype:
+            for name, help_text, value in (
+                ("batchgen_kv_cache_capacity_tokens", "Tokens the KV cache holds (its blocks x the block size).",
+                 stats.kv_cache_tokens),
+                ("batchgen_kv_cache_capacity_bytes", "Memory of the KV cache (every layer's K and V).",
+                 stats.kv_cache_bytes),
+            ):  # fmt: skip
+                capacity = GaugeMetricFamily(name, help_text + " Its dtype in a label.", labels=["model_name", "dtype"])
+                capacity.add_metric([self.model_name, stats.kv_cache_dtype], value)
+                yield capacity
         yield counter(
             "batchgen_prompt_tokens", "Prompt tokens computed or served from the prefix cache.", stats.prompt_tokens
         )

@@ -205,12 +205,13 @@ class ReplicaPool:
         """The replicas' engine stats added up (every field is a count); a replica restarted counts from zero."""
         with self._lock:
             reported = [replica.stats for replica in self._replicas if replica.stats is not None]
-        counts = [f.name for f in dataclasses.fields(EngineStats) if f.name != "fast_paths"]
+        counts = [f.name for f in dataclasses.fields(EngineStats) if f.name not in ("fast_paths", "kv_cache_dtype")]
         paths: dict[str, str | None] = {}  # off if off on any replica
         for name, off in (path for stats in reported for path in stats.fast_paths):
             paths[name] = paths.get(name) or off
         totals = {name: sum(getattr(stats, name) for stats in reported) for name in counts}
-        return EngineStats(**totals, fast_paths=tuple(paths.items()))
+        dtype = next((stats.kv_cache_dtype for stats in reported), "")  # one config: the same on every replica
+        return EngineStats(**totals, kv_cache_dtype=dtype, fast_paths=tuple(paths.items()))
 
     def replicas(self) -> list[ReplicaStatus]:
         with self._lock:

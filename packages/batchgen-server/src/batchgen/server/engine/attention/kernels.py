@@ -16,7 +16,9 @@ def attend(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: LayerAttention, mask: torch.Tensor | None
 ) -> torch.Tensor:
     """``query`` ``[B, H, Tq, D]``, ``key``/``value`` ``[B, KVH, Tk, D]``; ``mask`` ``True`` where visible, or
-    ``None`` for plain causal attention (``Tq == Tk``). Returns ``[B, H, Tq, Dv]``."""
+    ``None`` for plain causal attention (``Tq == Tk``). Returns ``[B, H, Tq, Dv]``. Keys and values from a cache of
+    another dtype (``--kv-cache-dtype``) are read in the query's."""
+    key, value = key.to(query.dtype), value.to(query.dtype)
     gqa = query.shape[1] != key.shape[1]
     if not layer.needs_explicit_scores:
         return F.scaled_dot_product_attention(
