@@ -68,6 +68,10 @@ def test_every_documented_family_is_exposed_and_moves(live_server: LiveServer) -
     assert _value(after, "batchgen_batches", status="completed") >= 1
     assert _value(after, "batchgen_engine_healthy") == 1 and _value(after, "batchgen_storage_fault") == 0
     assert 0 <= _value(after, "batchgen_kv_cache_usage_ratio") <= 1
+    kv_cache = live_server.http.get("/health").json()["kv_cache"]  # the capacity, in /health and /metrics alike
+    assert kv_cache["tokens"] == kv_cache["blocks"] * 16 and kv_cache["bytes"] > 0
+    assert _value(after, "batchgen_kv_cache_capacity_tokens", dtype=kv_cache["dtype"]) == kv_cache["tokens"]
+    assert _value(after, "batchgen_kv_cache_capacity_bytes", dtype=kv_cache["dtype"]) == kv_cache["bytes"]
     assert "process_resident_memory_bytes" in after  # the standard process metrics come along
 
 
