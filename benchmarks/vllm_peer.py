@@ -35,6 +35,8 @@ def main() -> None:
     parser.add_argument("--structured-backend", default="auto", help="xgrammar, guidance or auto (vLLM's choice)")
     parser.add_argument("--loras", help="a JSON list: each request's LoRA adapter directory ('' for the base)")
     parser.add_argument("--max-lora-rank", type=int, default=16)
+    parser.add_argument("--quantization", default=None, help="vLLM's in-flight quantization (bitsandbytes...)")
+    parser.add_argument("--kv-cache-dtype", default="auto")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if args.device == "cpu":
@@ -67,6 +69,8 @@ def main() -> None:
         max_model_len=args.max_model_len,
         seed=0,
         structured_outputs_config={"backend": args.structured_backend},
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     prompts = [TokensPrompt(prompt_token_ids=item[0]) for item in workload]
     params = [
