@@ -155,6 +155,7 @@ ATTACKS = [
         "/v1/chat/completions",
         {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"a": 10**28}}}},
     ),
+    ("/v1/completions", {"model": "demo", "prompt": "x", "structured_outputs": {"json": {"maximum": 10**4299}}}),
     (
         "/v1/completions",
         {

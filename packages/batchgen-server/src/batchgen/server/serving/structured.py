@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from types import MappingProxyType
@@ -54,26 +54,29 @@ def output_constraint(
     ``response_format``, for a request that sets no constraint of its own; ``tokens``: the tokenizer's added tokens
     (markers such as ``<tool_call>``) by their text. ``RequestRejected`` when it cannot be enforced. ``body`` has
     passed ``request_problem`` (one constraint at most, a named tool among the tools)."""
-    grammar: str | None
+    build: Callable[[], str | None]
     if isinstance(body, ChatCompletionRequest) and body.tools and body.tool_choice not in (None, "none", "auto"):
-        grammar, param = _tool_grammar(body.tools, body.tool_choice, body.parallel_tool_calls), "tool_choice"
-    elif body.structured_outputs is not None:
-        grammar, param = _structured_grammar(body.structured_outputs, tokens), "structured_outputs"
-    elif body.response_format is not None:
-        grammar, param = _format_grammar(body.response_format), "response_format"
-    elif default is not None:
-        grammar, param = _format_grammar(default), "response_format"
+        tools, choice, parallel = body.tools, body.tool_choice, body.parallel_tool_calls
+        build, param = lambda: _tool_grammar(tools, choice, parallel), "tool_choice"
+    elif (outputs := body.structured_outputs) is not None:
+        build, param = lambda: _structured_grammar(outputs, tokens), "structured_outputs"
+    elif (response_format := default if body.response_format is None else body.response_format) is not None:
+        build, param = lambda: _format_grammar(response_format), "response_format"
     else:
         return None
-    return _checked(grammar, param)
+    return _checked(build, param)
 
 
 def format_constraint(response_format: ResponseFormat) -> OutputConstraint | None:
     """The grammar of a ``response_format`` (a batch's default is checked when the batch is created)."""
-    return _checked(_format_grammar(response_format), "response_format")
+    return _checked(lambda: _format_grammar(response_format), "response_format")
 
 
-def _checked(grammar: str | None, param: str) -> OutputConstraint | None:
+def _checked(build: Callable[[], str | None], param: str) -> OutputConstraint | None:
+    try:
+        grammar = build()
+    except ValueError as exc:  # llguidance could not read it (a number past a float's range, say)
+        raise RequestRejected("invalid_grammar", f"{param} cannot be enforced: {exc}", param) from None
     if grammar is None:
         return None
     if problem := grammar_problem(grammar):
@@ -192,7 +195,7 @@ def json_grammar(schema: dict[str, Any], *, lenient: bool, options: dict[str, An
     """``lenient``: keywords llguidance does not implement are ignored (the rest enforced), else refused by name."""
     defaults = {"whitespace_pattern": WHITESPACE} if options is None else options
     compile_options: Any = {**defaults, "lenient": lenient}  # llguidance's JsonCompileOptions
-    # As text: llguidance converts a dict itself and raises on an integer past 64 bits; JSON text it parses as a float.
+    # As text: llguidance's own conversion of a dict refuses an integer past 64 bits; in JSON text it reads a float.
     return LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=compile_options)
 
 
