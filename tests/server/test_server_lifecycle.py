@@ -307,7 +307,9 @@ def test_idempotency_keys(live_server: LiveServer) -> None:
 
 def test_operations_endpoints(live_server: LiveServer) -> None:
     health = live_server.http.get("/health")
-    healthy = {"status": "healthy", "reason": None, "model": "demo", "replicas": None}  # one engine, no replicas
+    # One engine, no replicas; the tests' 64 MiB float32 cache (BATCHGEN_CPU_KV_CACHE_GIB) in blocks of 16 tokens.
+    cache = {"dtype": "float32", "tokens": 131_072, "blocks": 8192, "bytes": 64 * 2**20}
+    healthy = {"status": "healthy", "reason": None, "model": "demo", "kv_cache": cache, "replicas": None}
     assert (health.status_code, health.json()) == (200, healthy)
     pool = live_server.http.get("/v1/pool/status").json()
     assert pool["object"] == "pool.status" and pool["capacity"] == 100_000 and pool["replicas"] is None
