@@ -187,7 +187,10 @@ def _results(context: ServerContext, batch: BatchObject) -> list[bytes]:
     lines: list[bytes] = []
     for file_id in (batch.output_file_id, batch.error_file_id):
         if file_id is not None and (file := context.db.get_file(file_id, owner=None)) is not None:
-            lines += b"".join(read_content(context, file)[1]).splitlines()
+            try:
+                lines += b"".join(read_content(context, file)[1]).splitlines()
+            except FileNotFoundError:  # dropped since it was looked up: the batch finished with nothing in it
+                continue
     return lines
 
 
