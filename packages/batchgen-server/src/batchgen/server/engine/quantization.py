@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
+from .config import KV_CACHE_DTYPES
 from .errors import ModelLoadError
 
 ON_CPU = "on CPU quantize the float checkpoint with --quantization torchao (int8) or --quantization bitsandbytes"
@@ -36,14 +37,13 @@ ON_CPU_METHODS = ("bitsandbytes", "torchao", "compressed-tensors")
 TORCHAO_ON_CPU = ("Int8WeightOnlyConfig", "Int8DynamicActivationInt8WeightConfig", "Float8WeightOnlyConfig")
 """torchao's configs whose tensors run on CPU (torchao 0.18's int4 packing formats are GPU kernels)."""
 
-KV_DTYPES = {
-    "auto": None,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp8": torch.float8_e4m3fn,
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
-}
+KV_DTYPES: dict[str, torch.dtype | None] = dict(
+    zip(
+        KV_CACHE_DTYPES,  # the flag's names, declared with it (config.py imports no torch)
+        (None, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e4m3fn, torch.float8_e5m2),
+        strict=True,
+    )
+)
 """The dtype each ``--kv-cache-dtype`` names (``None``: the model's)."""
 
 
