@@ -70,3 +70,97 @@ def test_worker_reports_a_dead_loop(make_engine: Callable[..., LLMEngine]) -> No
         time.sleep(0.01)
     assert not worker.healthy
     assert isinstance(worker.error, RuntimeError)
+
+
+def _collect(
+    worker: EngineWorker, requests: list[EngineRequest], timeout_s: float = 60
+) -> tuple[list[str], dict[str, EngineResult]]:
+    """Submit ``requests``; once every one is answered, their ids in the order their results came, and the results."""
+    order: list[str] = []
+    results: dict[str, EngineResult] = {}
+    done = threading.Event()
+
+    def on_result(result: EngineResult) -> None:
+        order.append(result.request_id)
+        results[result.request_id] = result
+        if len(results) == len(requests):
+            done.set()
+
+    worker.submit(requests, on_result)
+    assert done.wait(timeout_s), f"{len(results)} of {len(requests)} answered"
+    return order, results
+
+
+def test_a_request_that_breaks_prepare_or_add_request_fails_alone(
+    make_engine: Callable[..., LLMEngine], hf_greedy: Callable[..., list[int]]
+) -> None:
+    """Whatever a request makes ``prepare`` or ``add_request`` raise is its own answer: no restart, no strike for
+    the requests running beside it, nothing left in the engine (fault injection: the two methods raise for it)."""
+    engine = make_engine()
+    prepare, add_request = engine.prepare, engine.add_request
+
+    def broken_prepare(request: EngineRequest) -> Any:
+        if request.request_id == "breaks-prepare":
+            raise KeyError("lora_B")
+        return prepare(request)
+
+    def broken_add(request: EngineRequest) -> None:
+        add_request(request)  # registered first: nothing of it may stay when it then raises
+        if request.request_id == "breaks-add":
+            raise ZeroDivisionError("r: 0")
+
+    engine.prepare, engine.add_request = broken_prepare, broken_add  # type: ignore[method-assign]
+    worker = EngineWorker(engine)
+    worker.start()
+    try:
+        prompts = [[1, 2, 3, 4], [9, 8, 7], [5] * 12]
+        requests = [EngineRequest(f"good-{i}", p, SamplingParams(max_tokens=12)) for i, p in enumerate(prompts)]
+        requests[1:1] = [EngineRequest("breaks-prepare", [1, 2]), EngineRequest("breaks-add", [3, 4])]
+        _, results = _collect(worker, requests)
+        for request_id, raised in (("breaks-prepare", "KeyError"), ("breaks-add", "ZeroDivisionError")):
+            error = results[request_id].error
+            assert error is not None and error.code == "server_error" and raised in error.message
+        for i, prompt in enumerate(prompts):
+            assert results[f"good-{i}"].outputs[0].token_ids == hf_greedy(prompt, 12)
+        assert worker.restarts == 0 and worker.error is None and worker.healthy
+        assert not worker._strikes.counts  # nobody was struck
+        deadline = time.monotonic() + 10
+        while engine.has_unfinished_requests() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not engine.has_unfinished_requests()
+    finally:
+        worker.stop(timeout=10)
+
+
+def test_a_grammar_that_compiles_for_seconds_holds_up_neither_the_caller_nor_the_engine(
+    make_engine: Callable[..., LLMEngine],
+) -> None:
+    """Submitting returns before the grammar is compiled; the engine runs what came after it meanwhile."""
+    from batchgen.server.serving.structured import json_grammar
+
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(2000)}}
+    grammar = json_grammar(schema, lenient=False)
+    engine = make_engine()
+    worker = EngineWorker(engine)
+    worker.start()
+    order: list[str] = []
+    results: dict[str, EngineResult] = {}
+    done = threading.Event()
+
+    def on_result(result: EngineResult) -> None:
+        order.append(result.request_id)
+        results[result.request_id] = result
+        if len(results) == 4:
+            done.set()
+
+    try:
+        worker.submit([EngineRequest("schema", [1, 2, 3], SamplingParams(max_tokens=4, grammar=grammar))], on_result)
+        assert not engine.grammars.start(grammar).done()  # submit did not compile it
+        plain = [EngineRequest(f"plain-{i}", [4, 5, 6 + i], SamplingParams(max_tokens=4)) for i in range(3)]
+        worker.submit(plain, on_result)
+        assert done.wait(60)
+        assert order[-1] == "schema", order  # the others ran while it compiled
+        assert all(result.error is None for result in results.values())
+        assert len(results["schema"].outputs[0].token_ids) >= 1
+    finally:
+        worker.stop(timeout=10)

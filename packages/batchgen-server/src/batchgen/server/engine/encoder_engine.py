@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -45,8 +46,9 @@ class EncoderEngine:
         """The batch being embedded: the suspects if the step fails beyond the isolation."""
         self._prompt_tokens = 0
 
-    def prepare(self, request: EngineRequest) -> None:
+    def prepare(self, request: EngineRequest) -> list[Future[Any]]:
         """Nothing: an embedding has no grammar to compile."""
+        return []
 
     def add_request(self, request: EngineRequest) -> None:
         error = admission_error(request, self.max_context_length, self._waiting, self.vocab_size)

@@ -5,11 +5,11 @@ here, the model runs (``model_runner.py``), the sampler reads the running rows' 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import random
 import time
 from collections.abc import Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,15 +20,16 @@ from .adapters import AdapterRefused, Adapters
 from .batch_state import BatchState, SamplingInputs
 from .block_manager import BlockManager
 from .config import EngineConfig
+from .errors import ModelLoadError
 from .fast_paths import describe
-from .grammar import GrammarError, MaskFill, compiler_for
+from .grammar import MaskFill, compiler_for
 from .inputs import DeviceTokens
 from .interface import EngineStats
 from .lora import LoRASlots, build_slots, detach
 from .model_runner import ModelRunner
 from .output_processor import Launched, OutputProcessor
 from .prompt_logprobs import PromptLogprobs, PromptSpan, prompt_rows
-from .request import EngineError, EngineRequest, EngineResult, Task, admission_error
+from .request import EngineError, EngineRequest, EngineResult, GrammarError, Task, admission_error
 from .sampler import Sampler
 from .scheduler import ScheduledSeq, Scheduler
 from .self_check import self_check
@@ -92,10 +93,13 @@ class LLMEngine:
         """What the step being run holds (its requests are the suspects if it fails); ``None`` between steps and while
         scheduling."""
         self._in_flight: Launched | None = None
-        served = Adapters(model_name, config.max_lora_rank, config.lora_modules).served() if self.lora else []
+        served = Adapters.of(config).served() if self.lora else []
         for adapter in served:  # each read now: refused at start, naming what it asks for
             assert self.lora is not None
-            self.lora.weights(adapter)
+            try:
+                self.lora.weights(adapter)
+            except AdapterRefused as exc:
+                raise ModelLoadError(f"--lora-modules: {exc}") from None
         if config.self_check:
             self_check(self)
             if served:  # the slots and the prefix cache's salt, against the adapter applied directly
@@ -119,15 +123,16 @@ class LLMEngine:
 
     # ---- requests in and out -----------------------------------------------------------------------------------
 
-    def prepare(self, request: EngineRequest) -> None:
-        """Compile the request's grammar now, in the submitting thread, so that the step thread finds it cached
-        (a grammar that does not compile is answered when the request is added)."""
+    def prepare(self, request: EngineRequest) -> list[Future[Any]]:
+        """Start what ``request`` needs before it is added, each in a thread of its own: its grammar's compilation,
+        its LoRA adapter's weights. Returns at once; ``add_request`` waits on nothing once every future is done (a
+        failure among them is the request's, answered when it is added). Thread-safe."""
+        futures: list[Future[Any]] = []
         if request.params.grammar is not None:
-            with contextlib.suppress(GrammarError):
-                self.grammars.compile(request.params.grammar)
+            futures.append(self.grammars.start(request.params.grammar))
         if request.lora is not None and self.lora is not None:
-            with contextlib.suppress(AdapterRefused):  # read here, off the step thread; refused when added
-                self.lora.weights(request.lora)
+            futures.append(self.lora.read(request.lora))
+        return futures
 
     def add_request(self, request: EngineRequest) -> None:
         params = request.params

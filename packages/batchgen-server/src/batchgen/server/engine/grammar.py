@@ -12,29 +12,35 @@ more per token (computed lazily, 67 us against 11 at 32k tokens), which the fill
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from .request import MAX_REASON_CHARS, GrammarError, grammar_key
+
 if TYPE_CHECKING:
     import llguidance
 
 CACHE_SIZE = 1024
-"""Compiled grammars kept (each a template matcher, the size of its grammar's automata)."""
-
-
-class GrammarError(ValueError):
-    """A grammar that cannot be compiled (invalid, unsupported, or too slow to compile): the request's fault."""
+"""Grammars whose compilation is kept, by the hash of their text: a template matcher (the size of its grammar's
+automata), or the one-line reason it was refused. No grammar's text is kept."""
+MAX_ITEMS_IN_ROW = 20_000
+"""llguidance's parser limits, raised from 2,000 and 50,000: an object of N optional properties puts about 4N items in
+a row, so its default refused, at the first token, any schema past 500 properties; these take up to 5,000, at up to
+about 17 ms a mask (measured, 4,900 properties)."""
+STEP_MAX_ITEMS = 200_000
+COMPILE_THREADS = 2
+"""Compilations run at once (llguidance releases the GIL while it compiles)."""
 
 
 class GrammarCompiler:
-    """Compiles llguidance grammars for one tokenizer and vocabulary, each once (cached by its text). Thread-safe:
-    the API's threads (to refuse a bad grammar at once) and the engine's submit path (so that the step thread only
-    ever takes cached ones) share it."""
+    """Compiles llguidance grammars for one tokenizer and vocabulary, each once (cached by its text's hash), in
+    threads of their own (``Compilations``) so that neither the API's event loop nor the engine's step thread ever
+    waits on one. Thread-safe."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, timeout_s: float) -> None:
         self.tokenizer = tokenizer
@@ -42,39 +48,50 @@ class GrammarCompiler:
         """The logits' width: the masks cover it (tokens past the tokenizer's are never allowed)."""
         self.timeout_s = timeout_s
         self._lltokenizer: llguidance.LLTokenizer | None = None
-        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._compiled: OrderedDict[bytes, Future[llguidance.LLMatcher]] = OrderedDict()
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="batchgen-grammar")
+        self._runs = Compilations(COMPILE_THREADS, timeout_s)
         self._executor: llguidance.LLExecutor | None = None
 
-    def compile(self, grammar: str) -> llguidance.LLMatcher:
-        """The grammar's template matcher (at its start): compiled now, or taken from the cache; ``GrammarError``
-        if it does not compile within the time limit."""
+    def start(self, grammar: str) -> Future[llguidance.LLMatcher]:
+        """The grammar's template matcher (at its start), compiled or being compiled; the future fails with a
+        ``GrammarError`` if it does not compile, or not within the time limit. Returns at once."""
+        key = grammar_key(grammar)
         with self._lock:
-            if (template := self._compiled.get(grammar)) is not None:
-                self._compiled.move_to_end(grammar)
-                return template
-        future: Future[llguidance.LLMatcher] = self._pool.submit(self._build, grammar)
-        try:
-            template = future.result(timeout=self.timeout_s)
-        except FutureTimeout:  # it goes on in its thread (native code cannot be interrupted), unwaited for
-            raise GrammarError(f"it did not compile within {self.timeout_s:g} s") from None
-        with self._lock:
-            self._compiled[grammar] = template
+            future = self._compiled.get(key)
+            if future is not None:
+                self._compiled.move_to_end(key)
+                return future
+            future = self._compiled[key] = Future()
             while len(self._compiled) > CACHE_SIZE:
                 self._compiled.popitem(last=False)
-        return template
+        self._runs.run(lambda: self._build(grammar), future, late=lambda template: self._late(key, future, template))
+        return future
+
+    def _late(self, key: bytes, given_up: Future[llguidance.LLMatcher], template: llguidance.LLMatcher) -> None:
+        """A compilation given up on finished after all: later requests of its grammar take it."""
+        with self._lock:
+            if self._compiled.get(key) is given_up:
+                done: Future[llguidance.LLMatcher] = Future()
+                done.set_result(template)
+                self._compiled[key] = done
+
+    def compile(self, grammar: str) -> llguidance.LLMatcher:
+        """The grammar's template matcher, waiting for it (within the time limit); ``GrammarError`` if it does not
+        compile."""
+        return self.start(grammar).result()
 
     def matcher(self, grammar: str) -> llguidance.LLMatcher:
-        """A fresh matcher of ``grammar`` (compiled already, if the submit path did its part)."""
+        """A fresh matcher of ``grammar`` (at once, once ``start``'s future is done)."""
         return self.compile(grammar).deep_copy()
 
     def _build(self, grammar: str) -> llguidance.LLMatcher:
         import llguidance
 
-        template = llguidance.LLMatcher(self._llguidance_tokenizer(), grammar, log_level=0)
+        limits = llguidance.LLParserLimits(max_items_in_row=MAX_ITEMS_IN_ROW, step_max_items=STEP_MAX_ITEMS)
+        template = llguidance.LLMatcher(self._llguidance_tokenizer(), grammar, log_level=0, limits=limits)
         if template.is_error():
-            raise GrammarError(template.get_error())
+            raise GrammarError(template.get_error()[:MAX_REASON_CHARS])
         return template
 
     def _llguidance_tokenizer(self) -> llguidance.LLTokenizer:
@@ -97,6 +114,64 @@ class GrammarCompiler:
         masks = torch.empty((len(matchers), (self.vocab_size + 31) // 32), dtype=torch.int32)
         llguidance.torch.fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], masks)
         return masks
+
+
+class Compilations:
+    """Runs compilations, ``threads`` at a time, each in a thread of its own, and gives up on one that runs past
+    ``timeout_s``: its future fails then and its place goes to the next at once. Native code cannot be interrupted,
+    so the thread given up on runs to its end (llguidance bounds a compilation's work) and is then forgotten: slow
+    grammars never hold places that later ones need."""
+
+    def __init__(self, threads: int, timeout_s: float) -> None:
+        self.threads = threads
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._queue: deque[tuple[Callable[[], Any], Future[Any], Callable[[Any], None]]] = deque()
+        self._running = 0
+        """Places taken: compilations started and neither finished nor given up on."""
+
+    def run(self, work: Callable[[], Any], future: Future[Any], late: Callable[[Any], None]) -> None:
+        """Settle ``future`` with ``work()``'s result or exception (a ``GrammarError`` past the time limit); ``late``
+        takes the result of a compilation that finished after it was given up on."""
+        with self._lock:
+            self._queue.append((work, future, late))
+            self._start_more()
+
+    def _start_more(self) -> None:
+        """Under the lock."""
+        while self._running < self.threads and self._queue:
+            task = self._queue.popleft()
+            self._running += 1
+            threading.Thread(target=self._run, args=task, name="batchgen-grammar", daemon=True).start()
+
+    def _run(self, work: Callable[[], Any], future: Future[Any], late: Callable[[Any], None]) -> None:
+        timer = threading.Timer(self.timeout_s, self._give_up, (future,))
+        timer.daemon = True
+        timer.start()
+        try:
+            result, error = work(), None
+        except BaseException as exc:  # the request's fault, whatever it is: it fails alone
+            result, error = None, exc if isinstance(exc, GrammarError) else GrammarError(f"{type(exc).__name__}: {exc}")
+        timer.cancel()
+        with self._lock:  # settled under the lock: the timer may be firing meanwhile
+            given_up = future.done()  # its place was freed then
+            if not given_up:
+                if error is None:
+                    future.set_result(result)
+                else:
+                    future.set_exception(error)
+                self._running -= 1
+                self._start_more()
+        if given_up and error is None:
+            late(result)
+
+    def _give_up(self, future: Future[Any]) -> None:
+        with self._lock:
+            if future.done():
+                return
+            future.set_exception(GrammarError(f"it did not compile within {self.timeout_s:g} s"))
+            self._running -= 1
+            self._start_more()
 
 
 class MaskFill:

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -70,9 +71,9 @@ class SteppingEngine(ServedModel, Protocol):
     @property
     def config(self) -> EngineConfig: ...
 
-    def prepare(self, request: EngineRequest) -> None:
-        """What can be done for ``request`` before it reaches the step thread (compiling its grammar), done in the
-        submitting thread; thread-safe."""
+    def prepare(self, request: EngineRequest) -> list[Future[Any]]:
+        """Start what ``request`` needs before it is added (compiling its grammar, reading its adapter), each in a
+        thread of its own; returns at once. Once every future is done, ``add_request`` waits on nothing. Thread-safe."""
         ...
 
     def add_request(self, request: EngineRequest) -> None:

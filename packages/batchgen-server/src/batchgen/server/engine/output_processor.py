@@ -12,7 +12,15 @@ import torch
 
 from .pooling import normalized_mean
 from .prompt_logprobs import PromptLogprobs
-from .request import CompletionOutput, EngineResult, RequestTimes, TokenLogprob, failed_result
+from .request import (
+    MAX_REASON_CHARS,
+    CompletionOutput,
+    EngineResult,
+    GrammarError,
+    RequestTimes,
+    TokenLogprob,
+    failed_result,
+)
 from .sampler import Sampled
 from .scheduler import ScheduledSeq, Scheduler
 from .sequence import RequestState, Sequence, Status
@@ -183,9 +191,8 @@ class OutputProcessor:
                 if seq.row >= 0:
                     self.scheduler.rows.constrain(seq.row, seq.matcher)
             return False
-        if not seq.matcher.consume_token(seq.token_ids[index]):  # llguidance refused a token its own mask allowed
-            reason = seq.matcher.get_error().split("\n", 1)[0]
-            raise RuntimeError(f"the grammar library could not follow its own token mask ({reason})")
+        if not seq.matcher.consume_token(seq.token_ids[index]):  # a parser limit, past the compiled grammar's checks
+            raise GrammarError(seq.matcher.get_error().split("\n", 1)[0][:MAX_REASON_CHARS])
         return bool(seq.matcher.is_stopped())
 
     def _completion_result(self, state: RequestState) -> EngineResult:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Container
 from dataclasses import dataclass, field
@@ -70,6 +71,21 @@ class SamplingParams:
     def penalised(self) -> bool:
         """Whether a penalty reads the tokens so far."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+
+class GrammarError(ValueError):
+    """A grammar that cannot be compiled (invalid, unsupported, or too slow to compile), or that the grammar library
+    cannot follow as the output goes (a schema too large for its parser): the request's fault."""
+
+
+MAX_REASON_CHARS = 500
+"""llguidance's errors may quote the grammar: a refusal keeps (and says) this much of it."""
+
+
+def grammar_key(grammar: str) -> bytes:
+    """What a grammar (``SamplingParams.grammar``) is cached by, compiled or refused: its text's hash, so that the
+    text of a 3 MB schema is not kept."""
+    return hashlib.sha256(grammar.encode("utf-8", "surrogatepass")).digest()
 
 
 @dataclass(slots=True)
@@ -152,7 +168,11 @@ class EngineResult:
 
 
 def failed_result(request: EngineRequest, exc: BaseException) -> EngineResult:
-    """The result of a request whose step raised (the engine goes on with the others); logged with the traceback."""
+    """The result of a request whose step raised (the engine goes on with the others); logged with the traceback,
+    unless its grammar could not be followed (the request's fault, not the server's)."""
+    if isinstance(exc, GrammarError):
+        error = EngineError("invalid_grammar", f"The output's grammar could not be followed: {exc}")
+        return EngineResult(request.request_id, len(request.prompt_token_ids), error=error, group=request.group)
     logger.error("request %s failed inside the engine", request.request_id, exc_info=exc)
     message = f"The engine failed while running this request ({type(exc).__name__}: {exc})."
     error = EngineError("server_error", message)

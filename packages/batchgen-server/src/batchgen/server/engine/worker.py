@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from .interface import ClientState, EngineStats, ResultCallback, SteppingEngine
-from .request import EngineError, EngineRequest, EngineResult, Task
+from .request import EngineError, EngineRequest, EngineResult, Task, failed_result
 from .strikes import Strikes, cut_stream
 
 if TYPE_CHECKING:
@@ -53,8 +55,13 @@ class EngineWorker:
         self._cond = threading.Condition()
         self._pending: list[tuple[EngineRequest, ResultCallback]] = []
         self._aborts: list[str] = []
+        self._prepared = False
+        """A request's preparation finished since the thread last looked."""
         self._held: dict[str, tuple[EngineRequest, ResultCallback]] = {}
-        """Every request inside the engine, in arrival order: what a restart submits again."""
+        """Every request submitted and not answered, in arrival order: what a restart submits again."""
+        self._preparing: dict[str, list[Future[Any]]] = {}
+        """Held requests not in the engine yet: what ``engine.prepare`` started for them (a grammar compiling, an
+        adapter being read) is not done."""
         self._streamed: set[str] = set()
         """Held requests that have reported partial results."""
         self._strikes: Strikes[str] = Strikes()
@@ -99,8 +106,8 @@ class EngineWorker:
         self._thread.join(timeout)
 
     def submit(self, requests: list[EngineRequest], on_result: ResultCallback) -> None:
-        for request in requests:  # in the caller's thread, not the step's (compiling a grammar)
-            self.engine.prepare(request)
+        """Queue ``requests``; returns at once, whatever they hold (a grammar that compiles for seconds), and never
+        raises for one of them: a request that cannot run is answered with its error."""
         with self._cond:
             self._pending.extend((request, on_result) for request in requests)
             self._cond.notify()
@@ -117,7 +124,7 @@ class EngineWorker:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not (self._stopping or self._pending or self._aborts) and not (
+                while not (self._stopping or self._pending or self._aborts or self._prepared) and not (
                     self.engine.has_unfinished_requests() or self._probation
                 ):
                     self._cond.wait()
@@ -125,6 +132,7 @@ class EngineWorker:
                     return
                 pending, self._pending = self._pending, []
                 aborts, self._aborts = self._aborts, []
+                self._prepared = False
             try:
                 self._apply(pending, aborts)
                 results = self.engine.step()
@@ -139,11 +147,37 @@ class EngineWorker:
     def _apply(self, pending: list[tuple[EngineRequest, ResultCallback]], aborts: list[str]) -> None:
         for request, callback in pending:
             self._held[request.request_id] = (request, callback)
-            self.engine.add_request(request)
+            try:
+                futures = self.engine.prepare(request)
+            except Exception as exc:  # the request's own fault, whatever it is: it fails alone
+                self._deliver(failed_result(request, exc))
+                continue
+            self._preparing[request.request_id] = futures
+            for future in futures:
+                future.add_done_callback(self._on_prepared)
         for request_id in aborts:
             self.engine.abort_request(request_id)
             self._release(request_id)
+        ready = [request_id for request_id, futures in self._preparing.items() if all(f.done() for f in futures)]
+        for request_id in ready:
+            del self._preparing[request_id]
+            self._add(self._held[request_id][0])
         self._admit_probation()
+
+    def _on_prepared(self, _: Future[Any]) -> None:
+        with self._cond:
+            self._prepared = True
+            self._cond.notify()
+
+    def _add(self, request: EngineRequest) -> None:
+        """Into the engine; an exception there is this request's alone: it is answered with it, and nothing of it
+        stays in the engine (the engine is not restarted, nobody else is struck)."""
+        try:
+            self.engine.add_request(request)
+        except Exception as exc:
+            with contextlib.suppress(Exception):
+                self.engine.abort_request(request.request_id)
+            self._deliver(failed_result(request, exc))
 
     def _deliver(self, result: EngineResult) -> None:
         held = self._release(result.request_id) if result.finished else self._held.get(result.request_id)
@@ -157,6 +191,7 @@ class EngineWorker:
 
     def _release(self, request_id: str) -> tuple[EngineRequest, ResultCallback] | None:
         self._streamed.discard(request_id)
+        self._preparing.pop(request_id, None)
         if request_id in self._probation:
             self._probation.remove(request_id)
         self._strikes.left(request_id, forget=True)  # an id is never used again
@@ -167,7 +202,7 @@ class EngineWorker:
         if self._probation and not self._strikes.waits(self._probation[0]):
             request_id = self._probation.popleft()
             self._strikes.entered(request_id)
-            self.engine.add_request(self._held[request_id][0])
+            self._add(self._held[request_id][0])
 
     def _restart(self, exc: Exception) -> bool:
         """Empty the engine and give it back every request it held but the quarantined; ``False`` if the engine
@@ -188,6 +223,8 @@ class EngineWorker:
             self._strikes.reset()
             self._probation.clear()
             for request_id, (request, _) in list(self._held.items()):
+                if request_id in self._preparing:
+                    continue  # not in the engine yet: it goes in once prepared
                 if self._strikes.quarantined(request_id):
                     logger.error("request %s quarantined: the engine failed twice while running it", request_id)
                     self._deliver(self._quarantined(request))
@@ -196,7 +233,7 @@ class EngineWorker:
                 elif self._strikes.struck(request_id):
                     self._probation.append(request_id)
                 else:
-                    self.engine.add_request(request)
+                    self._add(request)
             self._admit_probation()
         except Exception as again:
             return self._restart(again)
