@@ -68,3 +68,55 @@ def peft_reference(model_dir: Path, adapters: dict[str, Path]) -> Any:
         return ids[len(prompt) :]
 
     return lambda prompt, max_new_tokens, adapter: generate(tuple(prompt), max_new_tokens, adapter)
+
+
+MALFORMED = (
+    "config-a-list", "r-null", "r-zero", "r-1e400", "alpha-not-a-number", "no-lora-B", "file-under-8-bytes",
+    "header-of-2^40-bytes", "truncated", "nan-weights", "huge-weights-inf",
+)  # fmt: skip
+"""The broken adapters ``malformed_adapters`` makes; the last two pass every check of their files' shape."""
+
+
+def malformed_adapters(good: Path, root: Path) -> dict[str, Path]:
+    """Copies of the adapter in ``good``, each broken one way (``MALFORMED``): its config, its weights' header, its
+    data, or its values."""
+    import json
+    import shutil
+    import struct
+
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((good / "adapter_config.json").read_text())
+    weights = good / "adapter_model.safetensors"
+    made: dict[str, Path] = {}
+    for name in MALFORMED:
+        path = made[name] = root / name
+        shutil.copytree(good, path)
+        target = path / "adapter_model.safetensors"
+        state = load_file(weights)
+        if name == "config-a-list":
+            (path / "adapter_config.json").write_text(json.dumps([config]))
+        elif name.startswith(("r-", "alpha-")):
+            key, value = {"r-null": ("r", None), "r-zero": ("r", 0), "alpha-not-a-number": ("lora_alpha", "abc")}.get(
+                name, ("r", 0)
+            )
+            text = json.dumps({**config, key: value})
+            if name == "r-1e400":
+                text = json.dumps({**config, "r": 12345}).replace("12345", "1e400")
+            (path / "adapter_config.json").write_text(text)
+        elif name == "no-lora-B":
+            dropped = next(key for key in state if ".lora_B." in key)
+            save_file({key: tensor for key, tensor in state.items() if key != dropped}, target)
+        elif name == "file-under-8-bytes":
+            target.write_bytes(b"\x01\x02\x03")
+        elif name == "header-of-2^40-bytes":
+            target.write_bytes(struct.pack("<Q", 2**40) + b"{}" * 16)
+        elif name == "truncated":
+            data = weights.read_bytes()
+            target.write_bytes(data[: len(data) - 64])
+        else:  # finite or not, values no mask could contain by multiplying
+            value = float("nan") if name == "nan-weights" else 3e38
+            save_file(
+                {key: tensor.fill_(value) if ".lora_A." in key else tensor for key, tensor in state.items()}, target
+            )
+    return made

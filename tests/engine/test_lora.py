@@ -193,3 +193,69 @@ def test_an_engine_without_lora_on_the_model_of_one_with_it_runs_the_base(
         plain, [EngineRequest("base", prompt, SamplingParams(max_tokens=TOKENS, ignore_eos=True))]
     )
     assert result["base"].outputs[0].token_ids == peft_greedy(prompt, TOKENS, None)
+
+
+def test_a_broken_adapter_fails_its_requests_alone(
+    demo_path: Path,
+    tokenizer: Any,
+    adapters: dict[str, Path],
+    served: Adapters,
+    tmp_path: Path,
+    peft_greedy: Callable[[list[int], int, str | None], list[int]],
+    run_to_completion: Callable[..., Any],
+) -> None:
+    """Each broken adapter is refused by the load check or, past it, when the engine reads it: its requests fail with
+    ``invalid_adapter``, and everyone else's (the base's, a good adapter's, in the same steps) run as peft's."""
+    from lora_helpers import MALFORMED, malformed_adapters
+
+    from batchgen.server.engine.adapters import LoRARequest
+
+    broken = malformed_adapters(adapters["alpha"], tmp_path)
+    for name in MALFORMED[:-2]:
+        with pytest.raises(AdapterRefused):
+            adapter_config(name, broken[name], 8)
+    engine = lora_engine(demo_path, tokenizer, adapters, self_check=False)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    params = SamplingParams(max_tokens=TOKENS, ignore_eos=True)
+    requests = [EngineRequest(f"bad-{name}", prompt, params, lora=LoRARequest(name, str(path), 1000 + i))
+                for i, (name, path) in enumerate(broken.items())]  # fmt: skip
+    requests += [
+        EngineRequest("base", prompt, params),
+        EngineRequest("alpha", prompt, params, lora=served.get("alpha")),
+    ]
+    results = run_to_completion(engine, requests)
+    for name in MALFORMED[:-1]:  # the last one's weights are finite: it runs (test below)
+        error = results[f"bad-{name}"].error
+        assert error is not None and error.code == "invalid_adapter", (name, error)
+    assert "NaN or infinite" in results["bad-nan-weights"].error.message
+    assert results["base"].outputs[0].token_ids == peft_greedy(prompt, TOKENS, None)
+    assert results["alpha"].outputs[0].token_ids == peft_greedy(prompt, TOKENS, "alpha")
+
+
+def test_what_one_adapter_makes_of_a_token_never_reaches_another_row(
+    demo_path: Path, tokenizer: Any, adapters: dict[str, Path], tmp_path: Path, run_to_completion: Callable[..., Any]
+) -> None:
+    """An adapter whose finite weights overflow to inf in its own rows, in one step with the base: the base's tokens
+    and logprobs are what they are alone, to float32's rounding (inf x 0 is NaN: a mask that multiplies would spread
+    it to every row)."""
+    from lora_helpers import malformed_adapters
+
+    from batchgen.server.engine.adapters import LoRARequest
+
+    huge = malformed_adapters(adapters["alpha"], tmp_path)["huge-weights-inf"]
+    engine = lora_engine(demo_path, tokenizer, adapters, self_check=False)
+    params = SamplingParams(max_tokens=TOKENS, ignore_eos=True, logprobs=True)
+    prompt = [8, 6, 7, 5, 3, 0, 9]
+    alone = run_to_completion(engine, [EngineRequest("alone", prompt, params)])["alone"].outputs[0]
+    mixed = run_to_completion(
+        engine,
+        [
+            EngineRequest("base", prompt, params),
+            EngineRequest("huge", prompt, params, lora=LoRARequest("huge", str(huge), 7)),
+        ],
+    )
+    assert mixed["huge"].error is None  # served: its own rows are its own business
+    assert mixed["base"].outputs[0].token_ids == alone.token_ids
+    mixed_logprobs = mixed["base"].outputs[0].logprobs
+    assert mixed_logprobs is not None and alone.logprobs is not None
+    assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(mixed_logprobs, alone.logprobs, strict=True))

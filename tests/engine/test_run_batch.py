@@ -81,3 +81,22 @@ def test_invalid_file_runs_nothing(tmp_path: Path, capsys: pytest.CaptureFixture
     err = capsys.readouterr().err
     assert "1 invalid line(s); nothing was run" in err and "line 3: invalid_json_line" in err  # blank line 2 counts
     assert not output.exists()
+
+
+@pytest.mark.parametrize(
+    ("config", "says"),
+    [({"r": 0}, "its r is 0, not a positive whole number"), ({"lora_alpha": "abc"}, "its lora_alpha is 'abc'")],
+)
+def test_a_broken_adapter_in_lora_modules_is_one_line_and_exit_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], config: dict[str, Any], says: str
+) -> None:
+    adapter = tmp_path / "broken"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", **config}))
+    source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write(source, "/v1/completions", {"a": {"prompt": "x"}})
+    lora = ["--enable-lora", "--lora-modules", f"broken={adapter}"]
+    assert main(["run-batch", "-i", str(source), "-o", str(output), *lora, *ENGINE_FLAGS]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err and "Loading weights" not in err, err
+    assert err.startswith("batchgen-server: --lora-modules: LoRA adapter 'broken' cannot be served: ") and says in err

@@ -10,11 +10,17 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import struct
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from .errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from .config import EngineConfig
 
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 _SALTS = itertools.count(1)
@@ -56,21 +62,29 @@ class LoRAModule:
         return cls(name, path)
 
 
+MAX_HEADER_BYTES = 100 * 2**20
+"""safetensors' own limit on a header's size."""
+SAFETENSORS_DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+"""The dtypes an adapter's matrices may have, with their sizes in bytes."""
+
+
 def adapter_config(name: str, path: str | Path, max_rank: int) -> dict[str, Any]:
     """The adapter's ``adapter_config.json``, once checked: a PEFT LoRA whose every part the engine applies exactly
-    (plain LoRA on linear layers, ``lora_alpha`` scaling or rsLoRA, rank within ``--max-lora-rank``); raises
-    ``AdapterRefused`` naming what it is not."""
+    (plain LoRA on linear layers, ``lora_alpha`` scaling or rsLoRA, rank within ``--max-lora-rank``), whose weights'
+    header (safetensors) names matching A and B matrices of its ranks; raises ``AdapterRefused`` naming what it is
+    not. A path with no readable adapter is refused in the same words whatever is there (a file, nothing): the
+    answer tells nothing of the server's files."""
     directory = Path(path)
     try:
         config = json.loads((directory / "adapter_config.json").read_text())
-    except FileNotFoundError:
-        raise AdapterRefused(f"LoRA adapter {name!r}: {directory} holds no adapter_config.json") from None
-    except (OSError, ValueError) as exc:
-        raise AdapterRefused(f"LoRA adapter {name!r}: cannot read {directory}/adapter_config.json ({exc})") from None
+    except (OSError, ValueError):
+        raise AdapterRefused(f"LoRA adapter {name!r}: no PEFT LoRA adapter can be read at that path") from None
 
     def refuse(why: str) -> AdapterRefused:
         return AdapterRefused(f"LoRA adapter {name!r} cannot be served: {why}")
 
+    if not isinstance(config, dict):
+        raise refuse("its adapter_config.json is not a JSON object")
     if config.get("peft_type", "LORA") != "LORA":
         raise refuse(f"it is a {config.get('peft_type')} adapter, not LoRA")
     if config.get("use_dora"):
@@ -85,29 +99,89 @@ def adapter_config(name: str, path: str | Path, max_rank: int) -> dict[str, Any]
         raise refuse("it trains token embeddings (trainable_token_indices)")
     if config.get("lora_bias"):
         raise refuse("it has a LoRA bias (lora_bias)")
-    ranks = [int(config.get("r", 8)), *map(int, dict(config.get("rank_pattern") or {}).values())]
-    if max(ranks) > max_rank:
-        raise refuse(f"its rank {max(ranks)} is above --max-lora-rank {max_rank}")
-    keys = _weight_names(directory)
-    if keys is None:
-        raise AdapterRefused(f"LoRA adapter {name!r}: {directory} holds no {' or '.join(WEIGHT_FILES)}")
-    if embedding := next((key for key in keys if "lora_embedding" in key), None):
+    rank = _number(config, "r", 8, refuse, rank=True)
+    _number(config, "lora_alpha", 8, refuse)
+    ranks = _pattern_of(config, "rank_pattern", refuse, rank=True)
+    _pattern_of(config, "alpha_pattern", refuse)
+    if max([rank, *ranks.values()]) > max_rank:
+        raise refuse(f"its rank {max([rank, *ranks.values()])} is above --max-lora-rank {max_rank}")
+    shapes = _weight_shapes(directory, refuse)
+    if shapes is None:
+        raise AdapterRefused(f"LoRA adapter {name!r}: its directory holds no {' or '.join(WEIGHT_FILES)}")
+    if embedding := next((key for key in shapes if "lora_embedding" in key), None):
         raise refuse(f"it adapts an embedding ({embedding})")
-    if other := next((key for key in keys if ".lora_A." not in key and ".lora_B." not in key), None):
-        raise refuse(f"it holds weights other than LoRA's A and B matrices ({other})")
+    for key, shape in shapes.items():
+        if ".lora_A." not in key and ".lora_B." not in key:
+            raise refuse(f"it holds weights other than LoRA's A and B matrices ({key})")
+        twin = key.replace(".lora_A.", ".lora_B.") if ".lora_A." in key else key.replace(".lora_B.", ".lora_A.")
+        if twin not in shapes:
+            raise refuse(f"it has {key} but no {twin}")
+        if ".lora_A." in key:
+            module = key.split(".lora_A.")[0]
+            r = next((v for k, v in ranks.items() if module == k or module.endswith("." + k)), rank)
+            if len(shape) != 2 or len(shapes[twin]) != 2 or shape[0] != r or shapes[twin][1] != r:
+                raise refuse(f"{module} has A {shape} and B {shapes[twin]}: not the matrices of a rank-{r} LoRA")
     return dict(config)
 
 
-def _weight_names(directory: Path) -> list[str] | None:
-    """The tensor names of the adapter's weights (a safetensors header is read without loading anything); ``[]`` for
-    a pickled ``.bin`` (checked when the engine loads it); ``None`` if it has none."""
+def _number(config: dict[str, Any], key: str, default: int, refuse: Any, *, rank: bool = False) -> Any:
+    """``config[key]``: a positive whole number for a rank, a finite number for a scale."""
+    value = config.get(key, default)
+    if rank:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise refuse(f"its {key} is {value!r}, not a positive whole number")
+    elif isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise refuse(f"its {key} is {value!r}, not a finite number")
+    return value
+
+
+def _pattern_of(config: dict[str, Any], key: str, refuse: Any, *, rank: bool = False) -> dict[str, Any]:
+    """PEFT's per-module overrides (``rank_pattern``, ``alpha_pattern``): module name -> number."""
+    pattern = config.get(key) or {}
+    if not isinstance(pattern, dict):
+        raise refuse(f"its {key} is not an object")
+    for module in pattern:
+        _number(pattern, module, 0, refuse, rank=rank)
+    return pattern
+
+
+def _weight_shapes(directory: Path, refuse: Any) -> dict[str, list[int]] | None:
+    """The shape of each of the adapter's weights, by name, from the safetensors header (nothing loaded; every
+    entry checked against the file's size and its dtype); ``{}`` for a pickled ``.bin`` (checked when the engine
+    loads it); ``None`` if it has none."""
     file = directory / WEIGHT_FILES[0]
-    if file.is_file():
+    if not file.is_file():
+        return {} if (directory / WEIGHT_FILES[1]).is_file() else None
+    try:
         with file.open("rb") as stream:
-            (size,) = struct.unpack("<Q", stream.read(8))
-            header = json.loads(stream.read(size))
-        return [key for key in header if key != "__metadata__"]
-    return [] if (directory / WEIGHT_FILES[1]).is_file() else None
+            size = file.stat().st_size
+            head = stream.read(8)
+            (header_size,) = struct.unpack("<Q", head) if len(head) == 8 else (-1,)
+            if not 0 < header_size <= min(MAX_HEADER_BYTES, size - 8):
+                raise refuse(f"{WEIGHT_FILES[0]} is not a safetensors file (a header of {header_size} bytes)")
+            header = json.loads(stream.read(header_size))
+    except OSError:
+        raise refuse(f"{WEIGHT_FILES[0]} cannot be read") from None
+    except ValueError:
+        raise refuse(f"{WEIGHT_FILES[0]} has a header that is not JSON") from None
+    if not isinstance(header, dict):
+        raise refuse(f"{WEIGHT_FILES[0]} has a header that is not a JSON object")
+    data = size - 8 - header_size
+    shapes: dict[str, list[int]] = {}
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+            numel = math.prod(shape) if all(isinstance(n, int) and n >= 0 for n in shape) else -1
+            valid = dtype in SAFETENSORS_DTYPES and 0 <= begin <= end <= data
+            valid = valid and numel >= 0 and end - begin == numel * SAFETENSORS_DTYPES[dtype]
+        except (KeyError, TypeError, ValueError):
+            valid = False
+        if not valid:
+            raise refuse(f"{WEIGHT_FILES[0]}'s entry {key} is not a float matrix within the file")
+        shapes[key] = list(shape)
+    return shapes
 
 
 class Adapters:
@@ -122,6 +196,15 @@ class Adapters:
         for text in modules:
             module = LoRAModule.parse(text)
             self.add(module.name, module.path)
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> Adapters:
+        """The adapters ``--lora-modules`` serves; one that cannot be served is a ``ModelLoadError`` (one line at
+        start-up, not a traceback)."""
+        try:
+            return cls(config.served_model_names[0], config.max_lora_rank, config.lora_modules)
+        except ValueError as exc:  # AdapterRefused, a malformed entry
+            raise ModelLoadError(f"--lora-modules: {exc}") from None
 
     def add(self, name: str, path: str) -> LoRARequest:
         """Serve the adapter in ``path`` as ``name`` (its config checked: ``AdapterRefused``); ``ValueError`` if the

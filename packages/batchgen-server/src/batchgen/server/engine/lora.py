@@ -4,10 +4,10 @@ Every linear of the decoder layers gets ``--max-loras`` fixed adapter slots: its
 matrices (``[slots * rank, in]``), its ``lora_b`` their B matrices with the adapter's scaling folded in (``[out,
 slots * rank]``), each padded with zeros to ``--max-lora-rank`` (a smaller rank, or an adapter that does not target
 this linear, adds exact zeros). A step's rows each run with one slot (0: the base alone): one ``[tokens, slots *
-rank]`` mask, filled once a step, keeps each token's own slot's columns, so a linear's LoRA is two small GEMMs for
-the whole step, whatever the mix::
+rank]`` mask, filled once a step, keeps each token's own slot's columns (the others are zeroed, so nothing another
+adapter makes of a token reaches it), so a linear's LoRA is two small GEMMs for the whole step, whatever the mix::
 
-    y = base(x) + ((x @ lora_a.T) * mask[token]) @ lora_b.T
+    y = base(x) + where(mask[token], x @ lora_a.T, 0) @ lora_b.T
 
 The shapes never depend on the mix, so the compiled layers and the CUDA graphs serve any mix (the mask is a static
 buffer refilled before a replay), and loading an adapter into a slot is an in-place copy. The delta is a forward
@@ -24,6 +24,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,7 +55,19 @@ class AdapterWeights:
 
 def read_adapter(request: LoRARequest, linears: dict[str, torch.nn.Linear], max_rank: int) -> AdapterWeights:
     """The adapter in ``request.path``, checked against the model's decoder linears ``linears`` (by module name);
-    raises ``AdapterRefused`` naming what the engine cannot apply exactly."""
+    raises ``AdapterRefused`` naming what the engine cannot apply exactly, whatever is wrong with its files (the
+    adapter fails alone: never the step, nor anyone else's requests)."""
+    try:
+        return _read_adapter(request, linears, max_rank)
+    except AdapterRefused:
+        raise
+    except Exception as exc:  # a file cut short, a tensor of another kind, no memory for what a header claims
+        raise AdapterRefused(
+            f"LoRA adapter {request.name!r} cannot be read: {type(exc).__name__}: {str(exc)[:200]}"
+        ) from None
+
+
+def _read_adapter(request: LoRARequest, linears: dict[str, torch.nn.Linear], max_rank: int) -> AdapterWeights:
     config = adapter_config(request.name, request.path, max_rank)
     directory = Path(request.path)
     if (directory / WEIGHT_FILES[0]).is_file():
@@ -66,17 +79,24 @@ def read_adapter(request: LoRARequest, linears: dict[str, torch.nn.Linear], max_
     alpha, rank = float(config.get("lora_alpha", 8)), int(config.get("r", 8))
     alphas, ranks = dict(config.get("alpha_pattern") or {}), dict(config.get("rank_pattern") or {})
     rslora = bool(config.get("use_rslora"))
+
+    def refuse(why: str) -> AdapterRefused:
+        return AdapterRefused(f"LoRA adapter {request.name!r} cannot be served: {why}")
+
     matrices: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for key in state:
+        if ".lora_A." not in key and ".lora_B." not in key:
+            raise refuse(f"it holds weights other than LoRA's A and B matrices ({key})")
+        twin = key.replace(".lora_A.", ".lora_B.") if ".lora_A." in key else key.replace(".lora_B.", ".lora_A.")
+        if twin not in state:
+            raise refuse(f"it has {key} but no {twin}")
     for key, a in state.items():
         if ".lora_A." not in key:
             continue
         module = key.removeprefix(PEFT_PREFIX).split(".lora_A.")[0]
         linear = linears.get(module)
         if linear is None:
-            raise AdapterRefused(
-                f"LoRA adapter {request.name!r} cannot be served: it adapts {module!r}, which is not a linear layer "
-                "of the model's decoder layers"
-            )
+            raise refuse(f"it adapts {module!r}, which is not a linear layer of the model's decoder layers")
         b = state[key.replace(".lora_A.", ".lora_B.")]
         r = _pattern(ranks, module, rank)
         if a.shape != (r, linear.in_features) or b.shape != (linear.out_features, r):
@@ -87,7 +107,10 @@ def read_adapter(request: LoRARequest, linears: dict[str, torch.nn.Linear], max_
         a_alpha = float(_pattern(alphas, module, alpha))
         scaling = a_alpha / (r**0.5 if rslora else r)
         dtype = linear.weight.dtype
-        matrices[module] = (a.to(dtype), (b.double() * scaling).to(dtype))
+        a, b = a.to(dtype), (b.double() * scaling).to(dtype)
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):  # NaN x 0 is NaN: no mask could contain it
+            raise refuse(f"its weights for {module} hold NaN or infinite values (in the model's {dtype})")
+        matrices[module] = (a, b)
     if not matrices:
         raise AdapterRefused(f"LoRA adapter {request.name!r} holds no LoRA weights")
     return AdapterWeights(request, matrices)
@@ -122,7 +145,7 @@ def build_slots(runner: ModelRunner, config: EngineConfig) -> LoRASlots:
     shape = (list(linears.values()), config.max_loras, config.max_lora_rank)
     max_tokens = max(config.max_num_batched_tokens, graph_rows)
     earlier: LoRASlots | None = vars(runner.model).get("_batchgen_lora")
-    if earlier is not None and earlier.shape == shape and earlier.mask.shape[0] >= max_tokens:
+    if earlier is not None and earlier.shape == shape and earlier.off.shape[0] >= max_tokens:
         earlier.reset()  # an earlier engine's on this model, shared as its compiled layers are: none holds an adapter
         earlier.held = [None] * len(earlier.held)
         return earlier
@@ -140,7 +163,7 @@ def detach(model: torch.nn.Module) -> None:
 
 class LoRASlots:
     """The adapter slots laid over a model's decoder linears (see the module's docstring), and which adapter holds
-    which slot. Not thread-safe but for ``weights``, which the submitting thread may call (``LLMEngine.prepare``)."""
+    which slot. Not thread-safe but for ``weights`` and ``read`` (``LLMEngine.prepare``)."""
 
     def __init__(
         self,
@@ -158,8 +181,10 @@ class LoRASlots:
         width = max_loras * max_rank
         first = next(iter(linears.values())).weight
         self.device, self.dtype = first.device, first.dtype
-        self.mask = torch.zeros(max_tokens, width, dtype=self.dtype, device=self.device)
-        """Row ``t``: ones over the columns of token ``t``'s slot (none for the base)."""
+        self.off = torch.ones(max_tokens, width, dtype=torch.bool, device=self.device)
+        """Row ``t``: true over every column but token ``t``'s slot's (all of them for the base). Those columns are
+        zeroed, not multiplied by 0: what another slot's adapter makes of a token (an overflow to inf, say) never
+        reaches it."""
         self._columns = torch.arange(width, device=self.device) // max_rank + 1
         """The slot (from 1) of each column."""
         self.reference: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -170,7 +195,7 @@ class LoRASlots:
             weight = linear.weight
             linear.register_buffer("lora_a", weight.new_zeros(width, linear.in_features), persistent=False)
             linear.register_buffer("lora_b", weight.new_zeros(linear.out_features, width), persistent=False)
-            linear.register_buffer("lora_mask", self.mask, persistent=False)
+            linear.register_buffer("lora_off", self.off, persistent=False)
             linear.lora_name = name  # type: ignore[assignment]
             self._handles.append(linear.register_forward_hook(self._hook))
         model._batchgen_lora = self  # type: ignore[assignment]
@@ -181,14 +206,15 @@ class LoRASlots:
         """Running rows per slot."""
         self._idle: OrderedDict[int, None] = OrderedDict((slot, None) for slot in range(1, max_loras + 1))
         """Slots no row uses, least recently used first (the one a new adapter takes)."""
-        self._cache: OrderedDict[tuple[str, int], AdapterWeights] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, int], AdapterWeights | AdapterRefused] = OrderedDict()
         self._cache_lock = threading.Lock()
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchgen-lora")
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         for linear in self.linears.values():
-            for buffer in ("lora_a", "lora_b", "lora_mask"):
+            for buffer in ("lora_a", "lora_b", "lora_off"):
                 linear._buffers.pop(buffer, None)
 
     def _hook(self, module: torch.nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
@@ -200,8 +226,8 @@ class LoRASlots:
             a, b = matrices
             return output + torch.nn.functional.linear(torch.nn.functional.linear(x, a), b)
         flat = x.reshape(-1, x.shape[-1])
-        mask = module.lora_mask[: flat.shape[0]]  # type: ignore[index]
-        down = torch.mm(flat, module.lora_a.t()).mul_(mask)  # type: ignore[operator]
+        off = module.lora_off[: flat.shape[0]]  # type: ignore[index]
+        down = torch.mm(flat, module.lora_a.t()).masked_fill_(off, 0)  # type: ignore[operator]
         # The add inside the GEMM (beta 1): one call, no temporary of the output's size.
         return torch.addmm(output.reshape(-1, output.shape[-1]), down, module.lora_b.t()).view(output.shape)  # type: ignore[operator]
 
@@ -209,18 +235,28 @@ class LoRASlots:
 
     def weights(self, request: LoRARequest) -> AdapterWeights:
         """The adapter's weights, read from its directory unless among the ``--max-cpu-loras`` kept; raises
-        ``AdapterRefused``."""
+        ``AdapterRefused`` (kept too: a refused adapter's files are not read for each of its requests)."""
         key = (request.name, request.salt)
         with self._cache_lock:
-            if (found := self._cache.get(key)) is not None:
+            found = self._cache.get(key)
+            if found is not None:
                 self._cache.move_to_end(key)
-                return found
-        found = read_adapter(request, self.linears, self.max_rank)
-        with self._cache_lock:
-            self._cache[key] = found
-            while len(self._cache) > self.max_cpu_loras:
-                self._cache.popitem(last=False)
+        if found is None:
+            try:
+                found = read_adapter(request, self.linears, self.max_rank)
+            except AdapterRefused as exc:
+                found = exc
+            with self._cache_lock:
+                self._cache[key] = found
+                while len(self._cache) > self.max_cpu_loras:
+                    self._cache.popitem(last=False)
+        if isinstance(found, AdapterRefused):
+            raise found
         return found
+
+    def read(self, request: LoRARequest) -> Future[AdapterWeights]:
+        """``weights``, read in a thread of its own (a request waits for it before it enters the engine)."""
+        return self._reader.submit(self.weights, request)
 
     # ---- slots ---------------------------------------------------------------------------------------------------
 
@@ -273,7 +309,7 @@ class LoRASlots:
         """The step's tokens, each with its row's slot: the mask's first rows (a graph's padding rows beyond them
         keep stale rows, and their outputs are dropped)."""
         slots = to_device(torch.from_numpy(token_slots), self.device)
-        self.mask[: len(token_slots)] = (slots[:, None] == self._columns[None, :]).to(self.dtype)
+        self.off[: len(token_slots)] = slots[:, None] != self._columns[None, :]
 
     @contextmanager
     def referencing(self, adapter: AdapterWeights | None) -> Iterator[None]:
