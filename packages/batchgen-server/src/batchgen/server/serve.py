@@ -29,7 +29,7 @@ def serve(settings: Settings) -> int:
     from .engines import load_engine
 
     try:
-        check_bind_address(settings.host, settings.api_keys, settings.insecure)
+        check_bind_address(settings.host, settings.accepted_keys, settings.insecure)
     except InsecureBindError as exc:
         print(f"batchgen-server: {exc}", file=sys.stderr)
         return 2

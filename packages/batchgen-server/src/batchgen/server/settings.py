@@ -39,6 +39,11 @@ class Settings:
     api_keys: tuple[str, ...] = setting(
         (), "accepted Bearer key, repeat for several; none: no authentication, loopback only", flags=("--api-key",)
     )
+    admin_api_key: str | None = setting(
+        None,
+        "the operator's Bearer key: with API keys set, only it may load and unload LoRA adapters at run time (it "
+        "is a tenant of its own for everything else)",
+    )
     insecure: bool = setting(False, "allow a non-loopback --host without an API key (a trusted network)")
     callback_allowed_hosts: tuple[str, ...] = setting(
         (),
@@ -111,6 +116,11 @@ class Settings:
         for name, value in overrides.items():
             setattr(settings, name, value)
         return settings
+
+    @property
+    def accepted_keys(self) -> tuple[str, ...]:
+        """Every Bearer key the server accepts: the tenants' and the operator's."""
+        return self.api_keys + ((self.admin_api_key,) if self.admin_api_key else ())
 
     @property
     def database_path(self) -> Path:

@@ -1,7 +1,8 @@
 """vLLM's ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``: LoRA adapters served from now on, or no more.
 Refused unless the server runs with ``--enable-lora`` and ``--allow-runtime-lora-updating`` (or vLLM's
-``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``). An adapter loaded is checked at once (its config and weights' names: what
-the engine cannot apply exactly is refused, naming it); the engine reads its weights on first use."""
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``) and, on a server with API keys, the caller holds ``--admin-api-key``. An
+adapter loaded is checked at once (its config and weights' header: what the engine cannot apply exactly is refused,
+naming it); the engine reads its weights on first use."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from litestar.openapi import ResponseSpec
 from batchgen.schemas import ErrorResponse
 
 from ..engine.adapters import AdapterRefused, Adapters
+from ..security.auth import tenant_id
 from .deps import ServerContext
 from .errors import ERROR_RESPONSES, APIError, invalid, not_found
 
@@ -28,21 +30,35 @@ class UnloadLoRAAdapterRequest(msgspec.Struct, kw_only=True):
     lora_path: str | None = None
 
 
-def _adapters(context: ServerContext) -> Adapters:
+def _adapters(context: ServerContext, owner: str) -> Adapters:
+    """The adapters served, when ``owner`` may change them: runtime updating is on and, on a server with API keys
+    (tenants), the caller holds the operator's key: an adapter is served to every tenant, so no tenant may swap or
+    drop another's."""
+    settings = context.settings
     adapters = context.serving.adapters
-    if adapters is None or not context.settings.engine.runtime_lora_updating:
+    if adapters is None or not settings.engine.runtime_lora_updating:
         raise APIError(
             403,
             "Loading and unloading LoRA adapters at run time is off: start the server with --enable-lora and "
             "--allow-runtime-lora-updating (or VLLM_ALLOW_RUNTIME_LORA_UPDATING=1).",
             code="runtime_lora_updating_disabled",
         )
+    if settings.accepted_keys and (settings.admin_api_key is None or owner != tenant_id(settings.admin_api_key)):
+        raise APIError(
+            403,
+            "Only the operator's key (--admin-api-key) may load or unload LoRA adapters on a server with API keys.",
+            code="admin_key_required",
+        )
     return adapters
 
 
 RESPONSES = {
     **ERROR_RESPONSES,
-    403: ResponseSpec(ErrorResponse, description="Run-time LoRA updating is off", generate_examples=False),
+    403: ResponseSpec(
+        ErrorResponse,
+        description="Run-time LoRA updating is off, or the caller is not the operator",
+        generate_examples=False,
+    ),
 }
 
 
@@ -50,9 +66,10 @@ class LoRAController(Controller):
     tags = ("models",)
 
     @post("/v1/load_lora_adapter", status_code=200, media_type=MediaType.TEXT, responses=RESPONSES)
-    async def load(self, context: ServerContext, data: LoadLoRAAdapterRequest) -> str:
-        """Serve the PEFT LoRA adapter in ``lora_path`` as the model ``lora_name``."""
-        adapters = _adapters(context)
+    async def load(self, context: ServerContext, owner: str, data: LoadLoRAAdapterRequest) -> str:
+        """Serve the PEFT LoRA adapter in ``lora_path`` as the model ``lora_name`` (the operator's key only, on a
+        server with API keys)."""
+        adapters = _adapters(context, owner)
         if data.lora_name in context.serving.model_names:
             raise invalid(f"{data.lora_name!r} is the base model's name", param="lora_name")
         try:
@@ -64,8 +81,9 @@ class LoRAController(Controller):
         return f"Success: LoRA adapter '{data.lora_name}' added successfully."
 
     @post("/v1/unload_lora_adapter", status_code=200, media_type=MediaType.TEXT, responses=RESPONSES)
-    async def unload(self, context: ServerContext, data: UnloadLoRAAdapterRequest) -> str:
-        """Serve the adapter ``lora_name`` no more (requests already running with it finish)."""
-        if not _adapters(context).remove(data.lora_name):
+    async def unload(self, context: ServerContext, owner: str, data: UnloadLoRAAdapterRequest) -> str:
+        """Serve the adapter ``lora_name`` no more (requests already running with it finish; the operator's key
+        only, on a server with API keys)."""
+        if not _adapters(context, owner).remove(data.lora_name):
             raise not_found("model", data.lora_name, param="lora_name")
         return f"Success: LoRA adapter '{data.lora_name}' removed successfully."
