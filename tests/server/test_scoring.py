@@ -187,3 +187,20 @@ def test_scoring_requests_that_cannot_run_are_400(live_server: LiveServer, body:
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
     assert param in (error["param"] or "")
+
+
+def test_scoring_past_the_bound_on_what_it_returns_is_400(live_server: LiveServer) -> None:
+    """16 prompts x 2,000 tokens with top-20 prompt logprobs and top-20 echoed logprobs: 1.3 million logprobs, an
+    answer of some 50 MB; refused before it runs, naming the bound. Online and as a batch line."""
+    prompts = [[(7 * i + j) % 250 for j in range(2000)] for i in range(16)]
+    body = {"model": "demo", "prompt": prompts, "max_tokens": 0, "echo": True, "logprobs": 20, "prompt_logprobs": 20}
+    response = live_server.http.post("/v1/completions", json=body)
+    assert response.status_code == 400, response.text[:300]
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("too_many_logprobs", "prompt_logprobs")
+    assert "1344000 prompt logprobs" in error["message"] and "--max-prompt-logprob-entries" in error["message"]
+    line = {"custom_id": "big", "method": "POST", "url": "/v1/completions", "body": body}
+    batch = live_server.run([line], endpoint="/v1/completions")
+    (failed,) = live_server.lines(batch["error_file_id"])
+    assert failed["response"]["status_code"] == 400
+    assert failed["response"]["body"]["error"]["code"] == "too_many_logprobs"

@@ -1,4 +1,5 @@
-"""How chat outputs are read: the tool-call and reasoning parsers, spelled as vLLM's flags spell them."""
+"""How requests are answered: the tool-call and reasoning parsers of chat outputs, spelled as vLLM's flags spell
+them, and the bound on what scoring may return."""
 
 from __future__ import annotations
 
@@ -19,6 +20,12 @@ class ServingConfig:
     )
     reasoning_parser: str | None = setting(
         None, "split a thinking model's reasoning from its answer: qwen3 or deepseek_r1"
+    )
+    max_prompt_logprob_entries: int = setting(
+        2**19,
+        "most logprobs a request's prompts may return (prompt tokens x (top logprobs + 1) x n, its prompts together: "
+        "prompt_logprobs, echo with logprobs); a request over it is refused (400 too_many_logprobs), as its answer "
+        "would be tens of megabytes",
     )
 
     def __post_init__(self) -> None:

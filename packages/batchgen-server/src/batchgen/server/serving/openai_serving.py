@@ -55,7 +55,14 @@ from .errors import RequestRejected
 from .messages import MessagePlan, MessageReader
 from .parsers import reasoning_parser, tool_call_parser
 from .responses import response_object
-from .scoring import echoed, engine_max_tokens, prompt_logprobs_count, wants_ranks, wire_prompt_logprobs
+from .scoring import (
+    echoed,
+    engine_max_tokens,
+    prompt_logprob_entries,
+    prompt_logprobs_count,
+    wants_ranks,
+    wire_prompt_logprobs,
+)
 from .structured import output_constraint
 
 if TYPE_CHECKING:
@@ -107,6 +114,7 @@ class OpenAIServing:
         the longest entry of the vocabulary (unless the tokenizer's normalizer drops characters). Checked before
         tokenizing, which takes memory and time in proportion to the text."""
         self._token_text = lru_cache(maxsize=65536)(self._decode_token)
+        self.max_prompt_logprob_entries = config.max_prompt_logprob_entries
         self.reasoning = None if config.reasoning_parser is None else reasoning_parser(config.reasoning_parser)
         """Splits a thinking model's reasoning from its answer (``--reasoning-parser``)."""
         self.tool_parser = None
@@ -147,9 +155,7 @@ class OpenAIServing:
             max_sequences,
             load_generation_defaults(config),
             serving,
-            Adapters(config.served_model_names[0], config.max_lora_rank, config.lora_modules)
-            if config.enable_lora
-            else None,
+            Adapters.of(config) if config.enable_lora else None,
         )
 
     @property
@@ -218,6 +224,7 @@ class OpenAIServing:
                 )
         else:
             prompts = self._prompts(body.prompt, "prompt", _first(body.add_special_tokens, True))
+        self._check_scoring_size(body, prompts)
         return [
             EngineRequest(
                 engine_request_id(request_id, i),
@@ -316,6 +323,19 @@ class OpenAIServing:
         if plan.reasoning is None or plan.prompt_tail.rstrip().endswith(plan.reasoning.end):
             return ()
         return self._reasoning_end_ids
+
+    def _check_scoring_size(self, body: ChatCompletionRequest | CompletionRequest, prompts: list[list[int]]) -> None:
+        """A request whose prompt logprobs would make an answer of tens of megabytes is refused before it runs."""
+        entries = prompt_logprob_entries(body, prompts)
+        if entries > self.max_prompt_logprob_entries:
+            param = "prompt_logprobs" if body.prompt_logprobs is not None else "logprobs"
+            raise RequestRejected(
+                "too_many_logprobs",
+                f"The request asks for {entries} prompt logprobs (prompt tokens x (top logprobs + 1) x n); this server "
+                f"returns at most {self.max_prompt_logprob_entries} for one request (--max-prompt-logprob-entries). "
+                "Ask for fewer top logprobs, or split the prompts over several requests.",
+                param,
+            )
 
     def _check_token_ids(self, token_ids: Any, param: str) -> None:
         bad = [token for token in token_ids if token >= len(self.tokenizer)]

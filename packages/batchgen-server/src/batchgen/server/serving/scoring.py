@@ -25,6 +25,15 @@ def prompt_logprobs_count(body: ChatCompletionRequest | CompletionRequest) -> in
     return max(counts) if counts else None
 
 
+def prompt_logprob_entries(body: ChatCompletionRequest | CompletionRequest, prompts: list[list[int]]) -> int:
+    """How many logprobs the answer gives for its prompts: each prompt token's own and its top ones, in every choice,
+    once for ``prompt_logprobs`` and once more for an echo's ``logprobs``."""
+    per_token = 0 if body.prompt_logprobs is None else body.prompt_logprobs + 1
+    if isinstance(body, CompletionRequest) and body.echo and body.logprobs is not None:
+        per_token += body.logprobs + 1
+    return per_token * body.n * sum(map(len, prompts))
+
+
 def wants_ranks(body: ChatCompletionRequest | CompletionRequest) -> bool:
     """Ranks are reported in ``prompt_logprobs`` only (an echo's logprobs have none): they cost a pass over the
     logits of every prompt position."""
