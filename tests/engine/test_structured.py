@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -259,3 +261,103 @@ def test_the_grammar_constrains_what_follows_the_end_of_the_reasoning(
         assert answer in CHOICES and result.outputs[0].finish_reason == "stop", text
         thoughts.append(thought)
     assert any(len(thought) > 2 for thought in thoughts)  # the reasoning itself was free: not the grammar's
+
+
+def test_refused_schemas_leave_no_memory_behind() -> None:
+    """100 distinct 3 MB schemas, each refused: what is remembered of each is its hash and the reason, not its text."""
+    import gc
+    import os
+    from pathlib import Path
+
+    from batchgen.schemas.requests import JsonSchemaFormat, ResponseFormat
+    from batchgen.server.serving import RequestRejected
+    from batchgen.server.serving.structured import format_constraint
+
+    def resident() -> int:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def refuse(index: int) -> None:
+        schema = {"type": "array", "uniqueItems": True, "description": f"{index:04d}" + "x" * 3_000_000}
+        strict = JsonSchemaFormat(name="s", schema_=schema, strict=True)
+        response_format = ResponseFormat(type="json_schema", json_schema=strict)
+        with pytest.raises(RequestRejected, match="uniqueItems"):
+            format_constraint(response_format)
+
+    refuse(-1)
+    gc.collect()
+    before = resident()
+    for index in range(100):
+        refuse(index)
+    gc.collect()
+    assert resident() - before < 40 * 2**20  # the texts would be 300 MB
+
+
+def test_compilations_past_their_limit_give_their_places_to_the_next() -> None:
+    """Native compilations cannot be interrupted: one given up on runs on in its thread, and the next one starts at
+    once in another (here the slow work waits on an event, standing in for a pathological grammar)."""
+    from concurrent.futures import Future
+
+    from batchgen.server.engine.grammar import Compilations, GrammarError
+
+    pool = Compilations(threads=2, timeout_s=0.2)
+    release = threading.Event()
+    late: list[str] = []
+    stuck: list[Future[str]] = [Future() for _ in range(3)]
+    for index, future in enumerate(stuck):
+        pool.run(lambda index=index: release.wait() and f"slow-{index}", future, late.append)  # type: ignore[misc]
+    for future in stuck:
+        with pytest.raises(GrammarError, match=r"did not compile within 0\.2 s"):
+            future.result(timeout=5)
+    quick: Future[str] = Future()
+    pool.run(lambda: "quick", quick, late.append)
+    assert quick.result(timeout=1) == "quick"  # not queued behind the three still running
+    release.set()
+    deadline = time.monotonic() + 5
+    while len(late) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sorted(late) == ["slow-0", "slow-1", "slow-2"]  # kept for the next requests of their grammars
+
+
+def test_a_grammar_compiled_after_its_limit_serves_the_next_requests(tokenizer: Any) -> None:
+    from batchgen.server.engine.grammar import GrammarCompiler, GrammarError
+    from batchgen.server.serving.structured import json_grammar
+
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), timeout_s=0.01)
+    grammar = json_grammar(
+        {"type": "object", "properties": {f"k{i}": {"type": "integer"} for i in range(400)}}, lenient=False
+    )
+    with pytest.raises(GrammarError, match="did not compile within"):
+        compiler.compile(grammar)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        future = compiler.start(grammar)
+        if future.done() and future.exception() is None:
+            break
+        time.sleep(0.02)
+    assert compiler.matcher(grammar).is_accepting() is False  # a fresh matcher at the grammar's start
+
+
+def test_objects_are_closed_unless_the_schema_says_otherwise(tokenizer: Any) -> None:
+    """pydantic's schemas do not say ``additionalProperties``: an object takes its listed keys only (as xgrammar,
+    vLLM's default backend, reads it), so a model cannot go on adding keys; a schema that allows more keeps them."""
+    import llguidance
+    import llguidance.hf
+
+    from batchgen.server.serving.structured import json_grammar
+
+    lltokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer))
+
+    def accepts(schema: dict[str, Any], text: str) -> bool:
+        matcher = llguidance.LLMatcher(lltokenizer, json_grammar(schema, lenient=False), log_level=0)
+        return matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False)) and matcher.is_accepting()
+
+    person = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "pet": {"$ref": "#/$defs/Pet"}, "properties": {"type": "integer"}},
+        "$defs": {"Pet": {"type": "object", "properties": {"kind": {"type": "string"}}}},
+    }
+    assert accepts(person, '{"name":"Ada","pet":{"kind":"cat"},"properties":3}')
+    assert not accepts(person, '{"name":"Ada","age":3}')
+    assert not accepts(person, '{"pet":{"kind":"cat","age":3}}')  # nested ones too
+    assert accepts({**person, "additionalProperties": True}, '{"name":"Ada","age":3}')
+    assert accepts({"type": "object"}, '{"any":1}')  # no listed keys: any object

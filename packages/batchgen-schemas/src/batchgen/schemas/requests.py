@@ -104,6 +104,10 @@ class StructuredOutputs(Body, kw_only=True, forbid_unknown_fields=True):
     """A regex for JSON's optional whitespace (default: at most a few spaces, tabs and newlines at each place)."""
     disable_fallback: bool = False
     """A no-op: there is one grammar backend, and no fallback."""
+    disable_additional_properties: bool = False
+    """vLLM's switch that closes the objects of a ``json`` schema: an object that lists ``properties`` takes no
+    other key unless the schema says ``additionalProperties``. batchgen always does (as vLLM's default backend,
+    xgrammar, does), so this changes nothing."""
 
     def constraints(self) -> list[str]:
         """The names of the constraints set."""

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from functools import lru_cache
 from types import MappingProxyType
 from typing import Any
 
@@ -28,6 +29,7 @@ from batchgen.schemas import (
     StructuredOutputs,
 )
 
+from ..engine.request import MAX_REASON_CHARS, grammar_key
 from .errors import RequestRejected
 
 WHITESPACE = r"(\x0D?\x0A)?[\x20\x09]{0,20}"
@@ -84,11 +86,27 @@ def _checked(build: Callable[[], str | None], param: str) -> OutputConstraint | 
     return OutputConstraint(grammar, param)
 
 
-@lru_cache(maxsize=1024)
+PROBLEMS_KEPT = 1024
+_problems: OrderedDict[bytes, str] = OrderedDict()
+_problems_lock = threading.Lock()
+
+
 def grammar_problem(grammar: str) -> str:
     """Why llguidance cannot build ``grammar`` (``""``: it can); each grammar checked once (a batch repeats its
-    schema on every line). Without the tokenizer: the engine compiles it against the vocabulary."""
-    return LLMatcher.validate_grammar(grammar)
+    schema on every line), remembered by its text's hash (the text of what was refused is not kept), the reason
+    cut short (llguidance's may quote the grammar). Without the tokenizer: the engine compiles it against the
+    vocabulary."""
+    key = grammar_key(grammar)
+    with _problems_lock:
+        if (problem := _problems.get(key)) is not None:
+            _problems.move_to_end(key)
+            return problem
+    problem = LLMatcher.validate_grammar(grammar)[:MAX_REASON_CHARS]
+    with _problems_lock:
+        _problems[key] = problem
+        while len(_problems) > PROBLEMS_KEPT:
+            _problems.popitem(last=False)
+    return problem
 
 
 def _format_grammar(response_format: ResponseFormat) -> str | None:
@@ -192,11 +210,49 @@ def _tool_grammar(tools: list[ChatTool], choice: Any, parallel: bool | None) -> 
 
 
 def json_grammar(schema: dict[str, Any], *, lenient: bool, options: dict[str, Any] | None = None) -> str:
-    """``lenient``: keywords llguidance does not implement are ignored (the rest enforced), else refused by name."""
+    """``lenient``: keywords llguidance does not implement are ignored (the rest enforced), else refused by name.
+    Objects are closed (``closed_objects``)."""
     defaults = {"whitespace_pattern": WHITESPACE} if options is None else options
     compile_options: Any = {**defaults, "lenient": lenient}  # llguidance's JsonCompileOptions
     # As text: llguidance's own conversion of a dict refuses an integer past 64 bits; in JSON text it reads a float.
-    return LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=compile_options)
+    return LLMatcher.grammar_from_json_schema(json.dumps(closed_objects(schema)), defaults=compile_options)
+
+
+SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+"""Keywords whose value maps names to subschemas."""
+SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+SUBSCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames")
+"""Keywords whose value is one subschema (``items`` may be a list of them too)."""
+
+
+def closed_objects(schema: Any, *, part: bool = False) -> Any:
+    """``schema`` with every object that lists ``properties`` (or ``patternProperties``) closed unless it says
+    ``additionalProperties`` itself, as xgrammar (vLLM's default backend) reads a schema: a model then ends the
+    object after its keys instead of adding keys of its own (pydantic's schemas say nothing). llguidance alone
+    would leave such objects open. The walk follows the keywords that hold subschemas, so a property named
+    ``properties`` is not taken for the keyword; an ``allOf`` member is a ``part`` of its object, left open (its
+    keys add to the others')."""
+    if not isinstance(schema, dict):
+        return schema
+    closed = dict(schema)
+    for keyword in SUBSCHEMA_MAPS:
+        if isinstance(closed.get(keyword), dict):
+            closed[keyword] = {name: closed_objects(sub) for name, sub in closed[keyword].items()}
+    for keyword in SUBSCHEMA_LISTS:
+        if isinstance(closed.get(keyword), list):
+            closed[keyword] = [closed_objects(sub) for sub in closed[keyword]]
+    if isinstance(closed.get("allOf"), list):
+        closed["allOf"] = [closed_objects(sub, part=True) for sub in closed["allOf"]]
+    for keyword in SUBSCHEMAS:
+        value = closed.get(keyword)
+        if isinstance(value, list):
+            closed[keyword] = [closed_objects(sub) for sub in value]
+        elif isinstance(value, dict):
+            closed[keyword] = closed_objects(value)
+    opened = part or any(key in closed for key in ("additionalProperties", "unevaluatedProperties", "allOf"))
+    if ("properties" in closed or "patternProperties" in closed) and not opened:
+        closed["additionalProperties"] = False
+    return closed
 
 
 def _parsed(text: str, param: str) -> Any:
