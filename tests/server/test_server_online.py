@@ -273,6 +273,33 @@ def test_a_full_server_answers_429_with_retry_after(small_server: LiveServer) ->
     )
 
 
+def test_concurrent_streams_past_the_capacity_are_answered_429(small_server: LiveServer) -> None:
+    """Six streams at once against room for four: a stream takes its place when it is admitted, not when its first
+    event goes out, so exactly two are turned away."""
+    import contextlib
+    import threading
+
+    body = {**LONG, "stream": True}
+    statuses: list[int] = []
+    admitted = threading.Barrier(7)
+    with contextlib.ExitStack() as streams:
+
+        def open_stream() -> None:
+            http = streams.enter_context(httpx.Client(base_url=small_server.base_url, timeout=60))
+            response = streams.enter_context(http.stream("POST", "/v1/chat/completions", json=body))
+            statuses.append(response.status_code)
+            admitted.wait(30)
+
+        threads = [threading.Thread(target=open_stream) for _ in range(6)]
+        for thread in threads:
+            thread.start()
+        admitted.wait(30)
+        for thread in threads:
+            thread.join()
+        assert sorted(statuses) == [200] * 4 + [429] * 2, statuses
+    _engine_idle(small_server)
+
+
 def _time_to_first_token(server: LiveServer) -> float:
     body = {"model": "demo", "messages": MESSAGES, "max_tokens": 4, "ignore_eos": True, "stream": True}
     start = time.monotonic()

@@ -9,7 +9,6 @@ step; past ``max_backlog_tokens`` unread tokens its requests are aborted and its
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -35,8 +34,21 @@ class OnlineRequests:
     sequences: int = 0
     """Sequences (prompts x n) of the online requests inside the engine now."""
 
-    def check(self, sequences: int) -> None:
-        """429 when ``sequences`` more would not fit now; 400 when they never would; 503 when the engine is dead."""
+    def start(self, requests: list[EngineRequest]) -> EngineCall:
+        """Admit ``requests`` and submit them, their place held from now until each has left the engine (a stream's
+        reader may still be reading): 429 when they would not fit now, 400 when they never would, 503 when the engine
+        is dead. The caller runs the call (``async with``), which aborts whatever has not finished when it ends; a
+        call never run (a stream whose client left before it began) runs to its end and gives its place back."""
+        sequences = sum(request.params.n for request in requests)
+        self._check(sequences)
+        self.sequences += sequences  # checked and taken in one go on the event loop: no other admission between
+        try:
+            return EngineCall(self.engine, requests, self.max_backlog_tokens, on_left=self._left)
+        except BaseException:
+            self.sequences -= sequences
+            raise
+
+    def _check(self, sequences: int) -> None:
         if self.engine.state == "dead":
             raise engine_stopped(self.engine)
         if sequences > self.capacity:
@@ -54,17 +66,6 @@ class OnlineRequests:
                 code="queue_full",
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
-
-    @contextlib.asynccontextmanager
-    async def run(self, requests: list[EngineRequest]) -> AsyncIterator[EngineCall]:
-        """Submit ``requests``; on leaving, abort whatever has not finished. Their place is given back as soon as
-        they have left the engine (a stream's reader may still be reading)."""
-        self.sequences += sum(request.params.n for request in requests)
-        call = EngineCall(self.engine, requests, self.max_backlog_tokens, on_left=self._left)
-        try:
-            yield call
-        finally:
-            call.abort_unfinished()
 
     def _left(self, request: EngineRequest) -> None:
         self.sequences -= request.params.n
@@ -96,6 +97,12 @@ class EngineCall:
             loop.call_soon_threadsafe(self._arrive, result)
 
         self.engine.submit(self.requests, deliver)
+
+    async def __aenter__(self) -> EngineCall:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.abort_unfinished()
 
     async def results(self) -> AsyncIterator[tuple[int, EngineResult]]:
         """Each prompt's result, partial or final, with its prompt's index, until every request has its final one;

@@ -37,7 +37,7 @@ from ..serving.openai_serving import ResponseBody
 from ..serving.response_stream import ResponseStream
 from ..serving.streaming import StreamedResponse
 from .deps import ServerContext
-from .engine_calls import StreamBacklog
+from .engine_calls import EngineCall, StreamBacklog
 from .errors import ERROR_RESPONSES, APIError
 
 NO_DEFAULTS = BatchDefaults()
@@ -105,17 +105,17 @@ async def serve(context: ServerContext, request: Request[Any, Any, Any], body: R
     """Answer ``body`` now: whole, or as server-sent events with ``stream: true``."""
     request_id = new_request_id()
     requests = await engine_requests(context, body, request_id, online=True)
-    context.online.check(sum(r.params.n for r in requests))
+    call = context.online.start(requests)  # a stream's place too is taken now, before its first byte
     if not isinstance(body, EmbeddingRequest) and body.stream:
         stream: StreamedResponse | ResponseStream
         if isinstance(body, ResponseRequest):
             stream = ResponseStream(context.serving, body, chat_request(body), requests, request_id)
         else:
             stream = StreamedResponse(context.serving, body, requests, request_id)
-        events = _events(context, stream, requests)
+        events = _events(stream, call)
         # The content type as a header: Litestar would give a Stream the route's JSON media type.
         return Stream(events, headers={"content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache"})
-    async with context.online.run(requests) as call:
+    async with call:
         results = await _unless_disconnected(request, call.final_results())
     if (failure := failed(results)) is not None:
         status, error = failure
@@ -123,13 +123,11 @@ async def serve(context: ServerContext, request: Request[Any, Any, Any], body: R
     return context.serving.response_body(body, requests, results, request_id=request_id)
 
 
-async def _events(
-    context: ServerContext, stream: StreamedResponse | ResponseStream, requests: list[EngineRequest]
-) -> AsyncIterator[bytes]:
+async def _events(stream: StreamedResponse | ResponseStream, call: EngineCall) -> AsyncIterator[bytes]:
     """The events of a streamed request. A client that goes away cancels this (Litestar listens for it), which
     aborts the request in the engine."""
     try:
-        async with context.online.run(requests) as call:
+        async with call:
             for event in stream.start():
                 yield event
             async for index, result in call.results():
@@ -154,7 +152,7 @@ async def _events(
 
 async def _unless_disconnected(request: Request[Any, Any, Any], work: Any) -> list[EngineResult]:
     """``work``'s result; if the client goes away first, ``work`` is cancelled (and the caller leaving its
-    ``online.run`` aborts the requests)."""
+    call aborts the requests)."""
     task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_disconnected(request))
     try:
