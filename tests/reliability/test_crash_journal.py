@@ -39,6 +39,17 @@ def test_a_second_death_adds_a_strike_and_an_answer_clears_it(tmp_path: Path) ->
     assert dict(CrashJournal(path).strikes.counts) == {("b1", "x y\nz"): 2}
 
 
+def test_a_struck_line_dropped_unanswered_keeps_its_strike_across_a_restart(tmp_path: Path) -> None:
+    """Cancelled (or sent back) after its strike: out of the engine, still a suspect at the next start."""
+    path = tmp_path / "inflight.journal"
+    CrashJournal(path).entered("b", "suspect")  # the process dies with it inside: a strike
+    journal = CrashJournal(path)
+    journal.entered("b", "suspect")
+    journal.dropped("b", "suspect")
+    del journal  # and dies again, the line out of the engine
+    assert dict(CrashJournal(path).strikes.counts) == {("b", "suspect"): 1}
+
+
 def test_a_line_torn_by_the_death_is_ignored(tmp_path: Path) -> None:
     path = tmp_path / "inflight.journal"
     journal = CrashJournal(path)

@@ -2,9 +2,10 @@
 
 The engine itself fails a request that breaks a step, and its worker restarts it after worse (engine/worker.py);
 this covers what kills the process (a crash in native code, the OOM killer). The batch loop notes each request line
-when it enters the engine (``+``) and when it leaves it (``-``): one JSON array per journal line, without fsync (the
-page cache outlives the process). At start, a line entered and never left was inside the engine when the process
-died, and gets a strike (``!`` records, kept until the line is answered). ``strikes`` applies the policy of
+when it enters the engine (``+``) and when it leaves it: answered (``-``, its strikes forgotten), or not (``~``:
+cancelled, expired, sent back after a storage fault; its strikes kept). One JSON array per journal line, without
+fsync (the page cache outlives the process). At start, a line entered and never left was inside the engine when the
+process died, and gets a strike (``!`` records, kept until the line is answered). ``strikes`` applies the policy of
 ``engine.strikes`` to them (``quarantine`` is how the loop asks it): a line with two is answered with a
 ``server_error`` line instead of run, so one request can never keep a server in a crash loop.
 """
@@ -52,6 +53,8 @@ class CrashJournal:
             elif mark == "-":
                 inside.pop(key, None)
                 self.strikes.counts.pop(key, None)
+            elif mark == "~":
+                inside.pop(key, None)
         self.strikes.strike(inside)
         if inside:
             log.warning("the last run stopped with %d request(s) inside the engine: each gets a strike", len(inside))
@@ -74,7 +77,7 @@ class CrashJournal:
         key = (batch_id, custom_id)
         if key in self._inside:
             self._inside.discard(key)
-            self._append("-", batch_id, custom_id)
+            self._append("~", batch_id, custom_id)
         self.strikes.left(key, forget=False)
 
     def close(self) -> None:

@@ -91,11 +91,14 @@ class Feeder:
                 self._waiting_for_room = batch
                 break
         if self._unsent:
-            for entry in self._unsent:
+            sending, self._unsent = self._unsent, []
+            for entry in sending:
                 self.quarantine.entered(entry.batch.id, entry.line.custom_id)
-            requests = [request for entry in self._unsent for request in entry.requests or ()]
-            self._unsent = []
-            self.engine.submit(requests, self._on_result)
+            try:
+                self.engine.submit([request for entry in sending for request in entry.requests or ()], self._on_result)
+            except Exception as exc:  # the engine refused them all (a bug): their lines are answered, never stranded
+                for entry in sending:
+                    self._fail(entry, _line_bug(entry.batch, entry.line, exc))
 
     def drop(self, batch: Batch) -> list[BatchInputLine]:
         """Take the batch out of the window: abort what the engine runs of it, forget what is tokenized for it, and
@@ -170,7 +173,12 @@ class Feeder:
             self._send_back(batch)
             self._trouble(batch, outcome)
             return
-        rejected = outcome if isinstance(outcome, RequestRejected) else _line_bug(batch, entry.line, outcome)
+        self._fail(entry, outcome if isinstance(outcome, RequestRejected) else _line_bug(batch, entry.line, outcome))
+
+    def _fail(self, entry: Entry, rejected: RequestRejected) -> None:
+        """Answer the entry's line with an error line; none of its requests is awaited any more."""
+        for request in entry.requests or ():
+            self._requests.pop(request.request_id, None)
         error = self.serving.error_line(
             entry.line.custom_id,
             request_id=entry.request_id,
@@ -180,7 +188,7 @@ class Feeder:
             status_code=rejected.status_code,
         )
         self._release(entry)
-        self._answer(batch, entry.line, error, entry.work)
+        self._answer(entry.batch, entry.line, error, entry.work)
 
     def _send_back(self, batch: Batch) -> None:
         """Put every line of the batch being tokenized back in front of its held lines, in input order, so that none
