@@ -1,12 +1,15 @@
 """One local Ray for the whole test session, started only when a replica test runs (the other tests never pay for
-it), and a server with two CPU replicas of the demo model on it."""
+it), and a server with two CPU replicas of the demo model on it. Its replicas kill themselves on the crash marker
+(``tests/faults``): a prompt holding token ids 14, 15, 16 in a row, which no other test's prompt has."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from server_helpers import LiveServer
@@ -21,6 +24,7 @@ sys.stdin.read()  # until the test session ends (or dies: its end of the pipe cl
 ray.shutdown()
 """
 """A process that starts Ray (4 logical CPUs: two replicas and room to restart one) and ends it when stdin closes."""
+CRASH_MARKER = "14,15,16"
 
 
 @pytest.fixture(scope="session")
@@ -31,7 +35,15 @@ def ray_address() -> Iterator[str]:
     with pytest.MonkeyPatch.context() as patch:
         # Ray secures a cluster it starts with the token in ~/.ray/auth_token; who joins by address must ask for it.
         patch.setenv("RAY_AUTH_MODE", "token")
-        holder = subprocess.Popen([sys.executable, "-c", HOLD_RAY], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        faults = str(Path(__file__).parents[1] / "faults")
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([faults, *(p for p in sys.path if p)]),
+            "BATCHGEN_TEST_CRASH_MARKER": CRASH_MARKER,
+        }  # what Ray's worker processes start with: the replicas
+        holder = subprocess.Popen(
+            [sys.executable, "-c", HOLD_RAY], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
+        )
         assert holder.stdout is not None and holder.stdin is not None
         address = holder.stdout.readline().decode().strip()
         if not address:

@@ -147,3 +147,29 @@ def test_an_engine_that_gave_up_is_restarted_but_one_that_never_ran_is_left_dead
     b.feed(report("b2", state="dead"))  # the new process could not load the model: not restarted again
     assert b.restarts == 1 and [s.state for s in pool.replicas()] == ["running", "dead"]
     assert pool.healthy
+
+
+def test_a_request_that_kills_its_replicas_is_struck_out_and_the_rest_are_answered(
+    make_pool: Callable[..., ReplicaPool],
+) -> None:
+    """The crash journal's rule over replicas: each death strikes what the dead process held; a struck request runs
+    on probation (never beside another struck one), and one struck twice is answered with an error, not sent on."""
+    a, b = ScriptedReplica(), ScriptedReplica()
+    pool = make_pool(a, b)
+    a.feed(report("a1"))
+    b.feed(report("b1"))
+    answered: dict[str, EngineResult] = {}
+    pool.submit([request(f"r{i}") for i in range(4)], lambda result: answered.update({result.request_id: result}))
+    assert (a.submitted, b.submitted) == ([["r0", "r2"]], [["r1", "r3"]])
+
+    a.feed(ReplicaLost("the actor died", dead=True))  # r0 and r2 each get a strike: r0 on probation, r2 waits
+    assert b.submitted[-1] == ["r0"]
+    b.feed(report("b1", "r1", "r0"))  # r0's probation is over (answered): r2's turn
+    assert b.submitted[-1] == ["r2"]
+    b.feed(report("b2"))  # b's process died running r2 (and r3): r2's second strike, r3's first
+    error = answered["r2"].error
+    assert error is not None and error.code == "server_error" and "died each of the two times" in error.message
+    assert b.submitted[-1] == ["r3"]  # on b's new process, alone among the struck (a is still down)
+    b.feed(report("b2", "r3"))
+    assert sorted(answered) == ["r0", "r1", "r2", "r3"]
+    assert all(answered[f"r{i}"].error is None for i in (0, 1, 3))

@@ -102,3 +102,24 @@ def test_a_replica_killed_mid_batch_loses_nothing_and_duplicates_nothing(replica
     before = _served(server)
     assert_exactly_once(server, server.run(lines), lines)
     assert all(after > earlier for after, earlier in zip(_served(server), before, strict=True))
+
+
+def test_a_line_that_kills_every_replica_it_runs_on_is_struck_out_and_the_batch_completes(
+    replica_server: LiveServer,
+) -> None:
+    """The line holding the crash marker kills the replica process running it (SIGKILL, as native code or the OOM
+    killer would): struck each time, run alone among the struck, answered with an error after its second death;
+    every other line is answered once, and Ray brings both replicas back."""
+    server = replica_server
+    _wait_until(lambda: [r["state"] for r in _replicas(server)] == ["running"] * 2, 120, "both replicas run")
+    restarts = sum(replica["restarts"] for replica in _replicas(server))
+    lines = _lines("poison", 8, max_tokens=4)
+    lines.insert(3, chat_line("kills-its-replica", content="see \x0e\x0f\x10 here", max_tokens=4, ignore_eos=True))
+    batch = server.wait(server.create_batch(server.upload(lines)["id"])["id"], timeout_s=180)
+    assert_exactly_once(server, batch, lines)
+    assert batch["request_counts"] == {"total": 9, "completed": 8, "failed": 1}
+    (failed,) = server.lines(batch["error_file_id"])
+    assert failed["custom_id"] == "kills-its-replica" and failed["response"]["status_code"] == 500
+    assert "died each of the two times" in failed["response"]["body"]["error"]["message"]
+    _wait_until(lambda: [r["state"] for r in _replicas(server)] == ["running"] * 2, 120, "Ray restarts both")
+    assert sum(replica["restarts"] for replica in _replicas(server)) == restarts + 2

@@ -32,7 +32,13 @@ def load_engine(config: EngineConfig, cluster: ClusterConfig) -> EngineClient:
         raise ModelLoadError(
             "--replicas runs the engine replicas on Ray, which is not installed: pip install 'batchgen-server[ray]'"
         ) from None
-    return start_pool(config, cluster)
+    pool = start_pool(config, cluster)
+    # This process loads no model, yet the app's threads reach transformers' classes (the serving's generation
+    # config, the tokenizer's): transformers imports them lazily, and two threads importing one at once can fail
+    # ("Could not import module 'PreTrainedModel'"). Import them now, in this thread, before any other starts.
+    from .engine import loader  # noqa: F401
+
+    return pool
 
 
 def window_for(engine: EngineClient) -> int:

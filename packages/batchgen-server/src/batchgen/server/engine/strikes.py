@@ -30,6 +30,14 @@ class Strikes(Generic[K]):
         for key in keys:
             self.counts[key] += 1
 
+    def withdraw(self, keys: Iterable[K]) -> None:
+        """Take back a strike each: what they were struck for did not happen after all."""
+        for key in keys:
+            if self.counts[key] > 0:
+                self.counts[key] -= 1
+            if not self.counts[key]:
+                del self.counts[key]
+
     def struck(self, key: K) -> bool:
         return self.counts[key] > 0
 

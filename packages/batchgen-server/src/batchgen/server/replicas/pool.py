@@ -15,6 +15,10 @@ run-batch drive N engines exactly as they drive one.
   (``engine.strikes.cut_stream``), as the engine worker does when it restarts its engine. A replica whose
   engine gave up is restarted (a new process may have a working device); one that cannot load the model after a
   restart is left dead, its error saying why.
+- **Strikes** (``engine.strikes``, the crash journal's rule): every request on a replica whose process died gets a
+  strike. A struck request runs on probation, never beside another struck one (in the whole pool), so a second
+  death is pinned on one request; one with two strikes is answered with a ``server_error`` instead of run again.
+  A request that kills whatever process runs it cannot cycle through the replicas forever.
 
 The replicas are reached through ``ReplicaHandle`` (``ray_cluster.RayReplica`` on Ray); this module imports no Ray.
 """
@@ -32,8 +36,8 @@ from typing import TYPE_CHECKING, Protocol
 from batchgen.schemas import ReplicaState, ReplicaStatus
 
 from ..engine.interface import ClientState, EngineStats, ResultCallback
-from ..engine.request import EngineRequest, EngineResult
-from ..engine.strikes import cut_stream
+from ..engine.request import EngineError, EngineRequest, EngineResult
+from ..engine.strikes import Strikes, cut_stream
 from .dispatch import Dispatcher, Load
 from .replica import ModelInfo, Report, is_final
 
@@ -100,7 +104,8 @@ class _Replica:
     ended: str | None = None
     """The incarnation whose process the pool asked Ray to replace (its engine gave up)."""
     moved: set[str] = field(default_factory=set)
-    """Requests taken from it when it could not be reached: aborted there if it answers again, still the same."""
+    """Requests taken from it when it could not be reached: aborted there, and their strikes withdrawn, if it answers
+    again, still the same process."""
     answered: threading.Event = field(default_factory=threading.Event)
 
 
@@ -138,6 +143,8 @@ class ReplicaPool:
         self._lock = threading.Lock()
         self._assigned: dict[str, _Assignment] = {}
         """Every request submitted and not answered nor aborted."""
+        self._strikes: Strikes[str] = Strikes()
+        """Requests that were on a replica when its process died, by request id."""
         self._stopping = threading.Event()
         self._on_stop = on_stop
         self._threads = [
@@ -198,8 +205,10 @@ class ReplicaPool:
                 if assignment is not None and assignment.replica is not None:
                     assignment.replica.assigned -= assignment.request.params.n
                     by_replica[assignment.replica].append(request_id)
+                self._strikes.left(request_id, forget=True)
             for replica, ids in by_replica.items():
                 replica.handle.abort(ids)
+            self._dispatch_waiting()
 
     def stats(self) -> EngineStats:
         """The replicas' engine stats added up (every field is a count); a replica restarted counts from zero."""
@@ -230,16 +239,20 @@ class ReplicaPool:
     # ---- dispatch -----------------------------------------------------------------------------------------------
 
     def _dispatch(self, assignments: list[_Assignment]) -> None:
-        """Send each request to a running replica (or hold it, with none); under the lock."""
+        """Send each request to a running replica (or hold it, with none, or while it waits for its probation);
+        under the lock."""
         running = [replica for replica in self._replicas if replica.state == "running"]
         loads = {replica.index: _load(replica) for replica in running}
         sent: defaultdict[_Replica, list[EngineRequest]] = defaultdict(list)
         for assignment in assignments:
             request = assignment.request
             self._assigned[request.request_id] = assignment
+            if self._strikes.waits(request.request_id):
+                continue  # another struck request is out: this one goes once that one is answered
             index = self._dispatcher.choose(request.prompt_token_ids, loads)
             if index is None:
                 continue
+            self._strikes.entered(request.request_id)
             replica = self._replicas[index]
             assignment.replica = replica
             replica.assigned += request.params.n
@@ -247,6 +260,12 @@ class ReplicaPool:
             sent[replica].append(request)
         for replica, requests in sent.items():
             replica.handle.submit(requests)
+
+    def _dispatch_waiting(self) -> None:
+        """Dispatch the requests on no replica (held while none ran, or for their probation); under the lock."""
+        waiting = [assignment for assignment in self._assigned.values() if assignment.replica is None]
+        if waiting:
+            self._dispatch(waiting)
 
     def _take_back(self, replica: _Replica) -> list[_Assignment]:
         """Every request on ``replica``, now on none; under the lock."""
@@ -279,7 +298,7 @@ class ReplicaPool:
                 log.warning("replica %d %s: %s", replica.index, "dead" if exc.dead else "lost", exc)
             replica.state, replica.stats = state, None
             self._failed(replica, str(exc))
-            self._move_away(replica, deliveries)
+            self._move_away(replica, deliveries, strike=True)
         self._deliver(deliveries)
 
     def _received(self, replica: _Replica, report: Report) -> None:
@@ -290,13 +309,14 @@ class ReplicaPool:
                     log.warning("replica %d was restarted (pid %s -> %s)", replica.index, replica.pid, report.pid)
                     replica.restarts += 1
                     self._failed(replica, f"restarted: its process {replica.pid} ended")
-                    self._move_away(replica, deliveries)
+                    self._move_away(replica, deliveries, strike=True)
                 replica.incarnation, replica.pid, replica.node = report.incarnation, report.pid, report.node
                 replica.ran = False
                 replica.moved.clear()
             replica.stats = report.stats
             if report.error is not None and report.error != replica.error:
                 self._failed(replica, report.error)
+            probation_over = False
             for result in report.results:
                 assignment = self._assigned.get(result.request_id)
                 if assignment is None or assignment.replica is not replica:
@@ -305,9 +325,13 @@ class ReplicaPool:
                     del self._assigned[result.request_id]
                     replica.assigned -= assignment.request.params.n
                     replica.served += 1
+                    probation_over |= self._strikes.on_probation == result.request_id
+                    self._strikes.left(result.request_id, forget=True)
                 else:
                     assignment.streamed = True
                 deliveries.append((assignment.on_result, result))
+            if probation_over:
+                self._dispatch_waiting()
             self._update_state(replica, report, deliveries)
         self._deliver(deliveries)
 
@@ -319,7 +343,7 @@ class ReplicaPool:
             if replica.ran:  # its engine gave up (a broken device?): the others take over, a new process may work
                 log.error("replica %d: its engine stopped (%s); restarting its process", replica.index, report.error)
                 replica.state, replica.ended = "restarting", replica.incarnation
-                self._move_away(replica, deliveries)
+                self._move_away(replica, deliveries, strike=False)  # its engine's own strikes covered its steps
                 replica.handle.restart()
             elif replica.state != "dead":  # restarted, it could not load the model: left dead, its error says why
                 log.error("replica %d could not start: %s", replica.index, report.error)
@@ -332,25 +356,50 @@ class ReplicaPool:
         replica.ran = True
         if not was_running:
             log.info("replica %d running (pid %s on %s)", replica.index, replica.pid, replica.node)
-            self._dispatch([assignment for assignment in self._assigned.values() if assignment.replica is None])
-        if replica.moved:
+            self._dispatch_waiting()
+        if replica.moved:  # the same process answers again: it did not die, and what it held is not struck
             stale = [request_id for request_id in replica.moved if self._where(request_id) is not replica]
+            self._strikes.withdraw(replica.moved)
             replica.moved.clear()
             if stale:
                 replica.handle.abort(stale)
 
-    def _move_away(self, replica: _Replica, deliveries: Deliveries) -> None:
+    def _move_away(self, replica: _Replica, deliveries: Deliveries, *, strike: bool) -> None:
         """Dispatch the requests of a replica that lost them, or may have, to the running ones, but fail those that
-        streamed tokens (added to ``deliveries``); under the lock."""
+        streamed tokens (added to ``deliveries``); with ``strike`` (its process died, or cannot be reached: Ray tells
+        a dead process it restarts from an unreachable one only later), each gets a strike, withdrawn if the same
+        process answers again, and one with two is quarantined (answered with an error). Under the lock."""
         taken = self._take_back(replica)
         if taken:
             log.warning("replica %d: %d request(s) dispatched again", replica.index, len(taken))
         replica.moved.update(assignment.request.request_id for assignment in taken)
+        again = []
         for assignment in taken:
+            request_id = assignment.request.request_id
+            self._strikes.left(request_id, forget=False)
+            if strike:
+                self._strikes.strike([request_id])
             if assignment.streamed:
-                del self._assigned[assignment.request.request_id]
-                deliveries.append((assignment.on_result, cut_stream(assignment.request, replica.error)))
-        self._dispatch([assignment for assignment in taken if not assignment.streamed])
+                result = cut_stream(assignment.request, replica.error)
+            elif self._strikes.quarantined(request_id):
+                log.error("request %s quarantined: the replica running it died twice", request_id)
+                result = self._quarantined(assignment.request, replica)
+            else:
+                again.append(assignment)
+                continue
+            del self._assigned[request_id]
+            self._strikes.left(request_id, forget=True)
+            deliveries.append((assignment.on_result, result))
+        self._dispatch(again)
+        self._dispatch_waiting()  # a probation ended with its replica: the next struck request may go
+
+    def _quarantined(self, request: EngineRequest, replica: _Replica) -> EngineResult:
+        message = (
+            "The engine could not run this request: the replica running it died each of the two times it ran; it is "
+            f"not run again (last failure: {replica.error})."
+        )
+        error = EngineError("server_error", message)
+        return EngineResult(request.request_id, len(request.prompt_token_ids), error=error, group=request.group)
 
     def _where(self, request_id: str) -> _Replica | None:
         assignment = self._assigned.get(request_id)
