@@ -437,3 +437,27 @@ def test_parsers_by_name() -> None:
         tool_call_parser("nope")
     with pytest.raises(ValueError, match="qwen3"):
         reasoning_parser("nope")
+
+
+@pytest.mark.parametrize("parser", ["hermes", "kimi_k2"])
+def test_a_long_call_streamed_in_small_pieces_is_read_once(parser: str) -> None:
+    """300,000 characters of arguments in 3-character pieces: while the call is open, a piece without its closing
+    marker is only kept (the format's parse runs for the few pieces that may close it), so a call costs time in
+    proportion to its length, not to its square."""
+    arguments = json.dumps({"text": "x" * 300_000})
+    call = hermes("search", arguments) if parser == "hermes" else KIMI_BEGIN + kimi("search", 0, arguments) + KIMI_END
+    text = "Let me look. " + call
+    stream = tool_call_parser(parser)(TOOLS)
+    parses = 0
+    region = stream._region
+
+    def counted(*args: Any) -> Any:
+        nonlocal parses
+        parses += 1
+        return region(*args)
+
+    stream._region = counted  # type: ignore[method-assign]
+    deltas = [stream.feed(text[i : i + 3]) for i in range(0, len(text), 3)] + [stream.finish()]
+    assert "".join(delta.content for delta in deltas) == "Let me look."
+    assert calls_of(deltas) == [("search", json.dumps(json.loads(arguments), separators=(",", ":")))]
+    assert parses < 50, parses  # of some 100,000 pieces

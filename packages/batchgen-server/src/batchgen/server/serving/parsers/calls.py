@@ -69,10 +69,25 @@ class ToolCallParser:
         self._after_call = False
         """The last thing given out is a call: what follows may continue the calls, and whitespace is the format's."""
         self._brackets: _Brackets | None = None
+        self._awaiting: str | None = None
+        """The marker that closes the call open at the front of the held text: nothing is decided until it comes."""
+        self._awaited: list[str] = []
+        """Pieces received while a marker is awaited, not joined to the held text yet."""
+        self._recent = ""
+        """The last characters received while a marker is awaited: it may begin in one piece and end in the next."""
 
     def feed(self, text: str) -> ParsedDelta:
-        """The next piece of generated text, of any size (it may split a marker or a JSON string anywhere)."""
-        self._text += text
+        """The next piece of generated text, of any size (it may split a marker or a JSON string anywhere). While an
+        open call awaits its closing marker, a piece without it is only kept: a call streamed a token at a time
+        costs time in proportion to its length, not to its square."""
+        if self._awaiting is not None:
+            recent = self._recent + text
+            self._awaited.append(text)
+            if self._awaiting not in recent:
+                self._recent = recent[-(len(self._awaiting) - 1) :]
+                return ParsedDelta("")
+        else:
+            self._awaited.append(text)
         return self._step(final=False)
 
     def finish(self) -> ParsedDelta:
@@ -85,7 +100,14 @@ class ToolCallParser:
         With ``final`` the tail is decided as content, unless the format reads an open call at the end."""
         raise NotImplementedError
 
+    def _await(self, marker: str) -> None:
+        """Called by ``_region`` as it answers that a call is open at the front of the held text: nothing is decided
+        before ``marker`` comes."""
+        self._awaiting = marker
+
     def _step(self, final: bool) -> ParsedDelta:
+        self._text += "".join(self._awaited)
+        self._awaited, self._awaiting = [], None
         content: list[str] = []
         calls: list[ToolCallDelta] = []
         while True:
@@ -94,6 +116,8 @@ class ToolCallParser:
                 upto = len(self._text) if final else len(self._text[:found].rstrip())
                 self._content(self._text[:upto], content)
                 self._drop(upto)
+                if self._awaiting is not None:  # the held text may end with the marker's first characters
+                    self._recent = self._text[len(self._text) - len(self._awaiting) + 1 :]
                 return ParsedDelta("".join(content), tuple(calls))
             if found.calls is None:
                 self._content(self._text[: found.end], content)
@@ -139,7 +163,7 @@ class ToolCallParser:
         origin = self._given + at
         if self._brackets is None or self._brackets.origin != origin:
             self._brackets = _Brackets(origin)
-        end = self._brackets.scan(text[at:])
+        end = self._brackets.scan(text, at)
         return None if end is None else at + end
 
     def _call(self, name: Any, arguments: Any) -> Call | None:
@@ -207,12 +231,13 @@ class _Brackets:
         self._escaped = False
         self._end: int | None = None
 
-    def scan(self, text: str) -> int | None:
-        """``text`` starts at the opening bracket and has grown since the last scan."""
+    def scan(self, text: str, at: int) -> int | None:
+        """Where the value opened at ``text[at]`` closes, counted from ``at``; ``text`` has grown since the last
+        scan."""
         if self._end is not None:
             return self._end
-        for i in range(self._seen, len(text)):
-            char = text[i]
+        for i in range(self._seen, len(text) - at):
+            char = text[at + i]
             if self._quote:
                 if self._escaped:
                     self._escaped = False
@@ -229,5 +254,5 @@ class _Brackets:
                 if self._depth == 0:
                     self._end = i + 1
                     return self._end
-        self._seen = len(text)
+        self._seen = len(text) - at
         return None

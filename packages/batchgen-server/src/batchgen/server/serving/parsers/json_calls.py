@@ -23,7 +23,10 @@ class HermesToolParser(ToolCallParser):
         close = text.find("</tool_call>", body)
         if close >= 0:
             return Region(start, close + len("</tool_call>"), self._calls(text[body:close]))
-        return Region(start, len(text), self._calls(text[body:])) if final else start
+        if final:
+            return Region(start, len(text), self._calls(text[body:]))
+        self._await("</tool_call>")
+        return start
 
     def _calls(self, body: str) -> list[Call] | None:
         return every([self._object_call(load(body), "arguments")])
@@ -117,6 +120,7 @@ class KimiK2ToolParser(ToolCallParser):
         start = min(starts)
         close = text.find("<|tool_call_end|>", start)
         if close < 0:
+            self._await("<|tool_call_end|>")
             return start
         end = close + len("<|tool_call_end|>")
         call = _KIMI_CALL.fullmatch(text, start, end)
