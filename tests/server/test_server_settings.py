@@ -240,3 +240,47 @@ def test_the_chat_output_parsers_are_vllm_flags_checked_before_anything_starts(
         with pytest.raises(SystemExit):
             main(["serve", *flags])
         assert message in capsys.readouterr().err
+
+
+def _open_files(path: Path) -> int:
+    """This process's descriptors open on ``path`` (and its WAL and shared-memory files)."""
+    fds = Path("/proc/self/fd")
+    return sum(1 for fd in fds.iterdir() if str(fd.resolve(strict=False)).startswith(str(path)))
+
+
+def test_closing_the_database_closes_every_threads_connection(tmp_path: Path) -> None:
+    import threading
+
+    db = Database(tmp_path / "batchgen.db")
+    threads = [threading.Thread(target=db.batch_status_counts) for _ in range(3)]  # each opens its own
+    for thread in threads:
+        thread.start()
+        thread.join()
+    assert _open_files(tmp_path / "batchgen.db") >= 4
+    db.close()
+    assert _open_files(tmp_path / "batchgen.db") == 0
+
+
+def test_a_start_that_fails_midway_stops_what_it_had_started(tmp_path: Path) -> None:
+    """The model cannot load once the database, the sweeper and the notifier run: each is stopped again."""
+    import asyncio
+
+    from batchgen.server.app import create_app
+    from batchgen.server.engine.errors import ModelLoadError
+
+    settings = Settings(storage_dir=tmp_path / "storage")
+    settings.engine.model = str(tmp_path / "no-such-model")
+
+    async def start() -> None:
+        app = create_app(settings)
+        with pytest.raises(BaseException) as raised:  # Litestar's task group may wrap it
+            async with app.lifespan():
+                pass
+        assert "no model at" in str(raised.value) or any(
+            isinstance(exc, ModelLoadError) for exc in getattr(raised.value, "exceptions", ())
+        )
+        left = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        assert left == []  # the sweeper is gone
+
+    asyncio.run(start())
+    assert _open_files(tmp_path / "storage" / "batchgen.db") == 0

@@ -55,78 +55,76 @@ def create_app(settings: Settings, engine: EngineClient | None = None) -> Litest
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
-        settings.storage_dir.mkdir(parents=True, exist_ok=True)
-        db = Database(settings.database_path)
-        blobs = BlobStore(settings.blobs_dir)
-        sweeper = asyncio.create_task(sweep_forever(db, blobs, settings.file_sweep_interval_s))
-        notifier = CallbackNotifier(settings.callbacks)
-        await notifier.start()
-        nonlocal engine
-        if engine is None:
-            engine = await asyncio.to_thread(load_engine, settings.engine, settings.cluster)
-        serving = await asyncio.to_thread(
-            OpenAIServing.for_engine, engine, settings.engine, settings.serving, settings.max_line_sequences
-        )
-        metrics: Metrics | None = None
+        # What starts is stopped in reverse, also when a later part fails to start (nothing leaks from a failed start).
+        async with contextlib.AsyncExitStack() as started:
+            settings.storage_dir.mkdir(parents=True, exist_ok=True)
+            db = Database(settings.database_path)
+            started.callback(db.close)
+            blobs = BlobStore(settings.blobs_dir)
+            sweeper = asyncio.create_task(sweep_forever(db, blobs, settings.file_sweep_interval_s))
+            started.push_async_callback(_cancel, sweeper)
+            notifier = CallbackNotifier(settings.callbacks)
+            await notifier.start()
+            started.push_async_callback(notifier.stop)
+            nonlocal engine
+            if engine is None:
+                engine = await asyncio.to_thread(load_engine, settings.engine, settings.cluster)
+            serving = await asyncio.to_thread(
+                OpenAIServing.for_engine, engine, settings.engine, settings.serving, settings.max_line_sequences
+            )
+            metrics: Metrics | None = None
 
-        def on_finished(batch: BatchObject) -> None:
-            notifier.notify(batch)
-            if metrics is not None:
-                metrics.observe_batch(batch)
+            def on_finished(batch: BatchObject) -> None:
+                notifier.notify(batch)
+                if metrics is not None:
+                    metrics.observe_batch(batch)
 
-        loop = BatchLoop(
-            DatabaseStore(db, blobs, on_finished=on_finished),
-            serving,
-            engine,
-            capacity=settings.max_queued_requests,
-            window=settings.engine_window or window_for(engine),
-            flush_interval_s=settings.flush_interval_s,
-            limits=settings.validation_limits,
-            journal=CrashJournal(settings.storage_dir / "inflight.journal"),
-        )
-        created = int(time.time())
-        models = [
-            ModelObject(id=name, created=created, max_context_length=engine.max_context_length)
-            for name in serving.model_names
-        ]
-        capacity = settings.max_online_sequences or 2 * settings.engine.max_num_seqs
-        online = OnlineRequests(engine, capacity, settings.max_stream_backlog_tokens)
-        metrics = Metrics(
-            engine.model_name,
-            ServerState(
-                engine=engine.stats,
-                engine_state=lambda: engine.state,
-                engine_restarts=lambda: engine.restarts,
-                queued_sequences=lambda: loop.status.queued_sequences,
-                storage_fault=lambda: loop.status.storage_fault,
-                batch_counts=db.batch_status_counts,
-                line_counts=db.request_totals,
-                replicas=lambda: replica_states(engine),
-            ),
-        )
-        engine.observer = metrics.observe_request
-        app.state.context = ServerContext(settings, db, blobs, models, engine, loop, metrics, serving, online)
-        engine.start()
-        loop.start()
-        activity = (
-            asyncio.create_task(log_activity(engine.stats, lambda: loop.status.active_batches, settings.log_interval_s))
-            if settings.log_interval_s > 0
-            else None
-        )
-        try:
+            loop = BatchLoop(
+                DatabaseStore(db, blobs, on_finished=on_finished),
+                serving,
+                engine,
+                capacity=settings.max_queued_requests,
+                window=settings.engine_window or window_for(engine),
+                flush_interval_s=settings.flush_interval_s,
+                limits=settings.validation_limits,
+                journal=CrashJournal(settings.storage_dir / "inflight.journal"),
+            )
+            created = int(time.time())
+            models = [
+                ModelObject(id=name, created=created, max_context_length=engine.max_context_length)
+                for name in serving.model_names
+            ]
+            capacity = settings.max_online_sequences or 2 * settings.engine.max_num_seqs
+            online = OnlineRequests(engine, capacity, settings.max_stream_backlog_tokens)
+            metrics = Metrics(
+                engine.model_name,
+                ServerState(
+                    engine=engine.stats,
+                    engine_state=lambda: engine.state,
+                    engine_restarts=lambda: engine.restarts,
+                    queued_sequences=lambda: loop.status.queued_sequences,
+                    storage_fault=lambda: loop.status.storage_fault,
+                    batch_counts=db.batch_status_counts,
+                    line_counts=db.request_totals,
+                    replicas=lambda: replica_states(engine),
+                ),
+            )
+            engine.observer = metrics.observe_request
+            app.state.context = ServerContext(settings, db, blobs, models, engine, loop, metrics, serving, online)
+            # In-flight requests are done when these stop (uvicorn drained them); the rest of the shutdown deadline is
+            # theirs: the engine first (no result reaches a stopped loop), then the loop.
+            deadline_s = settings.shutdown_timeout_s / 4
+            engine.start()
+            try:
+                loop.start()
+            except BaseException:
+                await asyncio.to_thread(engine.stop, deadline_s)
+                raise
+            started.push_async_callback(asyncio.to_thread, _stop, engine, loop, deadline_s)
+            if settings.log_interval_s > 0:
+                activity = log_activity(engine.stats, lambda: loop.status.active_batches, settings.log_interval_s)
+                started.push_async_callback(_cancel, asyncio.create_task(activity))
             yield
-        finally:
-            if activity is not None:
-                activity.cancel()
-            # In-flight requests are done (uvicorn drained them); the rest of the shutdown deadline is for these.
-            deadline_s = settings.shutdown_timeout_s / 2
-            await asyncio.to_thread(engine.stop, deadline_s / 2)
-            await asyncio.to_thread(loop.stop, deadline_s / 2)
-            sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await sweeper
-            await notifier.stop()
-            db.close()
 
     # Online bodies are read whole before they are decoded: their own, smaller limit (uploads stream to disk).
     online = Router(
@@ -148,7 +146,7 @@ def create_app(settings: Settings, engine: EngineClient | None = None) -> Litest
         guards=[admit_while_running],
         security=BEARER_AUTH,
     )
-    auth = ApiKeyAuthMiddleware(settings.api_keys)
+    auth = ApiKeyAuthMiddleware(settings.accepted_keys)
     return Litestar(
         route_handlers=[api, HealthController, console_page, console_assets],
         middleware=[auth],
@@ -163,3 +161,14 @@ def create_app(settings: Settings, engine: EngineClient | None = None) -> Litest
         openapi_config=openapi_config(),
         logging_config=None,  # serve configures logging (text or JSON); Litestar's own config would replace it
     )
+
+
+async def _cancel(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+def _stop(engine: EngineClient, loop: BatchLoop, timeout_s: float) -> None:
+    engine.stop(timeout_s)
+    loop.stop(timeout_s)

@@ -150,6 +150,9 @@ class Database:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._local = threading.local()
+        self._opened: list[sqlite3.Connection] | None = []
+        """Every thread's connection: ``close`` closes them all, whichever thread calls it (``None`` once closed)."""
+        self._opened_lock = threading.Lock()
         self._conn.executescript(_SCHEMA)
         for table, column, script in _MIGRATIONS:
             if column not in {row["name"] for row in self._conn.execute(f"PRAGMA table_info({table})")}:
@@ -164,6 +167,11 @@ class Database:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=FULL")  # an acknowledged upload or batch survives a power cut
             conn.execute("PRAGMA foreign_keys=ON")
+            with self._opened_lock:
+                if self._opened is None:  # closed meanwhile (a thread that outlived the server's stop)
+                    conn.close()
+                    raise sqlite3.ProgrammingError("the database is closed")
+                self._opened.append(conn)
             self._local.conn = conn
         return conn
 
@@ -339,10 +347,11 @@ class Database:
             _update(conn, table, object_id, fields)
 
     def close(self) -> None:
-        conn = getattr(self._local, "conn", None)
-        if conn is not None:
+        """Close every thread's connection (a thread that uses the database after this gets an error)."""
+        with self._opened_lock:
+            opened, self._opened = self._opened or [], None
+        for conn in opened:
             conn.close()
-            self._local.conn = None
 
 
 def _insert_file(conn: sqlite3.Connection, file: FileObject, owner: str, line_count: int, sequences: int) -> None:
