@@ -184,6 +184,41 @@ def test_a_format_that_cannot_be_enforced_is_refused_naming_it(live_server: Live
     assert answer.status_code == 200 and set(json.loads(answer.json()["choices"][0]["message"]["content"])) <= {1, 2}
 
 
+def test_a_schema_that_compiles_for_seconds_holds_up_nobody(live_server: LiveServer) -> None:
+    """A 3,000-property schema takes a second or more to validate and compile: meanwhile /health answers at once and
+    another request runs to its end (before the fix, the event loop compiled it: /health waited seconds)."""
+    import threading
+    import time
+
+    schema = {"type": "object", "properties": {f"field_{i}": {"type": "integer"} for i in range(3000)}}
+    body = {
+        "model": "demo",
+        "messages": [{"role": "user", "content": "fill it"}],
+        "max_tokens": 4,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "wide", "schema": schema}},
+    }
+    answers: dict[str, Any] = {}
+    slow = threading.Thread(
+        target=lambda: answers.update(slow=live_server.http.post("/v1/chat/completions", json=body))
+    )
+    slow.start()
+    health: list[float] = []
+    other = None
+    while slow.is_alive() and len(health) < 200:
+        start = time.monotonic()
+        assert live_server.http.get("/health").status_code == 200
+        health.append(time.monotonic() - start)
+        if other is None:
+            plain = {"model": "demo", "prompt": "x", "max_tokens": 2}
+            other = live_server.http.post("/v1/completions", json=plain)
+            answers["other_done_while_compiling"] = slow.is_alive()
+        time.sleep(0.02)
+    slow.join(60)
+    assert answers["slow"].status_code == 200, answers["slow"].text[:300]
+    assert other is not None and other.status_code == 200 and answers["other_done_while_compiling"]
+    assert len(health) >= 5 and max(health) < 0.5, health
+
+
 def test_a_batch_with_a_schema_per_line_and_a_default_for_the_rest(live_server: LiveServer) -> None:
     """Each line's own format wins; the lines without one follow the batch's; a broken schema fails its line only."""
     lines = [chat_line(f"own-{i}", f"Order {i}", max_tokens=400, response_format=_format(ORDER)) for i in range(24)]
