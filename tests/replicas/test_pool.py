@@ -75,7 +75,9 @@ def make_pool(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Replica
     started: list[ReplicaPool] = []
 
     def make(*replicas: ScriptedReplica) -> ReplicaPool:
-        model = ModelInfo(tokenizer=None, model_name="demo", max_context_length=64, tasks=frozenset({"generate"}))
+        model = ModelInfo(
+            tokenizer=None, model_name="demo", max_context_length=64, vocab_size=259, tasks=frozenset({"generate"})
+        )
         started.append(ReplicaPool(list(replicas), model, EngineConfig()))
         started[-1].start()
         return started[-1]

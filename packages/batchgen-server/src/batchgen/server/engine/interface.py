@@ -60,6 +60,11 @@ class ServedModel(Protocol):
     def max_context_length(self) -> int: ...
 
     @property
+    def vocab_size(self) -> int:
+        """The rows of its embedding: the token ids a request may name are ``0`` to ``vocab_size - 1``."""
+        ...
+
+    @property
     def tasks(self) -> frozenset[Task]:
         """What it runs: ``generate`` and ``embed`` (a causal LM), or ``embed`` alone (an encoder)."""
         ...

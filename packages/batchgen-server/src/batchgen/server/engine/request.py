@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Container
+from collections.abc import Collection, Container
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -179,29 +179,34 @@ def failed_result(request: EngineRequest, exc: BaseException) -> EngineResult:
     return EngineResult(request.request_id, len(request.prompt_token_ids), error=error, group=request.group)
 
 
+def vocabulary_problem(name: str, token_ids: Collection[int], vocab_size: int) -> str | None:
+    """Why the token ids of a request's ``name`` (its prompt, ``stop_token_ids``, ``logit_bias``) break the rule
+    every token id a request names keeps, or ``None``: the model has it, ``0 <= id < vocab_size`` (a row of its
+    embedding). The serving layer and the engine's admission both ask it."""
+    if not token_ids or (min(token_ids) >= 0 and max(token_ids) < vocab_size):
+        return None
+    outside = [token for token in token_ids if not 0 <= token < vocab_size][:5]
+    return f"'{name}' has token ids outside the model's vocabulary (0-{vocab_size - 1}): {outside}."
+
+
 def admission_error(
     request: EngineRequest, max_len: int, known_ids: Container[str], vocab_size: int
 ) -> EngineError | None:
     """Why ``request`` cannot run at all (empty prompt, over the context, a token id the model does not have, id
-    already known), or ``None``. The token ids are checked here, whoever made the request: on a GPU an id past the
-    embedding is a device-side assert, which ends every request on the device, not an error of this one."""
+    already known), or ``None``.
+
+    The serving layer refuses token ids the model does not have first, naming the request's field; they are checked
+    again here because an engine request may come from any caller (benchmarks and tests build them directly), and on
+    a GPU an id past the embedding is a device-side assert, which ends every request on the device, not an error of
+    this one."""
     prompt, params = request.prompt_token_ids, request.params
     prompt_len = len(prompt)
     if prompt_len == 0:
         return EngineError("invalid_prompt", "The prompt is empty.")
-    if min(prompt) < 0 or max(prompt) >= vocab_size:
-        outside = [token for token in prompt if not 0 <= token < vocab_size][:5]
-        return EngineError(
-            "invalid_prompt",
-            f"The prompt has token ids outside the model's vocabulary (0-{vocab_size - 1}): {outside}.",
-        )
-    outside = [token for token in (*params.stop_token_ids, *params.logit_bias) if not 0 <= token < vocab_size][:5]
-    if outside:
-        return EngineError(
-            "invalid_value",
-            f"stop_token_ids or logit_bias name token ids outside the model's vocabulary (0-{vocab_size - 1}): "
-            f"{outside}.",
-        )
+    named = (("prompt", prompt), ("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias))
+    for name, token_ids in named:
+        if (problem := vocabulary_problem(name, token_ids, vocab_size)) is not None:
+            return EngineError("invalid_prompt" if name == "prompt" else "invalid_value", problem)
     if prompt_len > max_len or (request.task == "generate" and prompt_len == max_len):
         return EngineError(
             "context_length_exceeded",

@@ -89,6 +89,10 @@ class EngineWorker:
         return self.engine.max_context_length
 
     @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
     def tasks(self) -> frozenset[Task]:
         return self.engine.tasks
 

@@ -131,6 +131,7 @@ class ReplicaPool:
         self.tokenizer = model.tokenizer
         self.model_name = model.model_name
         self.max_context_length = model.max_context_length
+        self.vocab_size = model.vocab_size
         self.tasks = model.tasks
         self.config = config
         """Every replica's engine config (their seeds differ, so sampled requests draw different seeds)."""

@@ -43,6 +43,7 @@ class ModelInfo:
     tokenizer: Any
     model_name: str
     max_context_length: int
+    vocab_size: int
     tasks: frozenset[Task]
 
 
@@ -76,7 +77,9 @@ class Replica:
         except ModelLoadError as exc:  # said in one line by ``describe``, not as an actor's traceback
             self.described: ModelInfo | str = str(exc)
             return
-        self.described = ModelInfo(engine.tokenizer, engine.model_name, engine.max_context_length, engine.tasks)
+        self.described = ModelInfo(
+            engine.tokenizer, engine.model_name, engine.max_context_length, engine.vocab_size, engine.tasks
+        )
         self.worker = EngineWorker(engine)
         self.worker.start()
 
