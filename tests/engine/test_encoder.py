@@ -130,7 +130,7 @@ def test_errors_and_aborts(encoder_paths: dict[str, Path]) -> None:
 
 def test_serving_rejects_generation_on_an_embedding_model(encoder_paths: dict[str, Path]) -> None:
     tokenizer = AutoTokenizer.from_pretrained(encoder_paths["bert"])
-    serving = OpenAIServing(tokenizer, ("tiny-bert",), MAX_TOKENS, EncoderEngine.tasks)
+    serving = OpenAIServing(tokenizer, ("tiny-bert",), MAX_TOKENS, len(VOCAB), EncoderEngine.tasks)
     for url, body in [
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
         ("/v1/completions", {"prompt": "the cat"}),

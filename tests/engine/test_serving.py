@@ -23,6 +23,7 @@ from batchgen.schemas import (
 )
 from batchgen.schemas.requests import _unsupported_fields
 from batchgen.server.engine import LLMEngine
+from batchgen.server.engine.request import vocabulary_problem
 from batchgen.server.serving import BatchDefaults, OpenAIServing, RequestRejected
 
 Run = Callable[..., Any]
@@ -40,7 +41,7 @@ def serve(make_engine: Callable[..., LLMEngine], run_to_completion: Run) -> Call
 
     def run(line: Any, defaults: BatchDefaults = NO_DEFAULTS, **engine_overrides: Any) -> Any:
         engine = make_engine(**engine_overrides)
-        serving = OpenAIServing(engine.tokenizer, ("demo",), engine.max_context_length)
+        serving = OpenAIServing(engine.tokenizer, ("demo",), engine.max_context_length, engine.vocab_size)
         requests = serving.to_engine_requests(line.body, request_id="rid", defaults=defaults, group="batch_1")
         results = run_to_completion(engine, requests)
         in_order = [results[request.request_id] for request in requests]
@@ -90,7 +91,7 @@ def test_chat_uses_the_template_and_reports_cached_tokens(
     make_engine: Callable[..., LLMEngine], run_to_completion: Run, tokenizer: Any
 ) -> None:
     engine = make_engine()
-    serving = OpenAIServing(engine.tokenizer, ("demo",), engine.max_context_length)
+    serving = OpenAIServing(engine.tokenizer, ("demo",), engine.max_context_length, engine.vocab_size)
     system = "You are a helpful assistant. " * 4
     bodies = []
     for i, question in enumerate(["What is 2+2?", "Name a colour."]):
@@ -201,7 +202,7 @@ def test_context_length_error_becomes_a_400_line(serve: Callable[..., Any]) -> N
 def test_unsupported_or_invalid_requests_are_rejected(
     tokenizer: Any, url: str, body: dict[str, Any], param: str
 ) -> None:
-    serving = OpenAIServing(tokenizer, ("demo",), 2048)
+    serving = OpenAIServing(tokenizer, ("demo",), 2048, len(tokenizer))
     with pytest.raises(RequestRejected) as caught:
         serving.to_engine_requests(_line(url, body).body, request_id="r", defaults=BatchDefaults(), group="g")
     assert caught.value.param == param and caught.value.message
@@ -232,7 +233,7 @@ UNSUPPORTED = [
 
 @pytest.mark.parametrize(("url", "name"), UNSUPPORTED, ids=[f"{url[4:]}-{name}" for url, name in UNSUPPORTED])
 def test_each_unsupported_field_is_refused_by_name(tokenizer: Any, url: str, name: str) -> None:
-    error = _refused(OpenAIServing(tokenizer, ("demo",), 2048), url, {name: {"any": "value"}})
+    error = _refused(OpenAIServing(tokenizer, ("demo",), 2048, len(tokenizer)), url, {name: {"any": "value"}})
     assert (error.code, error.param, error.status_code) == ("unsupported_parameter", name, 400)
     assert f"'{name}' is not supported" in error.message
 
@@ -248,12 +249,12 @@ def test_each_unsupported_field_is_refused_by_name(tokenizer: Any, url: str, nam
     ],
 )
 def test_no_op_values_are_accepted(tokenizer: Any, url: str, body: dict[str, Any]) -> None:
-    serving = OpenAIServing(tokenizer, ("demo",), 2048)
+    serving = OpenAIServing(tokenizer, ("demo",), 2048, len(tokenizer))
     assert serving.to_engine_requests(_line(url, {**PROMPTS[url], **body}).body, **ARGS)
 
 
 def test_a_model_it_does_not_serve_is_not_found(tokenizer: Any) -> None:
-    serving = OpenAIServing(tokenizer, ("demo", "alias"), 2048)
+    serving = OpenAIServing(tokenizer, ("demo", "alias"), 2048, len(tokenizer))
     for url in PROMPTS:
         error = _refused(serving, url, {"model": "gpt-4o"})
         assert (error.code, error.param, error.status_code) == ("model_not_found", "model", 404)
@@ -262,7 +263,7 @@ def test_a_model_it_does_not_serve_is_not_found(tokenizer: Any) -> None:
 
 
 def test_the_sampling_extensions_reach_the_engine(tokenizer: Any) -> None:
-    serving = OpenAIServing(tokenizer, ("demo",), 2048)
+    serving = OpenAIServing(tokenizer, ("demo",), 2048, len(tokenizer))
     body = {
         "prompt": "x",
         "min_p": 0.1,
@@ -285,7 +286,8 @@ def test_the_sampling_extensions_reach_the_engine(tokenizer: Any) -> None:
     assert request.prompt_token_ids == tokenizer.encode("x", add_special_tokens=False)
     for param, value in (("logit_bias", {"4096": 1}), ("stop_token_ids", [4096])):
         error = _refused(serving, "/v1/completions", {param: value})
-        assert (error.code, error.param) == ("invalid_value", param) and "outside the vocabulary" in error.message
+        assert (error.code, error.param) == ("invalid_value", param)
+        assert error.message == f"'{param}' has token ids outside the model's vocabulary (0-258): [4096]."
     error = _refused(serving, "/v1/completions", {"min_tokens": 9, "max_tokens": 4})
     assert (error.code, error.param) == ("invalid_value", "min_tokens")
     line = _line("/v1/chat/completions", {**CHAT_BODY, "response_format": {"type": "json_object"}})
@@ -293,9 +295,29 @@ def test_the_sampling_extensions_reach_the_engine(tokenizer: Any) -> None:
     assert request.params.grammar is not None and '"type":"object"' in request.params.grammar
 
 
+def test_token_ids_are_the_models_not_the_tokenizers(tokenizer: Any) -> None:
+    """A token id a request may name is one the model has (a row of its embedding, which may have more rows than the
+    tokenizer has entries): prompts, stop_token_ids and logit_bias alike, refused as the engine's admission words it,
+    naming the request's own field."""
+    beyond = len(tokenizer) + 10
+    named = {"prompt": [beyond], "stop_token_ids": [beyond], "logit_bias": {str(beyond): 1}}
+    padded = OpenAIServing(tokenizer, ("demo",), 2048, len(tokenizer) + 64)
+    for param, value in named.items():
+        assert padded.to_engine_requests(_line("/v1/completions", {"prompt": "x", param: value}).body, **ARGS)
+    small = OpenAIServing(tokenizer, ("demo",), 2048, beyond)
+    for param in named:
+        error = _refused(small, "/v1/completions", {param: named[param]})
+        assert (error.code, error.param) == ("invalid_value", param)
+        assert error.message == vocabulary_problem(param, [beyond], beyond)
+    error = _refused(small, "/v1/embeddings", {"input": [[1, beyond]]})
+    assert (error.param, error.message) == ("input", vocabulary_problem("input", [beyond], beyond))
+    error = _refused(small, "/v1/responses", {"stop_token_ids": [beyond]})
+    assert (error.code, error.param) == ("invalid_value", "stop_token_ids")
+
+
 def test_the_model_generation_config_sits_beneath_batch_and_request(tokenizer: Any) -> None:
     model = {"temperature": 0.6, "top_p": 0.8, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "max_tokens": 7}
-    serving = OpenAIServing(tokenizer, ("demo",), 2048, generation_defaults=model)
+    serving = OpenAIServing(tokenizer, ("demo",), 2048, len(tokenizer), generation_defaults=model)
 
     def params(body: dict[str, Any], defaults: BatchDefaults = NO_DEFAULTS) -> Any:
         line = _line("/v1/completions", {"prompt": "x", **body})
@@ -325,7 +347,7 @@ WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {"t
 def tools_serving(tokenizer: Any) -> OpenAIServing:
     templated = copy.deepcopy(tokenizer)
     templated.chat_template = TOOLS_TEMPLATE
-    return OpenAIServing(templated, ("demo",), 2048)
+    return OpenAIServing(templated, ("demo",), 2048, len(templated))
 
 
 def _prompt(serving: OpenAIServing, body: dict[str, Any]) -> str:
@@ -364,7 +386,7 @@ def test_what_the_template_would_drop_is_refused(
 def test_tool_calls_and_results_a_template_would_drop_are_refused(tokenizer: Any) -> None:
     """The demo template renders roles and contents only: a conversation's tool calls would be lost; a template that
     skips the 'tool' role would lose tool results."""
-    serving = OpenAIServing(tokenizer, ("demo",), 2048)
+    serving = OpenAIServing(tokenizer, ("demo",), 2048, len(tokenizer))
     call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}
     with_call = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
     error = _refused(serving, "/v1/chat/completions", {"messages": with_call})
@@ -374,14 +396,16 @@ def test_tool_calls_and_results_a_template_would_drop_are_refused(tokenizer: Any
         "{% for m in messages if m.role in ['user', 'assistant'] %}<{{ m.role }}>{{ m.content }}{% endfor %}"
     )
     with_result = [*with_call[:1], {"role": "tool", "content": "-3 C", "tool_call_id": "c1"}]
-    error = _refused(OpenAIServing(chatty, ("demo",), 2048), "/v1/chat/completions", {"messages": with_result})
+    error = _refused(
+        OpenAIServing(chatty, ("demo",), 2048, len(chatty)), "/v1/chat/completions", {"messages": with_result}
+    )
     assert (error.code, error.param) == ("unsupported_parameter", "messages[1].role")
     assert serving.to_engine_requests(_line("/v1/chat/completions", {"messages": with_result}).body, **ARGS)
 
 
 @pytest.mark.parametrize("url", list(PROMPTS))
 def test_a_text_too_long_for_the_context_is_refused_before_it_is_tokenized(tokenizer: Any, url: str) -> None:
-    serving = OpenAIServing(tokenizer, ("demo",), 64)
+    serving = OpenAIServing(tokenizer, ("demo",), 64, len(tokenizer))
     assert serving.max_prompt_chars == 64 * max(map(len, tokenizer.get_vocab()))
     encoded = 0
 
@@ -406,6 +430,8 @@ def test_a_text_too_long_for_the_context_is_refused_before_it_is_tokenized(token
 
 
 def test_tools_for_a_template_without_them_are_refused(tokenizer: Any) -> None:
-    error = _refused(OpenAIServing(tokenizer, ("demo",), 2048), "/v1/chat/completions", {"tools": [WEATHER]})
+    error = _refused(
+        OpenAIServing(tokenizer, ("demo",), 2048, len(tokenizer)), "/v1/chat/completions", {"tools": [WEATHER]}
+    )
     assert (error.code, error.param) == ("unsupported_parameter", "tools")
     assert error.message == "the model's chat template does not render tools"

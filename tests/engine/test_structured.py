@@ -93,7 +93,7 @@ def test_every_constrained_chat_output_validates(
     make_engine: Callable[..., LLMEngine], run_to_completion: Run, sampling: dict[str, Any]
 ) -> None:
     engine = make_engine()
-    serving = OpenAIServing(engine.tokenizer, ("demo",), engine.max_context_length)
+    serving = OpenAIServing(engine.tokenizer, ("demo",), engine.max_context_length, engine.vocab_size)
     lines, requests = [], []
     for i, (_, _, constraint) in enumerate(CASES):
         messages = [{"role": "user", "content": f"question {i}"}]
@@ -114,7 +114,7 @@ def test_completions_take_a_json_object_format_and_a_batch_default(
     make_engine: Callable[..., LLMEngine], run_to_completion: Run
 ) -> None:
     engine = make_engine()
-    serving = OpenAIServing(engine.tokenizer, ("demo",), engine.max_context_length)
+    serving = OpenAIServing(engine.tokenizer, ("demo",), engine.max_context_length, engine.vocab_size)
     defaults = msgspec.convert({"response_format": _schema_format(PERSON)}, BatchDefaults)
     bodies = [
         ({"prompt": ["a", "b"], "max_tokens": 300}, PERSON),  # the batch's default, for each prompt
@@ -205,7 +205,7 @@ def test_a_grammar_that_can_only_end_ends_the_output_before_min_tokens(
 ) -> None:
     """min_tokens bans the stop tokens, and a finished grammar allows nothing else: the grammar ends the output."""
     engine = make_engine()
-    serving = OpenAIServing(engine.tokenizer, ("demo",), engine.max_context_length)
+    serving = OpenAIServing(engine.tokenizer, ("demo",), engine.max_context_length, engine.vocab_size)
     body = {"prompt": [0], "max_tokens": 40, "min_tokens": 30, "structured_outputs": {"json": {"enum": [3]}}}
     for sampling in ({}, {"temperature": 1.0, "seed": 1}):
         line = _line("/v1/completions", {**body, **sampling})

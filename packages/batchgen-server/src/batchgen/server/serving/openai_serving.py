@@ -8,7 +8,7 @@ import dataclasses
 import math
 import struct
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
@@ -46,7 +46,7 @@ from batchgen.schemas import (
 from batchgen.schemas.responses_api import chat_request, response_field
 
 from ..engine.adapters import Adapters, LoRARequest, ServedNames
-from ..engine.request import EngineError, EngineRequest, EngineResult, SamplingParams, Task
+from ..engine.request import EngineError, EngineRequest, EngineResult, SamplingParams, Task, vocabulary_problem
 from ..engine.request import TokenLogprob as EngineTokenLogprob
 from ..ids import engine_request_id, new_line_id
 from .chat_template import render_chat
@@ -90,6 +90,7 @@ class OpenAIServing:
         tokenizer: Any,
         model_names: tuple[str, ...],
         max_context_length: int,
+        vocab_size: int,
         tasks: frozenset[Task] = frozenset({"generate", "embed"}),
         max_sequences: int = DEFAULT_MAX_SEQUENCES,
         generation_defaults: Mapping[str, Any] | None = None,
@@ -103,6 +104,8 @@ class OpenAIServing:
         self.model_names = model_names
         """The names requests may use for the model, its id first (``--served-model-name``)."""
         self.max_context_length = max_context_length
+        self.vocab_size = vocab_size
+        """The model's: the token ids a request may name are ``0`` to ``vocab_size - 1`` (``vocabulary_problem``)."""
         self.tasks = tasks
         """What the engine runs (``engine.tasks``): an encoder model only embeds."""
         self.max_sequences = max_sequences
@@ -151,6 +154,7 @@ class OpenAIServing:
             engine.tokenizer,
             config.served_model_names,
             engine.max_context_length,
+            engine.vocab_size,
             engine.tasks,
             max_sequences,
             load_generation_defaults(config),
@@ -199,6 +203,7 @@ class OpenAIServing:
                 raise
         if isinstance(body, EmbeddingRequest):
             prompts = self._prompts(body.input, "input", _first(body.add_special_tokens, True))
+            self._check_token_ids("input", prompts)
             return [
                 EngineRequest(
                     engine_request_id(request_id, i), ids, task="embed", group=group, interactive=online, lora=lora
@@ -214,7 +219,8 @@ class OpenAIServing:
         params = self._sampling_params(body, defaults)
         if isinstance(body, ChatCompletionRequest):
             text = render_chat(self.tokenizer, body, self.model_name)
-            prompts = [self._tokenize(text, "messages", _first(body.add_special_tokens, False))]
+            prompt_param = "messages"
+            prompts = [self._tokenize(text, prompt_param, _first(body.add_special_tokens, False))]
             plan = self.message_plan(body, prompts[0])
             if plan.reasoning is not None or plan.tool_parser is not None:
                 params = dataclasses.replace(
@@ -223,7 +229,9 @@ class OpenAIServing:
                     grammar_after=self._grammar_after(plan) if params.grammar is not None else (),
                 )
         else:
-            prompts = self._prompts(body.prompt, "prompt", _first(body.add_special_tokens, True))
+            prompt_param = "prompt"
+            prompts = self._prompts(body.prompt, prompt_param, _first(body.add_special_tokens, True))
+        self._check_token_ids(prompt_param, prompts, params)
         self._check_scoring_size(body, prompts)
         return [
             EngineRequest(
@@ -275,8 +283,6 @@ class OpenAIServing:
         constraint = output_constraint(body, defaults.response_format, self._added_tokens)
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         logit_bias = {int(token): bias for token, bias in (body.logit_bias or {}).items()}
-        self._check_token_ids(logit_bias, "logit_bias")
-        self._check_token_ids(body.stop_token_ids or (), "stop_token_ids")
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=_first(body.temperature, defaults.temperature, model.get("temperature"), 0.0),
@@ -337,10 +343,17 @@ class OpenAIServing:
                 param,
             )
 
-    def _check_token_ids(self, token_ids: Any, param: str) -> None:
-        bad = [token for token in token_ids if token >= len(self.tokenizer)]
-        if bad:
-            raise RequestRejected("invalid_value", f"{param} has token ids outside the vocabulary: {bad[:5]}", param)
+    def _check_token_ids(
+        self, prompt_param: str, prompts: list[list[int]], params: SamplingParams | None = None
+    ) -> None:
+        """Every token id the request names (its prompts', ``stop_token_ids``, ``logit_bias``) is one the model has:
+        the rule the engine's admission keeps too, refused here by the request's own field."""
+        named: list[tuple[str, Collection[int]]] = [(prompt_param, prompt) for prompt in prompts]
+        if params is not None:
+            named += [("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)]
+        for param, token_ids in named:
+            if (problem := vocabulary_problem(param, token_ids, self.vocab_size)) is not None:
+                raise RequestRejected("invalid_value", problem, param)
 
     def _prompts(self, prompt: str | list[Any], param: str, add_special_tokens: bool) -> list[list[int]]:
         """Text, a list of texts, a list of token ids, or a list of token-id lists -> token-id lists."""
@@ -357,11 +370,6 @@ class OpenAIServing:
             if isinstance(item, str):
                 ids = self._tokenize(item, param, add_special_tokens)
             elif isinstance(item, list) and all(isinstance(t, int) for t in item):
-                bad = [t for t in item if not 0 <= t < len(self.tokenizer)]
-                if bad:
-                    raise RequestRejected(
-                        "invalid_value", f"{param} has token ids outside the vocabulary: {bad[:5]}", param
-                    )
                 ids = item
             else:
                 raise RequestRejected(
