@@ -138,7 +138,7 @@ def test_serving_rejects_generation_on_an_embedding_model(encoder_paths: dict[st
         typed = msgspec.convert({"model": "tiny-bert", **body}, BODY_TYPES[url])
         line = BatchInputLine(custom_id="x", method="POST", url=url, body=typed)
         with pytest.raises(RequestRejected) as caught:
-            serving.to_engine_requests(line.body, request_id="req", defaults=BatchDefaults(), group="g")
+            serving.prepare(line.body, request_id="req", defaults=BatchDefaults(), group="g")
         assert caught.value.code == "unsupported_endpoint"
         assert "'tiny-bert' is an embedding model" in caught.value.message and url in caught.value.message
 

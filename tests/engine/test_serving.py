@@ -42,10 +42,11 @@ def serve(make_engine: Callable[..., LLMEngine], run_to_completion: Run) -> Call
     def run(line: Any, defaults: BatchDefaults = NO_DEFAULTS, **engine_overrides: Any) -> Any:
         engine = make_engine(**engine_overrides)
         serving = OpenAIServing(engine.tokenizer, ("demo",), engine.max_context_length, engine.vocab_size)
-        requests = serving.to_engine_requests(line.body, request_id="rid", defaults=defaults, group="batch_1")
+        prepared = serving.prepare(line.body, request_id="rid", defaults=defaults, group="batch_1")
+        requests = prepared.requests
         results = run_to_completion(engine, requests)
         in_order = [results[request.request_id] for request in requests]
-        encoded = msgspec.json.encode(serving.output_line(line, requests, in_order, request_id="rid"))
+        encoded = msgspec.json.encode(serving.output_line(line.custom_id, prepared, in_order))
         return parse_output_line(encoded), requests
 
     return run
@@ -97,11 +98,12 @@ def test_chat_uses_the_template_and_reports_cached_tokens(
     for i, question in enumerate(["What is 2+2?", "Name a colour."]):
         messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
         line = _line("/v1/chat/completions", {"messages": messages, "max_completion_tokens": 8}, f"c{i}")
-        requests = serving.to_engine_requests(line.body, request_id=f"r{i}", defaults=BatchDefaults(), group="g")
+        prepared = serving.prepare(line.body, request_id=f"r{i}", defaults=BatchDefaults(), group="g")
+        requests = prepared.requests
         expected = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         assert requests[0].prompt_token_ids == tokenizer.encode(expected, add_special_tokens=False)
         results = list(run_to_completion(engine, requests).values())
-        bodies.append(serving.output_line(line, requests, results, request_id=f"r{i}").response.body)
+        bodies.append(serving.output_line(line.custom_id, prepared, results).response.body)
     assert all(isinstance(b, ChatCompletion) for b in bodies)
     assert bodies[0].usage.prompt_tokens_details.cached_tokens == 0
     assert bodies[1].usage.prompt_tokens_details.cached_tokens >= 16 * (len(system) // 16 - 1)
@@ -204,7 +206,7 @@ def test_unsupported_or_invalid_requests_are_rejected(
 ) -> None:
     serving = OpenAIServing(tokenizer, ("demo",), 2048, len(tokenizer))
     with pytest.raises(RequestRejected) as caught:
-        serving.to_engine_requests(_line(url, body).body, request_id="r", defaults=BatchDefaults(), group="g")
+        serving.prepare(_line(url, body).body, request_id="r", defaults=BatchDefaults(), group="g")
     assert caught.value.param == param and caught.value.message
 
 
@@ -221,7 +223,7 @@ PROMPTS = {
 
 def _refused(serving: OpenAIServing, url: str, body: dict[str, Any]) -> RequestRejected:
     with pytest.raises(RequestRejected) as caught:
-        serving.to_engine_requests(_line(url, {**PROMPTS[url], **body}).body, **ARGS)
+        serving.prepare(_line(url, {**PROMPTS[url], **body}).body, **ARGS)
     return caught.value
 
 
@@ -250,7 +252,7 @@ def test_each_unsupported_field_is_refused_by_name(tokenizer: Any, url: str, nam
 )
 def test_no_op_values_are_accepted(tokenizer: Any, url: str, body: dict[str, Any]) -> None:
     serving = OpenAIServing(tokenizer, ("demo",), 2048, len(tokenizer))
-    assert serving.to_engine_requests(_line(url, {**PROMPTS[url], **body}).body, **ARGS)
+    assert serving.prepare(_line(url, {**PROMPTS[url], **body}).body, **ARGS).requests
 
 
 def test_a_model_it_does_not_serve_is_not_found(tokenizer: Any) -> None:
@@ -259,7 +261,7 @@ def test_a_model_it_does_not_serve_is_not_found(tokenizer: Any) -> None:
         error = _refused(serving, url, {"model": "gpt-4o"})
         assert (error.code, error.param, error.status_code) == ("model_not_found", "model", 404)
         assert error.message == "The model 'gpt-4o' does not exist: this server serves 'demo' or 'alias'."
-        assert serving.to_engine_requests(_line(url, {**PROMPTS[url], "model": "alias"}).body, **ARGS)
+        assert serving.prepare(_line(url, {**PROMPTS[url], "model": "alias"}).body, **ARGS).requests
 
 
 def test_the_sampling_extensions_reach_the_engine(tokenizer: Any) -> None:
@@ -275,7 +277,7 @@ def test_the_sampling_extensions_reach_the_engine(tokenizer: Any) -> None:
         "add_special_tokens": False,
         "seed": 9,
     }
-    (request,) = serving.to_engine_requests(_line("/v1/completions", body).body, **ARGS)
+    (request,) = serving.prepare(_line("/v1/completions", body).body, **ARGS).requests
     params = request.params
     assert (params.min_p, params.min_tokens, params.repetition_penalty, params.seed) == (0.1, 3, 1.2, 9)
     assert (params.logit_bias, params.stop_token_ids, params.skip_special_tokens) == (
@@ -291,7 +293,7 @@ def test_the_sampling_extensions_reach_the_engine(tokenizer: Any) -> None:
     error = _refused(serving, "/v1/completions", {"min_tokens": 9, "max_tokens": 4})
     assert (error.code, error.param) == ("invalid_value", "min_tokens")
     line = _line("/v1/chat/completions", {**CHAT_BODY, "response_format": {"type": "json_object"}})
-    (request,) = serving.to_engine_requests(line.body, **ARGS)
+    (request,) = serving.prepare(line.body, **ARGS).requests
     assert request.params.grammar is not None and '"type":"object"' in request.params.grammar
 
 
@@ -303,7 +305,7 @@ def test_token_ids_are_the_models_not_the_tokenizers(tokenizer: Any) -> None:
     named = {"prompt": [beyond], "stop_token_ids": [beyond], "logit_bias": {str(beyond): 1}}
     padded = OpenAIServing(tokenizer, ("demo",), 2048, len(tokenizer) + 64)
     for param, value in named.items():
-        assert padded.to_engine_requests(_line("/v1/completions", {"prompt": "x", param: value}).body, **ARGS)
+        assert padded.prepare(_line("/v1/completions", {"prompt": "x", param: value}).body, **ARGS).requests
     small = OpenAIServing(tokenizer, ("demo",), 2048, beyond)
     for param in named:
         error = _refused(small, "/v1/completions", {param: named[param]})
@@ -321,7 +323,7 @@ def test_the_model_generation_config_sits_beneath_batch_and_request(tokenizer: A
 
     def params(body: dict[str, Any], defaults: BatchDefaults = NO_DEFAULTS) -> Any:
         line = _line("/v1/completions", {"prompt": "x", **body})
-        return serving.to_engine_requests(line.body, request_id="r", defaults=defaults, group="g")[0].params
+        return serving.prepare(line.body, request_id="r", defaults=defaults, group="g").requests[0].params
 
     fields = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
     assert tuple(getattr(params({}), f) for f in fields) == (0.6, 0.8, 20, 0.05, 1.1, 7)
@@ -351,7 +353,7 @@ def tools_serving(tokenizer: Any) -> OpenAIServing:
 
 
 def _prompt(serving: OpenAIServing, body: dict[str, Any]) -> str:
-    (request,) = serving.to_engine_requests(_line("/v1/chat/completions", {**CHAT_BODY, **body}).body, **ARGS)
+    (request,) = serving.prepare(_line("/v1/chat/completions", {**CHAT_BODY, **body}).body, **ARGS).requests
     return str(serving.tokenizer.decode(request.prompt_token_ids))
 
 
@@ -400,7 +402,7 @@ def test_tool_calls_and_results_a_template_would_drop_are_refused(tokenizer: Any
         OpenAIServing(chatty, ("demo",), 2048, len(chatty)), "/v1/chat/completions", {"messages": with_result}
     )
     assert (error.code, error.param) == ("unsupported_parameter", "messages[1].role")
-    assert serving.to_engine_requests(_line("/v1/chat/completions", {"messages": with_result}).body, **ARGS)
+    assert serving.prepare(_line("/v1/chat/completions", {"messages": with_result}).body, **ARGS).requests
 
 
 @pytest.mark.parametrize("url", list(PROMPTS))

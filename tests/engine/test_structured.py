@@ -94,15 +94,14 @@ def test_every_constrained_chat_output_validates(
 ) -> None:
     engine = make_engine()
     serving = OpenAIServing(engine.tokenizer, ("demo",), engine.max_context_length, engine.vocab_size)
-    lines, requests = [], []
+    prepared = []
     for i, (_, _, constraint) in enumerate(CASES):
         messages = [{"role": "user", "content": f"question {i}"}]
         line = _line("/v1/chat/completions", {"messages": messages, "max_tokens": 500, **constraint, **sampling})
-        lines.append(line)
-        requests.append(serving.to_engine_requests(line.body, request_id=f"r{i}", defaults=BatchDefaults(), group="g"))
-    results = run_to_completion(engine, [r for rs in requests for r in rs])
-    for (kind, spec, _), line, line_requests in zip(CASES, lines, requests, strict=True):
-        out = serving.output_line(line, line_requests, [results[r.request_id] for r in line_requests], request_id="x")
+        prepared.append(serving.prepare(line.body, request_id=f"r{i}", defaults=BatchDefaults(), group="g"))
+    results = run_to_completion(engine, [r for p in prepared for r in p.requests])
+    for (kind, spec, _), line in zip(CASES, prepared, strict=True):
+        out = serving.output_line("x", line, [results[r.request_id] for r in line.requests])
         body = out.response.body
         assert isinstance(body, ChatCompletion) and len(body.choices) == sampling.get("n", 1)
         for choice in body.choices:
@@ -129,9 +128,10 @@ def test_completions_take_a_json_object_format_and_a_batch_default(
     ]
     for i, (body, schema) in enumerate(bodies):
         line = _line("/v1/completions", body)
-        requests = serving.to_engine_requests(line.body, request_id=f"r{i}", defaults=defaults, group="g")
+        prepared = serving.prepare(line.body, request_id=f"r{i}", defaults=defaults, group="g")
+        requests = prepared.requests
         results = run_to_completion(engine, requests)
-        out = serving.output_line(line, requests, [results[r.request_id] for r in requests], request_id="x").response
+        out = serving.output_line("x", prepared, [results[r.request_id] for r in requests]).response
         assert isinstance(out.body, TextCompletion) and len(out.body.choices) == len(requests)
         for choice in out.body.choices:
             jsonschema.validate(json.loads(choice.text), schema)
@@ -209,7 +209,7 @@ def test_a_grammar_that_can_only_end_ends_the_output_before_min_tokens(
     body = {"prompt": [0], "max_tokens": 40, "min_tokens": 30, "structured_outputs": {"json": {"enum": [3]}}}
     for sampling in ({}, {"temperature": 1.0, "seed": 1}):
         line = _line("/v1/completions", {**body, **sampling})
-        requests = serving.to_engine_requests(line.body, request_id="r", defaults=BatchDefaults(), group="g")
+        requests = serving.prepare(line.body, request_id="r", defaults=BatchDefaults(), group="g").requests
         ((output,),) = [result.outputs for result in run_to_completion(engine, requests).values()]
         assert (output.text, output.finish_reason) == ("3", "stop")
 

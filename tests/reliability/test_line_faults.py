@@ -39,14 +39,14 @@ def server(serve: Callable[[ASGIApp], AbstractContextManager[str]], tmp_path: Pa
 def test_a_line_the_server_fails_to_prepare_fails_alone(
     server: LiveServer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    to_engine_requests = OpenAIServing.to_engine_requests
+    prepare = OpenAIServing.prepare
 
     def buggy(self: OpenAIServing, body: Any, **kwargs: Any) -> Any:
         if b"trips a bug" in msgspec.json.encode(body):
             raise ValueError("injected bug")
-        return to_engine_requests(self, body, **kwargs)
+        return prepare(self, body, **kwargs)
 
-    monkeypatch.setattr(OpenAIServing, "to_engine_requests", buggy)
+    monkeypatch.setattr(OpenAIServing, "prepare", buggy)
     lines = [chat_line(f"r{i}", content=f"request {i}", max_tokens=2, ignore_eos=True) for i in range(200)]
     lines.insert(17, chat_line("bug", content="this trips a bug", max_tokens=2))
     batch = server.run(lines)
@@ -68,15 +68,15 @@ def test_a_line_that_meets_no_descriptor_left_waits_and_runs(
 ) -> None:
     """EMFILE while a line is prepared (the chat template, the tokenizer) is the machine's fault, not the line's:
     the batch pauses, and the line runs once descriptors return."""
-    to_engine_requests = OpenAIServing.to_engine_requests
+    prepare = OpenAIServing.prepare
     failures = iter([OSError(errno.EMFILE, "Too many open files")] * 3)
 
     def starved(self: OpenAIServing, body: Any, **kwargs: Any) -> Any:
         if b"starved" in msgspec.json.encode(body) and (failure := next(failures, None)) is not None:
             raise failure
-        return to_engine_requests(self, body, **kwargs)
+        return prepare(self, body, **kwargs)
 
-    monkeypatch.setattr(OpenAIServing, "to_engine_requests", starved)
+    monkeypatch.setattr(OpenAIServing, "prepare", starved)
     lines = [chat_line(f"r{i}", max_tokens=2) for i in range(5)]
     lines.insert(2, chat_line("starved", content="starved", max_tokens=2))
     batch = server.run(lines)
@@ -90,16 +90,16 @@ def test_a_line_slow_to_prepare_holds_up_no_other_batch(server: LiveServer, monk
     """Lines become engine requests off the batch loop's thread: while one takes long (a huge prompt's chat template,
     say), the lines before it run and are written, and another batch is created, started and cancelled, its line
     waiting to be prepared behind the slow one; then the slow line runs too."""
-    to_engine_requests = OpenAIServing.to_engine_requests
+    prepare = OpenAIServing.prepare
     slow_started, release = threading.Event(), threading.Event()
 
     def slow(self: OpenAIServing, body: Any, **kwargs: Any) -> Any:
         if b"slow" in msgspec.json.encode(body):
             slow_started.set()
             release.wait(30)
-        return to_engine_requests(self, body, **kwargs)
+        return prepare(self, body, **kwargs)
 
-    monkeypatch.setattr(OpenAIServing, "to_engine_requests", slow)
+    monkeypatch.setattr(OpenAIServing, "prepare", slow)
     lines = [chat_line(f"r{i}", max_tokens=2) for i in range(5)] + [chat_line("slow", content="slow", max_tokens=2)]
     try:
         first = server.create_batch(server.upload(lines)["id"])["id"]

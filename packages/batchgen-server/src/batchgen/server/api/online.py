@@ -27,13 +27,12 @@ from batchgen.schemas import (
     ResponseRequest,
     TextCompletion,
 )
-from batchgen.schemas.responses_api import chat_request
 from batchgen.schemas.validation import request_problem
 
-from ..engine import EngineRequest, EngineResult
+from ..engine import EngineResult
 from ..ids import new_request_id
 from ..serving import BatchDefaults, RequestRejected, failed
-from ..serving.openai_serving import ResponseBody
+from ..serving.openai_serving import PreparedRequest, ResponseBody
 from ..serving.response_stream import ResponseStream
 from ..serving.streaming import StreamedResponse
 from .deps import ServerContext
@@ -81,16 +80,14 @@ class OnlineController(Controller):
         return response
 
 
-async def engine_requests(
-    context: ServerContext, body: RequestBody, request_id: str, *, online: bool
-) -> list[EngineRequest]:
-    """``body`` checked as a batch line is checked, as its engine requests; an ``APIError`` names what is wrong."""
+async def prepare(context: ServerContext, body: RequestBody, request_id: str, *, online: bool) -> PreparedRequest:
+    """``body`` checked as a batch line is checked, and made ready to run; an ``APIError`` names what is wrong."""
     if (problem := request_problem(body)) is not None:
         name, detail = problem
         raise APIError(400, f"Invalid '{name}': {detail}", code="invalid_request", param=name)
     try:  # tokenizing a long prompt takes a while: not on the event loop
         return await asyncio.to_thread(
-            context.serving.to_engine_requests,
+            context.serving.prepare,
             body,
             request_id=request_id,
             defaults=NO_DEFAULTS,
@@ -104,14 +101,14 @@ async def engine_requests(
 async def serve(context: ServerContext, request: Request[Any, Any, Any], body: RequestBody) -> ResponseBody | Stream:
     """Answer ``body`` now: whole, or as server-sent events with ``stream: true``."""
     request_id = new_request_id()
-    requests = await engine_requests(context, body, request_id, online=True)
-    call = context.online.start(requests)  # a stream's place too is taken now, before its first byte
+    prepared = await prepare(context, body, request_id, online=True)
+    call = context.online.start(prepared.requests)  # a stream's place too is taken now, before its first byte
     if not isinstance(body, EmbeddingRequest) and body.stream:
         stream: StreamedResponse | ResponseStream
         if isinstance(body, ResponseRequest):
-            stream = ResponseStream(context.serving, body, chat_request(body), requests, request_id)
+            stream = ResponseStream(context.serving, prepared)
         else:
-            stream = StreamedResponse(context.serving, body, requests, request_id)
+            stream = StreamedResponse(context.serving, prepared)
         events = _events(stream, call)
         # The content type as a header: Litestar would give a Stream the route's JSON media type.
         return Stream(events, headers={"content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache"})
@@ -120,7 +117,7 @@ async def serve(context: ServerContext, request: Request[Any, Any, Any], body: R
     if (failure := failed(results)) is not None:
         status, error = failure
         raise APIError(status, error.message, code=error.code)
-    return context.serving.response_body(body, requests, results, request_id=request_id)
+    return context.serving.response_body(prepared, results)
 
 
 async def _events(stream: StreamedResponse | ResponseStream, call: EngineCall) -> AsyncIterator[bytes]:

@@ -37,7 +37,7 @@ from .batches import queue_full
 from .deps import ServerContext, now
 from .errors import ERROR_RESPONSES, APIError, not_found
 from .files import commit_file, read_content
-from .online import engine_requests, serve
+from .online import prepare, serve
 
 RETENTION_S = MAX_EXPIRY_S
 """How long a background response (its request and its answer) is kept: 30 days."""
@@ -107,7 +107,7 @@ def _batch_id(response_id: str) -> str | None:
 async def _store(body: ResponseRequest, context: ServerContext, owner: str) -> Response:
     """Check ``body`` as an online request is checked (a bad one is refused now, not failed later), then store it
     as a one-line batch and admit it: once this answers, the response runs, whatever happens to the server."""
-    await engine_requests(context, body, new_request_id(), online=False)
+    await prepare(context, body, new_request_id(), online=False)
     batch_id = new_batch_id()
     response_id = _PREFIX + batch_id.removeprefix(_BATCH_PREFIX)
     created_at = now()

@@ -18,7 +18,7 @@ from batchgen.schemas import BatchInputLine, BatchOutputLine, sequences_of
 from ..engine.interface import EngineSubmitter
 from ..engine.request import EngineResult
 from ..ids import new_request_id
-from ..serving import OpenAIServing, RequestRejected
+from ..serving import OpenAIServing, PreparedRequest, RequestRejected
 from ..storage.faults import storage_fault
 from .inputs import InputReader
 from .quarantine import Quarantine
@@ -95,7 +95,7 @@ class Feeder:
             for entry in sending:
                 self.quarantine.entered(entry.batch.id, entry.line.custom_id)
             try:
-                self.engine.submit([request for entry in sending for request in entry.requests or ()], self._on_result)
+                self.engine.submit([request for entry in sending for request in entry.requests], self._on_result)
             except Exception as exc:  # the engine refused them all (a bug): their lines are answered, never stranded
                 for entry in sending:
                     self._fail(entry, _line_bug(entry.batch, entry.line, exc))
@@ -104,7 +104,7 @@ class Feeder:
         """Take the batch out of the window: abort what the engine runs of it, forget what is tokenized for it, and
         hand back every line it took and has not answered (those in the window, then those held)."""
         entries = list(batch.in_window.values())
-        ids = [request.request_id for entry in entries for request in entry.requests or ()]
+        ids = [request.request_id for entry in entries for request in entry.requests]
         for request_id in ids:
             self._requests.pop(request_id, None)
         self._unsent = [entry for entry in self._unsent if entry.batch is not batch]
@@ -162,10 +162,10 @@ class Feeder:
         batch = entry.batch
         if batch.in_window.get(entry.request_id) is not entry:
             return  # its batch was stopped, or a storage fault sent the line back to be tokenized again
-        if isinstance(outcome, list):
-            entry.requests, entry.results = outcome, [None] * len(outcome)
-            self._hold(entry, sum(request.params.n for request in outcome) - entry.inside)
-            for index, request in enumerate(outcome):
+        if isinstance(outcome, PreparedRequest):
+            entry.prepared, entry.results = outcome, [None] * len(outcome.requests)
+            self._hold(entry, sum(request.params.n for request in outcome.requests) - entry.inside)
+            for index, request in enumerate(outcome.requests):
                 self._requests[request.request_id] = (entry, index)
             self._unsent.append(entry)
             return
@@ -177,7 +177,7 @@ class Feeder:
 
     def _fail(self, entry: Entry, rejected: RequestRejected) -> None:
         """Answer the entry's line with an error line; none of its requests is awaited any more."""
-        for request in entry.requests or ():
+        for request in entry.requests:
             self._requests.pop(request.request_id, None)
         error = self.serving.error_line(
             entry.line.custom_id,
@@ -193,7 +193,7 @@ class Feeder:
     def _send_back(self, batch: Batch) -> None:
         """Put every line of the batch being tokenized back in front of its held lines, in input order, so that none
         reaches the engine ahead of the one a storage fault held back."""
-        back = [entry for entry in batch.in_window.values() if entry.requests is None]
+        back = [entry for entry in batch.in_window.values() if entry.prepared is None]
         for entry in back:
             self._release(entry)
             self.quarantine.left(batch.id, entry.line.custom_id, answered=False)
@@ -207,14 +207,14 @@ class Feeder:
         if found is None:
             return  # its batch was cancelled or expired, or the engine restarted and answered twice
         entry, index = found
-        assert entry.requests is not None
+        assert entry.prepared is not None
         entry.results[index] = result
         self._hold(entry, -entry.requests[index].params.n)
         if any(r is None for r in entry.results):
             return
         self._release(entry)
         results = [r for r in entry.results if r is not None]
-        output = self.serving.output_line(entry.line, entry.requests, results, request_id=entry.request_id)
+        output = self.serving.output_line(entry.line.custom_id, entry.prepared, results)
         self._answer(entry.batch, entry.line, output, entry.work)
 
     def _answer(self, batch: Batch, line: BatchInputLine, answer: BatchOutputLine, work: int) -> None:

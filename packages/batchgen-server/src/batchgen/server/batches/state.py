@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from batchgen.schemas import BatchError, BatchInputLine, BatchObject, BatchOutputLine
 
 from ..engine.request import EngineRequest, EngineResult
-from ..serving import BatchDefaults
+from ..serving import BatchDefaults, PreparedRequest
 from ..storage.blobs import ResultsFile
 from .results import Tally
 from .stores import Results
@@ -20,7 +20,7 @@ RETRY_FIRST_S, RETRY_MAX_S = 0.25, 5.0
 
 @dataclass(slots=True, eq=False)
 class Entry:
-    """A request line holding its place in the engine's window: being tokenized (``requests`` is ``None``), then
+    """A request line holding its place in the engine's window: being tokenized (``prepared`` is ``None``), then
     inside the engine until each of its engine requests has its result."""
 
     batch: Batch
@@ -30,8 +30,13 @@ class Entry:
     """Its sequences (prompts x n), as the batch counts them."""
     inside: int = 0
     """Its sequences in the window now: all of them until its results come back, one request at a time."""
-    requests: list[EngineRequest] | None = None
+    prepared: PreparedRequest | None = None
     results: list[EngineResult | None] = field(default_factory=list)
+
+    @property
+    def requests(self) -> list[EngineRequest]:
+        """Its engine requests, once tokenized."""
+        return [] if self.prepared is None else self.prepared.requests
 
 
 @dataclass(slots=True)

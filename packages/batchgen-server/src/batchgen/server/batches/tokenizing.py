@@ -16,11 +16,11 @@ from functools import partial
 
 from batchgen.schemas import RequestBody
 
-from ..engine.request import EngineRequest
-from ..serving import BatchDefaults, OpenAIServing
+from ..serving import BatchDefaults, OpenAIServing, PreparedRequest
 
-Outcome = list[EngineRequest] | Exception
-"""The line's engine requests, or why it has none (``RequestRejected``, a storage fault, a bug)."""
+Outcome = PreparedRequest | Exception
+"""The line made ready to run (its engine requests), or why it is not (``RequestRejected``, a storage fault, a
+bug)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +66,7 @@ class Tokenizer:
         while (job := self._jobs.get()) is not None and not self._stopping:
             outcome: Outcome
             try:
-                outcome = self.serving.to_engine_requests(
+                outcome = self.serving.prepare(
                     job.body, request_id=job.request_id, defaults=job.defaults, group=job.group
                 )
             except Exception as exc:  # the loop decides: the line's error, or a storage fault that pauses its batch

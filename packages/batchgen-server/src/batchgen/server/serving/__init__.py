@@ -2,6 +2,6 @@
 and ``run-batch``."""
 
 from .errors import RequestRejected
-from .openai_serving import BatchDefaults, OpenAIServing, failed
+from .openai_serving import BatchDefaults, OpenAIServing, PreparedRequest, failed
 
-__all__ = ["BatchDefaults", "OpenAIServing", "RequestRejected", "failed"]
+__all__ = ["BatchDefaults", "OpenAIServing", "PreparedRequest", "RequestRejected", "failed"]

@@ -13,7 +13,6 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from batchgen.schemas import (
-    BatchInputLine,
     BatchOutputLine,
     BatchResponse,
     ChatCompletion,
@@ -73,6 +72,24 @@ DEFAULT_MAX_SEQUENCES = 256
 PROMPT_TAIL_TOKENS = 32
 """The prompt's last tokens, as text, tell a reasoning parser whether the template opened or closed the thinking."""
 ResponseBody = ChatCompletion | TextCompletion | EmbeddingList | Response
+RunnableBody = ChatCompletionRequest | CompletionRequest | EmbeddingRequest
+"""What engine requests are made from: a response request runs as its chat request."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PreparedRequest:
+    """A request body made ready to run: its engine requests, and what its answer is made from, kept with it until
+    it is answered."""
+
+    body: RequestBody
+    """As received: a response request is answered with a ``response``."""
+    runs_as: RunnableBody
+    """``body``, or the chat request a response request runs as (translated once, when prepared)."""
+    request_id: str
+    requests: list[EngineRequest]
+    """One per prompt, in prompt order: the order its results are taken in."""
+    plan: MessagePlan | None = None
+    """A chat's: how its choices are read."""
 
 
 class BatchDefaults(GenerationDefaults, kw_only=True):
@@ -169,15 +186,13 @@ class OpenAIServing:
 
     # ---- request body -> engine requests ------------------------------------------------------------------------
 
-    def to_engine_requests(
+    def prepare(
         self, body: RequestBody, *, request_id: str, defaults: BatchDefaults, group: str, online: bool = False
-    ) -> list[EngineRequest]:
-        """One engine request per prompt (chat: one; completions/embeddings: one per prompt/input), in prompt order;
-        ``online`` ones are interactive (scheduled ahead of batch work) and may stream. ``body`` has passed
-        ``batchgen.schemas.validation`` (its types, ``request_problem``; a batch line's ``stream`` is refused there).
-
-        ``output_line`` and ``response_body`` take their results in the same order.
-        """
+    ) -> PreparedRequest:
+        """``body`` ready to run: one engine request per prompt (chat: one; completions/embeddings: one per
+        prompt/input), in prompt order; ``online`` ones are interactive (scheduled ahead of batch work) and may
+        stream. ``body`` has passed ``batchgen.schemas.validation`` (its types, ``request_problem``; a batch line's
+        ``stream`` is refused there)."""
         lora = self._adapter(body.model)
         sequences = sequences_of(body)
         if sequences > self.max_sequences:
@@ -193,35 +208,47 @@ class OpenAIServing:
                 "parameters it honours).",
                 name,
             )
-        if isinstance(body, ResponseRequest):  # runs as its chat request; its errors name the response's fields
-            try:
-                return self.to_engine_requests(
-                    chat_request(body), request_id=request_id, defaults=defaults, group=group, online=online
-                )
-            except RequestRejected as exc:
-                exc.param = None if exc.param is None else response_field(exc.param)
-                raise
-        if isinstance(body, EmbeddingRequest):
-            prompts = self._prompts(body.input, "input", _first(body.add_special_tokens, True))
+        if not isinstance(body, ResponseRequest):
+            return self._prepare(body, body, request_id, defaults, group, online, lora)
+        try:  # it runs as its chat request, translated here once; its errors name the response's own fields
+            return self._prepare(body, chat_request(body), request_id, defaults, group, online, lora)
+        except RequestRejected as exc:
+            exc.param = None if exc.param is None else response_field(exc.param)
+            raise
+
+    def _prepare(
+        self,
+        body: RequestBody,
+        runs_as: RunnableBody,
+        request_id: str,
+        defaults: BatchDefaults,
+        group: str,
+        online: bool,
+        lora: LoRARequest | None,
+    ) -> PreparedRequest:
+        if isinstance(runs_as, EmbeddingRequest):
+            prompts = self._prompts(runs_as.input, "input", _first(runs_as.add_special_tokens, True))
             self._check_token_ids("input", prompts)
-            return [
+            requests = [
                 EngineRequest(
                     engine_request_id(request_id, i), ids, task="embed", group=group, interactive=online, lora=lora
                 )
                 for i, ids in enumerate(prompts)
             ]
+            return PreparedRequest(body, runs_as, request_id, requests)
         if "generate" not in self.tasks:
-            url = "/v1/chat/completions" if isinstance(body, ChatCompletionRequest) else "/v1/completions"
+            url = "/v1/chat/completions" if isinstance(runs_as, ChatCompletionRequest) else "/v1/completions"
             raise RequestRejected(
                 "unsupported_endpoint",
                 f"model {self.model_name!r} is an embedding model: it serves /v1/embeddings only, not {url}",
             )
-        params = self._sampling_params(body, defaults)
-        if isinstance(body, ChatCompletionRequest):
-            text = render_chat(self.tokenizer, body, self.model_name)
+        params = self._sampling_params(runs_as, defaults)
+        plan = None
+        if isinstance(runs_as, ChatCompletionRequest):
+            text = render_chat(self.tokenizer, runs_as, self.model_name)
             prompt_param = "messages"
-            prompts = [self._tokenize(text, prompt_param, _first(body.add_special_tokens, False))]
-            plan = self.message_plan(body, prompts[0])
+            prompts = [self._tokenize(text, prompt_param, _first(runs_as.add_special_tokens, False))]
+            plan = self.message_plan(runs_as, prompts[0])
             if plan.reasoning is not None or plan.tool_parser is not None:
                 params = dataclasses.replace(
                     params,
@@ -230,21 +257,22 @@ class OpenAIServing:
                 )
         else:
             prompt_param = "prompt"
-            prompts = self._prompts(body.prompt, prompt_param, _first(body.add_special_tokens, True))
+            prompts = self._prompts(runs_as.prompt, prompt_param, _first(runs_as.add_special_tokens, True))
         self._check_token_ids(prompt_param, prompts, params)
-        self._check_scoring_size(body, prompts)
-        return [
+        self._check_scoring_size(runs_as, prompts)
+        requests = [
             EngineRequest(
                 engine_request_id(request_id, i),
                 ids,
                 params=params,
                 group=group,
                 interactive=online,
-                stream=online and bool(body.stream),
+                stream=online and bool(runs_as.stream),
                 lora=lora,
             )
             for i, ids in enumerate(prompts)
         ]
+        return PreparedRequest(body, runs_as, request_id, requests, plan)
 
     def _adapter(self, model: str) -> LoRARequest | None:
         """The LoRA adapter ``model`` names (``None``: the base model); 404 for a name not served."""
@@ -392,39 +420,35 @@ class OpenAIServing:
 
     # ---- engine results -> response body, output line ---------------------------------------------------------
 
-    def response_body(
-        self, body: RequestBody, requests: list[EngineRequest], results: list[EngineResult], *, request_id: str
-    ) -> ResponseBody:
-        """The 200 body of a request whose results (in the order of its engine ``requests``) all succeeded."""
-        if isinstance(body, EmbeddingRequest):
-            return self._embedding_list(body, results)
-        if isinstance(body, ResponseRequest):
-            chat = self.response_body(chat_request(body), requests, results, request_id=request_id)
-            assert isinstance(chat, ChatCompletion)
-            return response_object(body, chat, request_id)
-        if isinstance(body, ChatCompletionRequest):
-            plan = self.message_plan(body, list(requests[0].prompt_token_ids))
-            chat = self._chat_completion(body.model, plan, results[0], request_id)
-            if body.prompt_logprobs is not None:
-                chat.prompt_logprobs = wire_prompt_logprobs(
-                    results[0].prompt_logprobs, body.prompt_logprobs, self._token_text
-                )
-            return chat
-        return self._text_completion(body, requests, results, request_id)
+    def response_body(self, prepared: PreparedRequest, results: list[EngineResult]) -> ResponseBody:
+        """The 200 body of a request whose results (in the order of its engine requests) all succeeded."""
+        runs_as, request_id = prepared.runs_as, prepared.request_id
+        if isinstance(runs_as, EmbeddingRequest):
+            return self._embedding_list(runs_as, results)
+        if isinstance(runs_as, CompletionRequest):
+            return self._text_completion(runs_as, prepared.requests, results, request_id)
+        assert prepared.plan is not None  # a chat's
+        chat = self._chat_completion(runs_as.model, prepared.plan, results[0], request_id)
+        if runs_as.prompt_logprobs is not None:
+            chat.prompt_logprobs = wire_prompt_logprobs(
+                results[0].prompt_logprobs, runs_as.prompt_logprobs, self._token_text
+            )
+        if isinstance(prepared.body, ResponseRequest):
+            return response_object(prepared.body, chat, request_id)
+        return chat
 
-    def output_line(
-        self, line: BatchInputLine, requests: list[EngineRequest], results: list[EngineResult], *, request_id: str
-    ) -> BatchOutputLine:
+    def output_line(self, custom_id: str, prepared: PreparedRequest, results: list[EngineResult]) -> BatchOutputLine:
         """The 200 line, or an error line if any result failed; ``results`` in the order of the engine requests."""
+        request_id = prepared.request_id
         if (failure := failed(results)) is not None:
             status, error = failure
             return self.error_line(
-                line.custom_id, request_id=request_id, code=error.code, message=error.message, status_code=status
+                custom_id, request_id=request_id, code=error.code, message=error.message, status_code=status
             )
-        body = self.response_body(line.body, requests, results, request_id=request_id)
+        body = self.response_body(prepared, results)
         return BatchOutputLine(
             id=new_line_id(),
-            custom_id=line.custom_id,
+            custom_id=custom_id,
             response=BatchResponse(status_code=200, request_id=request_id, body=body),
             error=None,
         )

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from batchgen.schemas import ChatCompletionRequest, ResponseRequest
+from batchgen.schemas import ResponseRequest
 from batchgen.schemas.responses import (
     ChatCompletionChunkChoice,
     ChoiceDelta,
@@ -42,8 +42,8 @@ from batchgen.schemas.responses_api import (
     ResponseInProgress,
 )
 
-from ..engine.request import EngineRequest, EngineResult
-from .openai_serving import OpenAIServing
+from ..engine.request import EngineResult
+from .openai_serving import OpenAIServing, PreparedRequest
 from .responses import call_item, finished_response, message_item, pending_response, reasoning_item
 from .streaming import StreamedResponse
 
@@ -63,16 +63,10 @@ class _OpenItem:
 class ResponseStream:
     """Turns one streamed response's engine results into its events (through the chat chunks it runs as)."""
 
-    def __init__(
-        self,
-        serving: OpenAIServing,
-        body: ResponseRequest,
-        chat: ChatCompletionRequest,
-        requests: list[EngineRequest],
-        request_id: str,
-    ) -> None:
-        self._body, self._request_id = body, request_id
-        self._chat = StreamedResponse(serving, chat, requests, request_id)
+    def __init__(self, serving: OpenAIServing, prepared: PreparedRequest) -> None:
+        assert isinstance(prepared.body, ResponseRequest)
+        self._body, self._request_id = prepared.body, prepared.request_id
+        self._chat = StreamedResponse(serving, prepared)
         self._created = int(time.time())
         self._sequence = 0
         self._items: list[OutputItem] = []

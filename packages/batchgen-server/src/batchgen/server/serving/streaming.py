@@ -16,17 +16,17 @@ from batchgen.schemas import (
     ChatCompletionRequest,
     ChoiceDelta,
     CompletionChunkChoice,
-    CompletionRequest,
     CompletionUsage,
+    EmbeddingRequest,
     ErrorDetail,
     ErrorResponse,
     TextCompletionChunk,
 )
 from batchgen.schemas.responses import FinishReason
 
-from ..engine.request import CompletionOutput, EngineRequest, EngineResult
+from ..engine.request import CompletionOutput, EngineResult
 from .messages import MessageReader
-from .openai_serving import OpenAIServing, usage
+from .openai_serving import OpenAIServing, PreparedRequest, usage
 
 DONE = b"data: [DONE]\n\n"
 Chunk = ChatCompletionChunk | TextCompletionChunk
@@ -46,20 +46,17 @@ def error_event(code: str, message: str, status_code: int) -> bytes:
 class StreamedResponse:
     """Turns one streamed request's engine results, partial and final, into its events."""
 
-    def __init__(
-        self,
-        serving: OpenAIServing,
-        body: ChatCompletionRequest | CompletionRequest,
-        requests: list[EngineRequest],
-        request_id: str,
-    ) -> None:
+    def __init__(self, serving: OpenAIServing, prepared: PreparedRequest) -> None:
+        body = prepared.runs_as
+        assert not isinstance(body, EmbeddingRequest)  # validated: embeddings do not stream
         self._serving = serving
         self._body = body
         self._chat = isinstance(body, ChatCompletionRequest)
         self._readers: dict[int, MessageReader] = {}
         """Each chat choice's reader (its reasoning and tool calls), made on its first text."""
-        if isinstance(body, ChatCompletionRequest):
-            self._plan = serving.message_plan(body, list(requests[0].prompt_token_ids))
+        if prepared.plan is not None:
+            self._plan = prepared.plan
+        request_id = prepared.request_id
         self._id = f"chatcmpl-{request_id}" if self._chat else f"cmpl-{request_id}"
         self._created = int(time.time())
         options = body.stream_options
