@@ -18,13 +18,15 @@ from batchgen.schemas import (
     ChatCompletion,
     EmbeddingList,
     ErrorResponse,
+    Response,
     TextCompletion,
     parse_output_line,
 )
 from batchgen.schemas.requests import _unsupported_fields
 from batchgen.server.engine import LLMEngine
 from batchgen.server.engine.request import vocabulary_problem
-from batchgen.server.serving import BatchDefaults, OpenAIServing, RequestRejected
+from batchgen.server.serving import BatchDefaults, OpenAIServing, RequestRejected, preparing
+from batchgen.server.serving.response_stream import ResponseStream
 
 Run = Callable[..., Any]
 NO_DEFAULTS = BatchDefaults()
@@ -264,6 +266,29 @@ def test_a_model_it_does_not_serve_is_not_found(tokenizer: Any) -> None:
         assert serving.prepare(_line(url, {**PROMPTS[url], "model": "alias"}).body, **ARGS).requests
 
 
+def test_a_response_request_is_translated_once_for_its_answer_whole_or_streamed(
+    make_engine: Callable[..., LLMEngine], run_to_completion: Run, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A response request runs as its chat request: translated when it is prepared, its answer (whole, or as a
+    stream's events) made from what the preparation kept."""
+    translated = []
+    translate = preparing.chat_request
+    monkeypatch.setattr(preparing, "chat_request", lambda body: translated.append(body) or translate(body))
+    engine = make_engine()
+    serving = OpenAIServing(engine.tokenizer, ("demo",), engine.max_context_length, engine.vocab_size)
+    for stream in (False, True):
+        body = _line("/v1/responses", {"input": "hi", "max_output_tokens": 4, "stream": stream}).body
+        prepared = serving.prepare(body, **ARGS, online=True)
+        (result,) = run_to_completion(engine, prepared.requests).values()
+        if stream:
+            events = ResponseStream(prepared, serving.logprobs)
+            sent = [*events.start(), *events.add(0, result), *events.end()]
+            assert sent[-1].startswith((b"event: response.completed", b"event: response.incomplete"))
+        else:
+            assert isinstance(serving.response_body(prepared, [result]), Response)
+    assert len(translated) == 2
+
+
 def test_the_sampling_extensions_reach_the_engine(tokenizer: Any) -> None:
     serving = OpenAIServing(tokenizer, ("demo",), 2048, len(tokenizer))
     body = {
@@ -354,7 +379,7 @@ def tools_serving(tokenizer: Any) -> OpenAIServing:
 
 def _prompt(serving: OpenAIServing, body: dict[str, Any]) -> str:
     (request,) = serving.prepare(_line("/v1/chat/completions", {**CHAT_BODY, **body}).body, **ARGS).requests
-    return str(serving.tokenizer.decode(request.prompt_token_ids))
+    return str(serving.preparer.tokenizer.decode(request.prompt_token_ids))
 
 
 def test_tools_and_template_variables_are_rendered(tools_serving: OpenAIServing) -> None:
@@ -407,8 +432,6 @@ def test_tool_calls_and_results_a_template_would_drop_are_refused(tokenizer: Any
 
 @pytest.mark.parametrize("url", list(PROMPTS))
 def test_a_text_too_long_for_the_context_is_refused_before_it_is_tokenized(tokenizer: Any, url: str) -> None:
-    serving = OpenAIServing(tokenizer, ("demo",), 64, len(tokenizer))
-    assert serving.max_prompt_chars == 64 * max(map(len, tokenizer.get_vocab()))
     encoded = 0
 
     class Counting(type(tokenizer)):  # type: ignore[misc]
@@ -417,9 +440,12 @@ def test_a_text_too_long_for_the_context_is_refused_before_it_is_tokenized(token
             encoded += 1
             return super().encode(*args, **kwargs)
 
-    serving.tokenizer = copy.deepcopy(tokenizer)
-    serving.tokenizer.__class__ = Counting
-    text = "y" * (serving.max_prompt_chars + 1)
+    counting = copy.deepcopy(tokenizer)
+    counting.__class__ = Counting
+    serving = OpenAIServing(counting, ("demo",), 64, len(tokenizer))
+    max_prompt_chars = serving.preparer.prompts.max_prompt_chars
+    assert max_prompt_chars == 64 * max(map(len, tokenizer.get_vocab()))
+    text = "y" * (max_prompt_chars + 1)
     body = (
         {"messages": [{"role": "user", "content": text}]}
         if "chat" in url

@@ -31,8 +31,8 @@ from batchgen.schemas.validation import request_problem
 
 from ..engine import EngineResult
 from ..ids import new_request_id
-from ..serving import BatchDefaults, RequestRejected, failed
-from ..serving.openai_serving import PreparedRequest, ResponseBody
+from ..serving import BatchDefaults, PreparedRequest, RequestRejected, failed
+from ..serving.answers import ResponseBody
 from ..serving.response_stream import ResponseStream
 from ..serving.streaming import StreamedResponse
 from .deps import ServerContext
@@ -106,9 +106,9 @@ async def serve(context: ServerContext, request: Request[Any, Any, Any], body: R
     if not isinstance(body, EmbeddingRequest) and body.stream:
         stream: StreamedResponse | ResponseStream
         if isinstance(body, ResponseRequest):
-            stream = ResponseStream(context.serving, prepared)
+            stream = ResponseStream(prepared, context.serving.logprobs)
         else:
-            stream = StreamedResponse(context.serving, prepared)
+            stream = StreamedResponse(prepared, context.serving.logprobs)
         events = _events(stream, call)
         # The content type as a header: Litestar would give a Stream the route's JSON media type.
         return Stream(events, headers={"content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache"})

@@ -18,7 +18,7 @@ from batchgen.schemas import BatchInputLine, BatchOutputLine, sequences_of
 from ..engine.interface import EngineSubmitter
 from ..engine.request import EngineResult
 from ..ids import new_request_id
-from ..serving import OpenAIServing, PreparedRequest, RequestRejected
+from ..serving import OpenAIServing, PreparedRequest, RequestRejected, error_line
 from ..storage.faults import storage_fault
 from .inputs import InputReader
 from .quarantine import Quarantine
@@ -135,14 +135,14 @@ class Feeder:
         if line is None:
             return True
         work = sequences_of(line.body)
-        if self._inside and work <= self.serving.max_sequences and self._inside + work > self.window:
+        if self._inside and work <= self.serving.preparer.max_sequences and self._inside + work > self.window:
             batch.held.appendleft(line)
             return False
         request_id = new_request_id()
         if self.quarantine.quarantined(batch.id, line.custom_id):
             log.error("batch %s: %s quarantined: the process died twice while it ran", batch.id, line.custom_id)
             message = "Quarantined: the server process died each of the two times this request ran; not run again."
-            error = self.serving.error_line(
+            error = error_line(
                 line.custom_id, request_id=request_id, code="server_error", message=message, status_code=500
             )
             self._answer(batch, line, error, work)
@@ -179,7 +179,7 @@ class Feeder:
         """Answer the entry's line with an error line; none of its requests is awaited any more."""
         for request in entry.requests:
             self._requests.pop(request.request_id, None)
-        error = self.serving.error_line(
+        error = error_line(
             entry.line.custom_id,
             request_id=entry.request_id,
             code=rejected.code,

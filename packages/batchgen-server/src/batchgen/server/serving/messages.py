@@ -1,19 +1,33 @@
 """A chat choice's generated text as OpenAI's message, streamed or whole through one path: the reasoning split off
 (``--reasoning-parser``), then the tool calls, parsed out of the text (``tool_choice: auto`` with
 ``--enable-auto-tool-choice --tool-call-parser``) or read from the JSON a forced call's grammar wrote (a named
-function: its arguments; ``required``: a list of ``{"name", "parameters"}``, vLLM's shape)."""
+function: its arguments; ``required``: a list of ``{"name", "parameters"}``, vLLM's shape). How a request's choices
+are read (``MessagePlan``) is decided once, when it is prepared (``MessagePlanner``)."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import Any
 
-from batchgen.schemas import ChatCompletionMessage, FunctionCall, FunctionCallDelta, ToolCall, ToolCallDelta
+from batchgen.schemas import (
+    ChatCompletionMessage,
+    ChatCompletionRequest,
+    FunctionCall,
+    FunctionCallDelta,
+    NamedToolChoice,
+    ToolCall,
+    ToolCallDelta,
+)
 from batchgen.schemas.responses import FinishReason
 
 from ..ids import new_tool_call_id
-from .parsers import ReasoningParser, ToolCallParser
+from .config import ServingConfig
+from .parsers import ReasoningParser, ToolCallParser, reasoning_parser, tool_call_parser
 from .parsers.calls import dumps
+
+PROMPT_TAIL_TOKENS = 32
+"""The prompt's last tokens, as text, tell a reasoning parser whether the template opened or closed the thinking."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +43,54 @@ class MessagePlan:
     tool_names: frozenset[str] = frozenset()
     forced: str | None = None
     """``required``, or the name of the function the request forces (its grammar wrote the arguments)."""
+
+    @property
+    def parses(self) -> bool:
+        """A parser reads the text (reasoning, or tool calls)."""
+        return self.reasoning is not None or self.tool_parser is not None
+
+    @property
+    def grammar_after(self) -> tuple[int, ...]:
+        """A reasoning model's grammar constrains its answer, after its reasoning ends (as vLLM has it); from the
+        first token when the prompt has closed the reasoning already (thinking disabled)."""
+        if self.reasoning is None or self.prompt_tail.rstrip().endswith(self.reasoning.end):
+            return ()
+        return self.reasoning_end_ids
+
+
+class MessagePlanner:
+    """Plans how each chat request's choices are read, with the parsers the server was started with."""
+
+    def __init__(self, tokenizer: Any, config: ServingConfig) -> None:
+        self.tokenizer = tokenizer
+        self.reasoning = None if config.reasoning_parser is None else reasoning_parser(config.reasoning_parser)
+        """Splits a thinking model's reasoning from its answer (``--reasoning-parser``)."""
+        self.tool_parser = None
+        """Parses tool calls out of the text of a ``tool_choice: auto`` request (``--enable-auto-tool-choice``)."""
+        if config.enable_auto_tool_choice and config.tool_call_parser is not None:
+            self.tool_parser = tool_call_parser(config.tool_call_parser)
+        self.reasoning_end_ids: tuple[int, ...] = ()
+        if self.reasoning is not None:
+            self.reasoning_end_ids = tuple(tokenizer.encode(self.reasoning.end, add_special_tokens=False))
+        special = set(getattr(tokenizer, "all_special_tokens", ()))
+        parsers = [parser for parser in (self.reasoning, self.tool_parser) if parser is not None]
+        self.keep_special_tokens = any(marker in special for parser in parsers for marker in parser.markers)
+        """A parser's marker is a special token: the text must keep them for the parser to see it."""
+
+    def plan(self, body: ChatCompletionRequest, prompt: list[int]) -> MessagePlan:
+        """How the choices of ``body`` (whose prompt is ``prompt``) are read."""
+        forced: str | None = "required" if body.tools and body.tool_choice == "required" else None
+        if isinstance(body.tool_choice, NamedToolChoice):
+            forced = body.tool_choice.function.name
+        parses_tools = body.tools and body.tool_choice in (None, "auto") and self.tool_parser is not None
+        return MessagePlan(
+            prompt_tail=str(self.tokenizer.decode(prompt[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)),
+            reasoning=self.reasoning,
+            reasoning_end_ids=self.reasoning_end_ids,
+            tool_parser=self.tool_parser if parses_tools else None,
+            tool_names=frozenset(tool.function.name for tool in body.tools or ()),
+            forced=forced,
+        )
 
 
 @dataclass(slots=True)

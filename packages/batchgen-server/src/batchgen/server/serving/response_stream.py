@@ -43,7 +43,8 @@ from batchgen.schemas.responses_api import (
 )
 
 from ..engine.request import EngineResult
-from .openai_serving import OpenAIServing, PreparedRequest
+from .logprobs import LogprobFormatter
+from .preparing import PreparedRequest
 from .responses import call_item, finished_response, message_item, pending_response, reasoning_item
 from .streaming import StreamedResponse
 
@@ -63,10 +64,10 @@ class _OpenItem:
 class ResponseStream:
     """Turns one streamed response's engine results into its events (through the chat chunks it runs as)."""
 
-    def __init__(self, serving: OpenAIServing, prepared: PreparedRequest) -> None:
+    def __init__(self, prepared: PreparedRequest, logprobs: LogprobFormatter) -> None:
         assert isinstance(prepared.body, ResponseRequest)
         self._body, self._request_id = prepared.body, prepared.request_id
-        self._chat = StreamedResponse(serving, prepared)
+        self._chat = StreamedResponse(prepared, logprobs)
         self._created = int(time.time())
         self._sequence = 0
         self._items: list[OutputItem] = []

@@ -2,14 +2,14 @@
 prompt's tokens, text and (with ``logprobs``) logprobs ahead of the completion's, the first token's ``null``;
 ``max_tokens`` 0 with ``echo`` returns the prompt alone (the engine still samples one token, as vLLM's does). vLLM's
 ``prompt_logprobs`` (chat and completions) reports them in its own shape: per prompt token ``null`` for the first,
-then token id -> ``{logprob, rank, decoded_token}`` for the prompt's token and the top ones asked for."""
+then token id -> ``{logprob, rank, decoded_token}`` for the prompt's token and the top ones asked for (said by
+``logprobs.py``)."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
-from batchgen.schemas import ChatCompletionRequest, CompletionRequest, PromptLogprob, PromptLogprobs
+from batchgen.schemas import ChatCompletionRequest, CompletionRequest
 
 from ..engine.request import CompletionOutput, EngineResult
 from ..engine.request import TokenLogprob as EngineTokenLogprob
@@ -63,21 +63,3 @@ def echoed(
     if generated:
         logprobs += output.logprobs or []
     return text, token_ids, logprobs
-
-
-def wire_prompt_logprobs(logprobs: Logprobs | None, top: int, token_text: Callable[[int], str]) -> PromptLogprobs:
-    """vLLM's ``prompt_logprobs``: the prompt token's own entry, then the ``top`` likeliest (ranks 1 to ``top``)."""
-    wire: PromptLogprobs = []
-    for lp in logprobs or []:
-        if lp is None:
-            wire.append(None)
-            continue
-        entry = {
-            str(lp.token_id): PromptLogprob(
-                logprob=lp.logprob, rank=lp.rank or 0, decoded_token=token_text(lp.token_id)
-            )
-        }
-        for rank, (token_id, value) in enumerate(lp.top[:top], start=1):
-            entry.setdefault(str(token_id), PromptLogprob(logprob=value, rank=rank, decoded_token=token_text(token_id)))
-        wire.append(entry)
-    return wire

@@ -25,8 +25,10 @@ from batchgen.schemas import (
 from batchgen.schemas.responses import FinishReason
 
 from ..engine.request import CompletionOutput, EngineResult
+from .answers import usage
+from .logprobs import LogprobFormatter
 from .messages import MessageReader
-from .openai_serving import OpenAIServing, PreparedRequest, usage
+from .preparing import PreparedRequest
 
 DONE = b"data: [DONE]\n\n"
 Chunk = ChatCompletionChunk | TextCompletionChunk
@@ -46,10 +48,10 @@ def error_event(code: str, message: str, status_code: int) -> bytes:
 class StreamedResponse:
     """Turns one streamed request's engine results, partial and final, into its events."""
 
-    def __init__(self, serving: OpenAIServing, prepared: PreparedRequest) -> None:
+    def __init__(self, prepared: PreparedRequest, logprobs: LogprobFormatter) -> None:
         body = prepared.runs_as
         assert not isinstance(body, EmbeddingRequest)  # validated: embeddings do not stream
-        self._serving = serving
+        self._logprobs = logprobs
         self._body = body
         self._chat = isinstance(body, ChatCompletionRequest)
         self._readers: dict[int, MessageReader] = {}
@@ -139,11 +141,11 @@ class StreamedResponse:
                 reasoning_content=read.reasoning or None,
                 tool_calls=read.tool_calls or None,
             )
-            chat_logprobs = self._serving.chat_logprobs(logprobs)
+            chat_logprobs = self._logprobs.chat(logprobs)
             if delta == ChoiceDelta() and not (chat_logprobs or finish):
                 return None
             return ChatCompletionChunkChoice(index=choice, delta=delta, logprobs=chat_logprobs, finish_reason=finish)
-        completion_logprobs = self._serving.completion_logprobs(logprobs, self._logprob_chars[choice])
+        completion_logprobs = self._logprobs.completion(logprobs, self._logprob_chars[choice])
         if completion_logprobs is not None:
             self._logprob_chars[choice] += sum(map(len, completion_logprobs.tokens))
         return CompletionChunkChoice(index=choice, text=text, logprobs=completion_logprobs, finish_reason=finish)
