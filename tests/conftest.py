@@ -7,9 +7,7 @@ from pathlib import Path
 
 import pytest
 from hypothesis import settings
-from server_helpers import TENANT_KEYS, LiveServer
-
-from batchgen.server.launcher import ServerProcess
+from server_helpers import TENANT_KEYS, LiveServer, ServerProcess
 
 # The suite is the gate a change lands through: the property tests draw the same cases on every run (a seed from
 # each test's name), so a run fails only on a change. `nox -s explore` draws new cases to look for new failures.

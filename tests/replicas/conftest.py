@@ -12,9 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from server_helpers import LiveServer
-
-from batchgen.server.launcher import ServerProcess
+from server_helpers import LiveServer, ServerProcess
 
 HOLD_RAY = """
 import sys, ray
