@@ -16,6 +16,19 @@ settings.register_profile("explore", derandomize=False)
 settings.load_profile("suite")
 
 
+SHARED_BY_DIRECTORY = {"replicas": "ray", "browser": "chromium"}
+"""Directories whose tests share one costly session fixture (a local Ray, a browser): one worker runs them all."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """With pytest-xdist (``-n 2 --dist loadgroup``), a worker runs whole modules (their module-scoped servers start
+    once), and whole directories where a session fixture is costly."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            group = SHARED_BY_DIRECTORY.get(item.path.parent.name, str(item.path))
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def small_kv_cache() -> Iterator[None]:
     """Servers the tests start get a 64 MiB KV cache (the CPU default is 1 GiB, resident from the start): the demo
