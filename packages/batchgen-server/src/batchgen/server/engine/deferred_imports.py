@@ -9,6 +9,7 @@ use already.
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import importlib.machinery
 import sys
@@ -46,16 +47,16 @@ class _WithoutTorchao(importlib.abc.Loader):
         return module
 
     def exec_module(self, module: ModuleType) -> None:
-        import transformers.utils
-
-        available = transformers.utils.is_torchao_available
-        transformers.utils.is_torchao_available = _missing
+        utils: Any = importlib.import_module("transformers.utils")
+        available = utils.is_torchao_available
+        utils.is_torchao_available = _missing
         try:
             self.loader.exec_module(module)
         finally:
-            transformers.utils.is_torchao_available = available
-        module.is_torchao_available = available
-        module.flatten_tensor_state_dict = _flatten_tensor_state_dict
+            utils.is_torchao_available = available
+        quantizer: Any = module
+        quantizer.is_torchao_available = available
+        quantizer.flatten_tensor_state_dict = _flatten_tensor_state_dict
 
 
 def _missing(*args: Any, **kwargs: Any) -> bool:
