@@ -7,15 +7,26 @@ from pathlib import Path
 
 import pytest
 from hypothesis import settings
-from server_helpers import TENANT_KEYS, LiveServer
-
-from batchgen.server.launcher import ServerProcess
+from server_helpers import TENANT_KEYS, LiveServer, ServerProcess
 
 # The suite is the gate a change lands through: the property tests draw the same cases on every run (a seed from
 # each test's name), so a run fails only on a change. `nox -s explore` draws new cases to look for new failures.
 settings.register_profile("suite", derandomize=True)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile("suite")
+
+
+SHARED_BY_DIRECTORY = {"replicas": "ray", "browser": "chromium"}
+"""Directories whose tests share one costly session fixture (a local Ray, a browser): one worker runs them all."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """With pytest-xdist (``-n 2 --dist loadgroup``), a worker runs whole modules (their module-scoped servers start
+    once), and whole directories where a session fixture is costly."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            group = SHARED_BY_DIRECTORY.get(item.path.parent.name, str(item.path))
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -3,20 +3,20 @@ transformers running the same checkpoint, ``--quantization`` quantizing a float 
 other method refused at load in one line that names it.
 
 Each checkpoint is made by its library's own quantizer from one small random Llama, once for the module. The CLI runs
-in child processes, all started together so that their imports overlap, and a crash in native code (torchao's int8
-weights read as float32 by a fast path crashed with exit 139) fails its case instead of ending the run."""
+in child processes forked together from the fork server (``server_helpers.forked_cli``), and a crash in native code
+(torchao's int8 weights read as float32 by a fast path crashed with exit 139) fails its case instead of ending the
+run."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from server_helpers import forked_cli
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, TorchAoConfig
 
 from batchgen.server.cli import main
@@ -30,13 +30,8 @@ pytest.importorskip("compressed_tensors")
 PROMPTS = [[1, 2, 3, 4, 5], [70, 71, 72], [200, 10, 20, 30, 40, 50, 60]]
 NEW_TOKENS = 8
 
+
 # The real CLI, with the compiled layers on for this small model (they stay eager below 10M parameters).
-COMPILED_CLI = (
-    "import sys; from batchgen.server.engine import model_runner; model_runner.EAGER_BELOW_PARAMETERS = 0; "
-    "from batchgen.server.cli import main; sys.exit(main(sys.argv[1:]))"
-)
-
-
 def _bitsandbytes(bits: int) -> Any:
     if bits == 8:
         return BitsAndBytesConfig(load_in_8bit=True)
@@ -176,20 +171,17 @@ def _expected(path: Path, quantization: str | None) -> list[str]:
 def test_each_cpu_method_serves_through_the_cli_exactly(checkpoints: dict[str, Path], tmp_path: Path) -> None:
     children = {}
     for case, (checkpoint, flags, _) in SERVED.items():
-        compiled = "compiled" in flags
-        command = ["-c", COMPILED_CLI] if compiled else ["-m", "batchgen.server.cli"]
         work = tmp_path / case.replace(" ", "_").replace("/", "_")
         work.mkdir()
-        command += ["run-batch", "-i", str(_input(work / "in.jsonl", str(checkpoints[checkpoint])))]
-        command += ["-o", str(work / "out.jsonl"), "--model", str(checkpoints[checkpoint]), "--no-progress"]
-        command += ["--device", "cpu", "--num-kv-blocks", "64", "--torch-threads", "1"]
-        command += [flag for flag in flags if flag != "compiled"]
-        children[case] = (subprocess.Popen([sys.executable, *command], stderr=subprocess.PIPE, text=True), work)
+        argv = ["run-batch", "-i", str(_input(work / "in.jsonl", str(checkpoints[checkpoint])))]
+        argv += ["-o", str(work / "out.jsonl"), "--model", str(checkpoints[checkpoint]), "--no-progress"]
+        argv += ["--device", "cpu", "--num-kv-blocks", "64", "--torch-threads", "1"]
+        argv += [flag for flag in flags if flag != "compiled"]
+        children[case] = (forked_cli(argv, work / "log", compiled="compiled" in flags), work)
     failures = []
     for case, (child, work) in children.items():
-        _, stderr = child.communicate(timeout=600)
-        if child.returncode != 0:
-            failures.append(f"{case}: exit {child.returncode}\n{stderr[-2000:]}")
+        if child.wait(600) != 0:
+            failures.append(f"{case}: exit {child.returncode}\n{(work / 'log').read_text()[-2000:]}")
             continue
         answered = {
             line["custom_id"]: line["response"]["body"]["choices"][0]["text"]

@@ -14,10 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
-from server_helpers import LiveServer, chat_line
+from server_helpers import LiveServer, ServerProcess, chat_line
 
 from batchgen.server.connections import ConnectionGuard, guarded_protocol
-from batchgen.server.launcher import ServerProcess
 
 START_TIMEOUT_S = 3
 IDLE_SOCKETS = 1100

@@ -8,9 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from server_helpers import LiveServer, assert_exactly_once, chat_line
-
-from batchgen.server.launcher import ServerProcess
+from server_helpers import LiveServer, ServerProcess, assert_exactly_once, chat_line
 
 FAULTS = Path(__file__).parents[1] / "faults"
 

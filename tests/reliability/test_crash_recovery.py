@@ -13,9 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from server_helpers import LiveServer, assert_exactly_once, chat_line
-
-from batchgen.server.launcher import ServerProcess
+from server_helpers import LiveServer, ServerProcess, assert_exactly_once, chat_line
 
 Start = Callable[[], LiveServer]
 

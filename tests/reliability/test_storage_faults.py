@@ -22,13 +22,12 @@ from typing import Any
 import httpx
 import pytest
 from litestar.types import ASGIApp
-from server_helpers import LiveServer, assert_exactly_once, chat_line, jsonl
+from server_helpers import LiveServer, ServerProcess, assert_exactly_once, chat_line, jsonl
 
 from batchgen.server.app import create_app
 from batchgen.server.batches import crashes
 from batchgen.server.batches.stores import DatabaseStore
 from batchgen.server.engine import EngineConfig
-from batchgen.server.launcher import ServerProcess
 from batchgen.server.run_batch import offline_batch
 from batchgen.server.serving import BatchDefaults
 from batchgen.server.settings import Settings

@@ -12,9 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from server_helpers import LiveServer
-
-from batchgen.server.launcher import ServerProcess
+from server_helpers import LiveServer, ServerProcess
 
 HOLD_RAY = """
 import sys, ray
@@ -67,9 +65,13 @@ def replica_flags(ray_address: str) -> tuple[str, ...]:
 
 
 @pytest.fixture(scope="module")
-def replica_server(replica_flags: tuple[str, ...], tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    """A server with two replicas, for one test module (its replicas hold memory)."""
-    process = ServerProcess(tmp_path_factory.mktemp("replicas"), *replica_flags, "--flush-interval-s", "0.05")
+def replica_server(
+    replica_flags: tuple[str, ...], lora_adapters: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LiveServer]:
+    """A server with two replicas, for one test module (its replicas hold memory), serving two LoRA adapters."""
+    lora = ["--enable-lora", "--lora-modules", *(f"{name}={lora_adapters[name]}" for name in ("alpha", "beta"))]
+    lora += ["--max-loras", "2", "--max-lora-rank", "8"]
+    process = ServerProcess(tmp_path_factory.mktemp("replicas"), *replica_flags, *lora, "--flush-interval-s", "0.05")
     with process:
         server = LiveServer(process)
         yield server

@@ -51,8 +51,10 @@ def test_replicas_without_ray_is_one_clear_line(
     assert "Ray, which is not installed: pip install 'batchgen-server[ray]'" in err
 
 
-def test_the_default_path_never_imports_ray(tmp_path: Path) -> None:
-    """One engine in the process, as before: run-batch runs a file and Ray is never imported."""
+def test_the_default_path_imports_neither_ray_nor_torchao(tmp_path: Path) -> None:
+    """One engine in the process, as before: run-batch runs a file and Ray is never imported; nor is torchao, which
+    transformers imports whenever it is installed unless the engine defers it (a torchao checkpoint still loads:
+    tests/engine/test_quantized.py)."""
     source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     source.write_bytes(jsonl([chat_line(f"r{i}", max_tokens=2) for i in range(3)]))
     script = (
@@ -60,8 +62,8 @@ def test_the_default_path_never_imports_ray(tmp_path: Path) -> None:
         "from batchgen.server.cli import main\n"
         f"code = main(['run-batch', '-i', {str(source)!r}, '-o', {str(output)!r}, '--no-progress',\n"
         "             '--torch-threads', '1', '--num-kv-blocks', '64', '--max-num-seqs', '2'])\n"
-        "print(code, 'ray' in sys.modules)\n"
+        "print(code, 'ray' in sys.modules, 'torchao' in sys.modules)\n"
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert result.stdout.split() == ["0", "False"], result.stderr[-2000:]
+    assert result.stdout.split() == ["0", "False", "False"], result.stderr[-2000:]
     assert len(output.read_text().splitlines()) == 3

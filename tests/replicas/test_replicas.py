@@ -1,11 +1,13 @@
 """Two CPU replicas of the demo model on a local Ray, over the real API: a batch is spread over both, a cancel
-reaches both, and a replica killed with SIGKILL mid-batch loses nothing and duplicates nothing (Ray restarts it)."""
+reaches both, LoRA adapters are served on both, a replica killed with SIGKILL mid-batch loses nothing and duplicates
+nothing (Ray restarts it), and a line that kills every replica it runs on is struck out."""
 
 from __future__ import annotations
 
 import os
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -59,6 +61,32 @@ def test_a_batch_is_spread_over_both_replicas(replica_server: LiveServer) -> Non
     assert up == {"0": 1.0, "1": 1.0}
     served = {s.labels["replica"]: s.value for s in metrics["batchgen_replica_served_requests"].samples}
     assert sum(served.values()) >= len(lines)
+
+
+def test_a_batch_mixing_adapters_and_the_base_is_answered_as_peft(
+    replica_server: LiveServer, peft_text: Callable[[list[int], int, str | None], str]
+) -> None:
+    tokens = 8
+    prompts = [[7 * i % 256 for i in range(3 + j, 20 + j)] for j in range(4)]
+    names = ["demo", "alpha", "beta"]
+    lines = [
+        {
+            "custom_id": f"{name}-{j}",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": name, "prompt": prompt, "max_tokens": tokens, "ignore_eos": True},
+        }
+        for j, prompt in enumerate(prompts)
+        for name in names
+    ]
+    batch = replica_server.run(lines, endpoint="/v1/completions")
+    assert batch["request_counts"] == {"total": len(lines), "completed": len(lines), "failed": 0}, batch
+    answers = {line["custom_id"]: line["response"]["body"] for line in replica_server.lines(batch["output_file_id"])}
+    for j, prompt in enumerate(prompts):
+        for name in names:
+            body = answers[f"{name}-{j}"]
+            assert body["model"] == name
+            assert body["choices"][0]["text"] == peft_text(prompt, tokens, None if name == "demo" else name), name
 
 
 def test_a_cancel_reaches_both_replicas(replica_server: LiveServer) -> None:

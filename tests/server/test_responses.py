@@ -15,9 +15,7 @@ import httpx
 import openai
 import pytest
 from pydantic import BaseModel, Field
-from server_helpers import TENANT_KEYS, LiveServer
-
-from batchgen.server.launcher import ServerProcess
+from server_helpers import TENANT_KEYS, LiveServer, ServerProcess
 
 
 class Person(BaseModel):

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_helpers import LiveServer, chat_line, jsonl
+from server_helpers import LiveServer, ServerProcess, chat_line, jsonl
 
-from batchgen.server.launcher import CLEAN_EXIT_CODES, ServerProcess
+from batchgen.server.launcher import CLEAN_EXIT_CODES
 
 SHUTDOWN_TIMEOUT_S = 10
 BOUNDARY = "drain-test-boundary"

@@ -13,9 +13,35 @@ import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
+from typing import Protocol
 
 CLEAN_EXIT_CODES = (0, -signal.SIGTERM)
 """How a server stopped by SIGTERM exits: uvicorn shuts down gracefully, then re-raises the signal."""
+
+
+class Child(Protocol):
+    """The server's process, as this class drives it: a ``subprocess.Popen``, or anything that behaves as one."""
+
+    pid: int
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def kill(self) -> None: ...
+
+
+def limit_open_files(count: int | None) -> None:
+    """This process's descriptor limit, soft and hard (``ulimit -n``), if ``count`` is set."""
+    if count is not None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, (count, count))
 
 
 def free_port() -> int:
@@ -46,27 +72,29 @@ class ServerProcess:
         """Added to the child's environment (a test's fault injection, say)."""
         self._open_files = open_files
         """The child's descriptor limit, soft and hard (``ulimit -n``), if set."""
-        self.process: subprocess.Popen[bytes] | None = None
+        self.process: Child | None = None
 
     def start(self, *, wait: bool = True) -> ServerProcess:
         """Start the server; with ``wait``, return once it is healthy."""
         self.storage_dir.mkdir(parents=True, exist_ok=True)
         # The child sees the same packages as this process, installed or on PYTHONPATH.
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), **self._env}
-        command = [sys.executable, "-m", "batchgen.server.cli", "serve", "--storage", str(self.storage_dir)]
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(
-                [*command, *self._args], stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=self._limits
-            )
+        self.process = self._spawn(["serve", "--storage", str(self.storage_dir), *self._args], env)
         if wait:
             self._wait_healthy()
         return self
 
-    def _limits(self) -> None:
-        if self._open_files is not None:
-            import resource
-
-            resource.setrlimit(resource.RLIMIT_NOFILE, (self._open_files, self._open_files))
+    def _spawn(self, argv: list[str], env: dict[str, str]) -> Child:
+        """``batchgen-server ARGV`` in a new interpreter, its output appended to the log, with the descriptor limit
+        asked for."""
+        with open(self.log_path, "ab") as log:
+            return subprocess.Popen(
+                [sys.executable, "-m", "batchgen.server.cli", *argv],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                preexec_fn=lambda: limit_open_files(self._open_files),
+            )
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self._startup_timeout_s

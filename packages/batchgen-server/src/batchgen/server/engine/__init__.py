@@ -1,13 +1,17 @@
 """batchgen's continuous-batching engine over Hugging Face transformers (see docs/engine.md).
 
 The names below load on first use, so that importing ``engine.config`` (the flags of ``--help``) does not import
-torch and transformers.
+torch and transformers; and transformers, once imported, leaves torchao out (``deferred_imports.py``).
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import TYPE_CHECKING, Any
+
+from .deferred_imports import defer_torchao
+
+defer_torchao()
 
 if TYPE_CHECKING:
     from .config import EngineConfig

@@ -113,7 +113,7 @@ def in_flight(method: str, config: PretrainedConfig, device: torch.device, dtype
         from transformers import TorchAoConfig
 
         try:
-            from torchao.quantization import Int8WeightOnlyConfig  # type: ignore[import-untyped]
+            from torchao.quantization import Int8WeightOnlyConfig
         except ImportError:
             raise ModelLoadError("--quantization torchao needs torchao: pip install 'batchgen-server[quant]'") from None
         return TorchAoConfig(quant_type=Int8WeightOnlyConfig())
