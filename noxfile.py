@@ -24,6 +24,8 @@ WINDOWS = sys.platform == "win32"
 BIN = ENV / ("Scripts" if WINDOWS else "bin")
 PYTHON = str(BIN / ("python.exe" if WINDOWS else "python"))
 
+PARALLEL = ["-n", "auto", "--dist", "loadgroup"]
+"""pytest-xdist: a worker per core, each running whole modules (tests/conftest.py groups them)."""
 TORCH_CPU = "torch==2.13.0"  # what the test suite runs on
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"  # PyTorch's CPU-only wheels: ~200 MB, not ~3 GB of CUDA
 
@@ -85,7 +87,16 @@ def tests(session: nox.Session) -> None:
     run(session, "-m", "ruff", "check", ".")
     run(session, "-m", "ruff", "format", "--check", ".")
     run(session, "-m", "mypy", *(f"{package}/src" for package in PACKAGES))
-    run(session, "-m", "pytest", *session.posargs)
+    run(session, "-m", "pytest", *PARALLEL, *session.posargs)
+
+
+@nox.session(venv_backend="none")
+def quick(session: nox.Session) -> None:
+    """The edit loop's tests, a minute or two: the wire types, the client, the engine and the server's API, without the
+    slow ones (crash recovery, storage faults, replicas, the browser and the fuzzers run in ``tests``)."""
+    install_project(session, "test")
+    quick_tests = ["tests/schemas", "tests/client", "tests/engine", "tests/server", "tests/test_layout.py"]
+    run(session, "-m", "pytest", *PARALLEL, "-m", "not slow", *(session.posargs or quick_tests))
 
 
 @nox.session(venv_backend="none")

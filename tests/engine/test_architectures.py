@@ -202,6 +202,7 @@ def test_chunked_prefill_small_blocks_and_n(architecture: tuple[Path, Reference]
     _check(_engine(path, tokenizer, block_size=8, max_num_batched_tokens=16), reference, n=2)
 
 
+@pytest.mark.slow
 def test_the_compiled_path(
     architecture: tuple[Path, Reference], tokenizer: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -7,11 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 BUILD = "from batchgen.server.engine.demo_model import demo_model_dir; print(demo_model_dir())"
 
 
+@pytest.mark.slow
 def test_concurrent_builds_yield_one_loadable_model(tmp_path: Path) -> None:
     env = {**os.environ, "BATCHGEN_CACHE_DIR": str(tmp_path), "PYTHONPATH": os.pathsep.join(sys.path)}
     builders = [

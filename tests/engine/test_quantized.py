@@ -168,6 +168,7 @@ def _expected(path: Path, quantization: str | None) -> list[str]:
     return texts
 
 
+@pytest.mark.slow
 def test_each_cpu_method_serves_through_the_cli_exactly(checkpoints: dict[str, Path], tmp_path: Path) -> None:
     children = {}
     for case, (checkpoint, flags, _) in SERVED.items():
