@@ -189,7 +189,7 @@ def decode_rate(engine: LLMEngine, batch: int, context: int, steps: int, vocab: 
     for i in range(batch):
         prompt = [rng.randrange(3, vocab) for _ in range(context)]
         params = SamplingParams(max_tokens=steps + 4, ignore_eos=True)
-        engine.add_request(EngineRequest(f"d{i}", prompt, params, group="d"))
+        engine.add_request(EngineRequest(f"d{i}", prompt, params))
     scheduler = engine.scheduler
     while scheduler.waiting or any(seq.num_uncomputed > 1 for seq in scheduler.running):
         engine.step()  # prefills, then the first tokens

@@ -35,7 +35,7 @@ def _good_requests(prompts: list[list[int]]) -> list[EngineRequest]:
         SamplingParams(max_tokens=6, temperature=1.0, n=2, seed=9, logprobs=True, top_logprobs=3),
         SamplingParams(max_tokens=6, temperature=1.0, seed=10, grammar=LLMatcher.grammar_from_regex("[a-z]{2,9}")),
     ]
-    return [EngineRequest(f"good-{i}", p, kinds[i % len(kinds)], group="g") for i, p in enumerate(prompts)]
+    return [EngineRequest(f"good-{i}", p, kinds[i % len(kinds)]) for i, p in enumerate(prompts)]
 
 
 def _outputs(results: dict[str, EngineResult]) -> dict[str, Any]:
@@ -88,7 +88,7 @@ def injected_faults(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, int]]
 
 
 def _poison(rid: str, **params: Any) -> EngineRequest:
-    return EngineRequest(rid, [5, 6, 7, 8, 9], SamplingParams(max_tokens=6, **params), group="g")
+    return EngineRequest(rid, [5, 6, 7, 8, 9], SamplingParams(max_tokens=6, **params))
 
 
 @pytest.mark.parametrize("async_scheduling", ["off", "on"])

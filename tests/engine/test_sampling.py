@@ -243,14 +243,12 @@ def test_token_ids_outside_the_vocabulary_are_an_error_not_a_crash(
     assert results["ok"].completion_tokens == 4
 
 
-def test_abort_request_and_group(
-    make_engine: Callable[..., LLMEngine], run_to_completion: Run, random_prompts: Run
-) -> None:
+def test_abort_request(make_engine: Callable[..., LLMEngine], run_to_completion: Run, random_prompts: Run) -> None:
     engine = make_engine()
     prompts = random_prompts(6, 5, 20, seed=17)
     for i, prompt in enumerate(prompts):
         params = SamplingParams(max_tokens=30, ignore_eos=True)
-        engine.add_request(EngineRequest(f"r{i}", prompt, params, group="a" if i < 3 else "b"))
+        engine.add_request(EngineRequest(f"r{i}", prompt, params))
     engine.step()
     assert engine.abort_request("r0")
     assert not engine.abort_request("r0")

@@ -94,7 +94,6 @@ async def engine_requests(
             body,
             request_id=request_id,
             defaults=NO_DEFAULTS,
-            group="",
             online=online,
         )
     except RequestRejected as exc:

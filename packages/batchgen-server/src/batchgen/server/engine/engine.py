@@ -148,7 +148,7 @@ class LLMEngine:
         if error is None and request.lora is not None:
             error = self._adapter_error(request)
         if error is not None:
-            self._ready.append(EngineResult(request.request_id, prompt_len, error=error, group=request.group))
+            self._ready.append(EngineResult(request.request_id, prompt_len, error=error))
             return
         max_tokens = max_len - prompt_len if params.max_tokens is None else min(params.max_tokens, max_len - prompt_len)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)

@@ -206,7 +206,6 @@ class OutputProcessor:
             len(state.request.prompt_token_ids),
             cached_tokens=state.cached_tokens,
             outputs=outputs,
-            group=state.request.group,
             times=_times(state),
             prompt_logprobs=state.prompt_logprobs,
         )
@@ -247,7 +246,6 @@ class OutputProcessor:
             len(request.prompt_token_ids),
             cached_tokens=state.cached_tokens,
             outputs=outputs,
-            group=request.group,
             finished=False,
         )
 
@@ -260,7 +258,6 @@ class OutputProcessor:
             state.request.request_id,
             len(state.request.prompt_token_ids),
             embedding=embedding,
-            group=state.request.group,
             times=_times(state),
         )
 

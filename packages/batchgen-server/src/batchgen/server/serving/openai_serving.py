@@ -166,7 +166,7 @@ class OpenAIServing:
     # ---- request body -> engine requests ------------------------------------------------------------------------
 
     def to_engine_requests(
-        self, body: RequestBody, *, request_id: str, defaults: BatchDefaults, group: str, online: bool = False
+        self, body: RequestBody, *, request_id: str, defaults: BatchDefaults, online: bool = False
     ) -> list[EngineRequest]:
         """One engine request per prompt (chat: one; completions/embeddings: one per prompt/input), in prompt order;
         ``online`` ones are interactive (scheduled ahead of batch work) and may stream. ``body`` has passed
@@ -192,7 +192,7 @@ class OpenAIServing:
         if isinstance(body, ResponseRequest):  # runs as its chat request; its errors name the response's fields
             try:
                 return self.to_engine_requests(
-                    chat_request(body), request_id=request_id, defaults=defaults, group=group, online=online
+                    chat_request(body), request_id=request_id, defaults=defaults, online=online
                 )
             except RequestRejected as exc:
                 exc.param = None if exc.param is None else response_field(exc.param)
@@ -200,9 +200,7 @@ class OpenAIServing:
         if isinstance(body, EmbeddingRequest):
             prompts = self._prompts(body.input, "input", _first(body.add_special_tokens, True))
             return [
-                EngineRequest(
-                    engine_request_id(request_id, i), ids, task="embed", group=group, interactive=online, lora=lora
-                )
+                EngineRequest(engine_request_id(request_id, i), ids, task="embed", interactive=online, lora=lora)
                 for i, ids in enumerate(prompts)
             ]
         if "generate" not in self.tasks:
@@ -230,7 +228,6 @@ class OpenAIServing:
                 engine_request_id(request_id, i),
                 ids,
                 params=params,
-                group=group,
                 interactive=online,
                 stream=online and bool(body.stream),
                 lora=lora,
