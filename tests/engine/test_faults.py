@@ -18,8 +18,9 @@ from llguidance import LLMatcher
 
 from batchgen.server.engine import EngineRequest, EngineResult, EngineWorker, LLMEngine, SamplingParams
 from batchgen.server.engine.model_runner import ModelRunner
-from batchgen.server.engine.sampler import Sampler, int64_bits, mix64
+from batchgen.server.engine.sampler import Sampler
 from batchgen.server.engine.scheduler import Scheduler
+from batchgen.server.engine.seeds import int64_bits, mix64
 from batchgen.server.engine.worker import MAX_RESTARTS
 
 FORWARD_FAULT = "<forward-fault>"

@@ -12,7 +12,8 @@ import torch
 from batchgen.server.engine import EngineRequest, LLMEngine, SamplingParams
 from batchgen.server.engine.batch_state import BatchState, SamplingInputs
 from batchgen.server.engine.detokenizer import IncrementalDetokenizer
-from batchgen.server.engine.sampler import Sampler, argmax_first, uniform, uniforms
+from batchgen.server.engine.sampler import Sampler, argmax_first
+from batchgen.server.engine.seeds import uniform, uniforms
 
 Run = Callable[..., Any]
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .request import GREEDY_BELOW, SamplingParams
-from .sampler import int64_bits
+from .seeds import int64_bits
 from .transfer import to_device
 
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")

@@ -11,7 +11,7 @@ import torch
 
 from .detokenizer import IncrementalDetokenizer
 from .request import EngineRequest, FinishReason, TokenLogprob
-from .sampler import mix64
+from .seeds import mix64
 
 PENDING = -1
 """The token id a sequence holds, at its end, for a token sampled on the device that the host has not read yet (a
