@@ -61,8 +61,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_throughput import Clock, Row, make_workload, run_hf_generate, run_hf_generate_batch, sync
 
 from batchgen.server.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams
-from batchgen.server.engine.attention import SeqSlice
-from batchgen.server.engine.attention.decode import DecodeBlocks, DecodeKernel, paged_decode
+from batchgen.server.engine.attention import DecodeBlocks, SeqSlice
+from batchgen.server.engine.attention.decode import DecodeKernel, paged_decode
 from batchgen.server.engine.attention.gather import GatherBackend, _Decodes
 from batchgen.server.engine.attention.layer import LayerAttention
 from batchgen.server.engine.demo_model import build_tokenizer

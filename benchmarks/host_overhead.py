@@ -55,7 +55,7 @@ from batchgen.server.engine import (
     transfer,
 )
 from batchgen.server.engine import engine as engine_module
-from batchgen.server.engine.attention.decode import DecodeBlocks
+from batchgen.server.engine.attention import DecodeBlocks
 from batchgen.server.engine.demo_model import build_model, build_tokenizer
 from batchgen.server.engine.inputs import InputBuffers
 from batchgen.server.engine.scheduler import Scheduler

@@ -13,7 +13,7 @@ from typing import Any
 from graph_helpers import Rerun
 
 from batchgen.server.engine import EngineRequest, LLMEngine, SamplingParams
-from batchgen.server.engine.attention.decode import DecodeBlocks
+from batchgen.server.engine.attention import DecodeBlocks
 from batchgen.server.engine.cuda_graphs import batch_buckets
 
 
