@@ -5,7 +5,6 @@ here, the model runs (``model_runner.py``), the sampler reads the running rows' 
 
 from __future__ import annotations
 
-import logging
 import random
 import time
 from collections.abc import Iterable
@@ -21,7 +20,6 @@ from .batch_state import BatchState, SamplingInputs
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .errors import ModelLoadError
-from .fast_paths import describe
 from .grammar import MaskFill, compiler_for
 from .inputs import DeviceTokens
 from .interface import EngineStats
@@ -32,11 +30,8 @@ from .prompt_logprobs import PromptLogprobs, PromptSpan, prompt_rows
 from .request import EngineError, EngineRequest, EngineResult, GrammarError, Task, admission_error
 from .sampler import Sampler
 from .scheduler import ScheduledSeq, Scheduler
-from .self_check import self_check
 from .sequence import RequestState, Sequence, Status
 from .transfer import indices
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -93,18 +88,14 @@ class LLMEngine:
         """What the step being run holds (its requests are the suspects if it fails); ``None`` between steps and while
         scheduling."""
         self._in_flight: Launched | None = None
-        served = Adapters.of(config).served() if self.lora else []
-        for adapter in served:  # each read now: refused at start, naming what it asks for
+        self.served_adapters = Adapters.of(config).served() if self.lora else []
+        """The adapters ``--lora-modules`` serves, their weights read: one that cannot be served is refused now."""
+        for adapter in self.served_adapters:
             assert self.lora is not None
             try:
                 self.lora.weights(adapter)
             except AdapterRefused as exc:
                 raise ModelLoadError(f"--lora-modules: {exc}") from None
-        if config.self_check:
-            self_check(self)
-            if served:  # the slots and the prefix cache's salt, against the adapter applied directly
-                self_check(self, served[0])
-        logger.info("%s: fast paths: %s", model_name, describe(self.runner.paths))
 
     def reset(self) -> None:
         """Forget every request and start from an empty cache (the weights and the cache tensors stay): how the
