@@ -61,12 +61,12 @@ def injected_faults(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, int]]
     """Forward and sampler raise for marked requests; the scheduler (outside the engine's own fault isolation)
     raises while a marked request is scheduled, ``calls`` times at most (all of them by default)."""
     scheduler_faults = {"left": 10**9}
-    forward, sample, schedule = ModelRunner.forward, Sampler.launch, Scheduler.schedule
+    execute, sample, schedule = ModelRunner.execute, Sampler.launch, Scheduler.schedule
 
     def faulty_forward(self: ModelRunner, scheduled: list[Any], *args: Any) -> Any:
         if any(FORWARD_FAULT in item.seq.state.request.params.stop for item in scheduled):
             raise RuntimeError("injected forward fault")
-        return forward(self, scheduled, *args)
+        return execute(self, scheduled, *args)
 
     def faulty_sample(self: Sampler, logits: Any, rows: Any) -> Any:
         if int64_bits(mix64(SAMPLER_FAULT_SEED, 0)) in rows.seeds:  # the marked request's choice
@@ -74,15 +74,15 @@ def injected_faults(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, int]]
         return sample(self, logits, rows)
 
     def faulty_schedule(self: Scheduler) -> Any:
-        scheduled = schedule(self)
+        output = schedule(self)
         if scheduler_faults["left"] and any(
-            SCHEDULER_FAULT in item.seq.state.request.params.stop for item in scheduled
+            SCHEDULER_FAULT in item.seq.state.request.params.stop for item in output.scheduled
         ):
             scheduler_faults["left"] -= 1
             raise RuntimeError("injected scheduler fault")
-        return scheduled
+        return output
 
-    monkeypatch.setattr(ModelRunner, "forward", faulty_forward)
+    monkeypatch.setattr(ModelRunner, "execute", faulty_forward)
     monkeypatch.setattr(Sampler, "launch", faulty_sample)
     monkeypatch.setattr(Scheduler, "schedule", faulty_schedule)
     yield scheduler_faults
