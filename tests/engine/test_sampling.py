@@ -324,6 +324,27 @@ def test_a_row_samples_the_same_token_whatever_shares_its_batch() -> None:
     assert together == alone == reversed_batch[::-1]
 
 
+def test_a_row_that_filters_nothing_never_sorts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sorting the vocabulary is for min_p, top-k and top-p: a row with temperature alone (top-k at the vocabulary,
+    top-p 1 included) draws from its distribution as it stands; beside a top-p row, only that row is sorted."""
+    sorted_rows: list[int] = []
+    sort = torch.Tensor.sort
+
+    def spy(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        sorted_rows.append(self.shape[0])
+        return sort(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "sort", spy)
+    vocab = 50
+    logits = torch.randn(4, vocab, dtype=torch.float64)
+    kinds = [{"temperature": 0.5}, {"temperature": 1.0, "top_k": vocab}, {"temperature": 1.7, "top_p": 1.0}]
+    plain = [(SamplingParams(**kind), 1 + i, 3, [0], []) for i, kind in enumerate(kinds)]
+    Sampler()(logits[:3], _rows(vocab, plain))
+    assert sorted_rows == []
+    Sampler()(logits, _rows(vocab, [*plain, (SamplingParams(temperature=1.0, top_p=0.9), 9, 3, [0], [])]))
+    assert sorted_rows == [1]
+
+
 def test_min_p_draws_only_tokens_near_the_likeliest() -> None:
     logits = torch.tensor([2.0, 1.5, 1.0, 0.2, -0.5, -1.0], dtype=torch.float64)
     rows = _rows(len(logits), [(SamplingParams(temperature=1.0, min_p=0.3), seed, 0, [0], []) for seed in range(4000)])
