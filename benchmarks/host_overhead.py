@@ -60,6 +60,7 @@ from batchgen.server.engine.attention import DecodeBlocks
 from batchgen.server.engine.demo_model import build_model, build_tokenizer
 from batchgen.server.engine.inputs import InputBuffers
 from batchgen.server.engine.scheduler import Scheduler
+from batchgen.server.engine.self_check import check_engine
 
 PARTS = ["schedule", "prepare", "decode tables", "sampler", "settle", "rest of the step"]
 
@@ -107,7 +108,9 @@ def make_engine(batch: int, context: int, max_tokens: int, device: torch.device)
     model_runner.EAGER_BELOW_PARAMETERS = 0  # compiled, as a real model is
     blocks = batch * ((context + max_tokens) // 16 + 2)  # never preempts
     config = EngineConfig(max_num_batched_tokens=8192, max_num_seqs=batch, num_kv_blocks=blocks)
-    return LLMEngine(model, build_tokenizer(), config, "bench")
+    engine = LLMEngine(model, build_tokenizer(), config, "bench")
+    check_engine(engine)  # as build_engine does
+    return engine
 
 
 def measure(
