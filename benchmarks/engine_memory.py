@@ -86,7 +86,7 @@ def run_round(worker: EngineWorker, prompts: list[list[int]], round_no: int) -> 
             done.set()
 
     params = SamplingParams(max_tokens=2)
-    requests = [EngineRequest(f"{round_no}-{i}", p, params, group=f"batch-{round_no}") for i, p in enumerate(prompts)]
+    requests = [EngineRequest(f"{round_no}-{i}", p, params) for i, p in enumerate(prompts)]
     start = time.perf_counter()
     worker.submit(requests, on_result)
     while not done.wait(1.0):

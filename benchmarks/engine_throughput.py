@@ -60,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages" / "batch
 
 from batchgen.server.engine import EngineConfig, EngineRequest, EngineStats, LLMEngine, SamplingParams
 from batchgen.server.engine.demo_model import build_model, build_tokenizer
+from batchgen.server.engine.self_check import check_engine
 
 SIZES = {
     "small": {"hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 6, "num_attention_heads": 6},
@@ -132,6 +133,7 @@ def run_engine(
     The engine (and its KV cache) is released on return, so that the next system gets the memory back.
     """
     engine = LLMEngine(model, tokenizer, config, "bench")
+    check_engine(engine)  # as build_engine does: its steps compile the layers before the clock starts
     device = str(engine.runner.device)
     forward_wall = forward_cpu = 0.0
 

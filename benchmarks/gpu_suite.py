@@ -61,11 +61,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_throughput import Clock, Row, make_workload, run_hf_generate, run_hf_generate_batch, sync
 
 from batchgen.server.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams
-from batchgen.server.engine.attention import SeqSlice
-from batchgen.server.engine.attention.decode import DecodeBlocks, DecodeKernel, paged_decode
+from batchgen.server.engine.attention import DecodeBlocks, SeqSlice
+from batchgen.server.engine.attention.decode import DecodeKernel, paged_decode
 from batchgen.server.engine.attention.gather import GatherBackend, _Decodes
 from batchgen.server.engine.attention.layer import LayerAttention
 from batchgen.server.engine.demo_model import build_tokenizer
+from batchgen.server.engine.self_check import check_engine
 
 SHAPES: dict[str, dict[str, Any]] = {
     "Qwen2.5-0.5B": {
@@ -189,7 +190,7 @@ def decode_rate(engine: LLMEngine, batch: int, context: int, steps: int, vocab: 
     for i in range(batch):
         prompt = [rng.randrange(3, vocab) for _ in range(context)]
         params = SamplingParams(max_tokens=steps + 4, ignore_eos=True)
-        engine.add_request(EngineRequest(f"d{i}", prompt, params, group="d"))
+        engine.add_request(EngineRequest(f"d{i}", prompt, params))
     scheduler = engine.scheduler
     while scheduler.waiting or any(seq.num_uncomputed > 1 for seq in scheduler.running):
         engine.step()  # prefills, then the first tokens
@@ -370,6 +371,7 @@ def exactness(shape: str, args: argparse.Namespace) -> list[str]:
                 num_kv_blocks=1024,
             )
             engine = LLMEngine(model, build_tokenizer(), config, shape)
+            check_engine(engine)  # as build_engine does
             params = SamplingParams(max_tokens=EXACT_TOKENS, ignore_eos=True)
             for i, prompt in enumerate(prompts):
                 engine.add_request(EngineRequest(f"x{i}", prompt, params))
@@ -458,6 +460,7 @@ def suite(shape: str, args: argparse.Namespace, settings: Settings, budget: Budg
             return
         clock = Clock()
         engine = LLMEngine(model, tokenizer, engine_config(args, eager=False), shape)
+        check_engine(engine)  # as build_engine does: its steps compile the layers
 
         def throughput() -> None:
             serve(engine, warm, "w")  # compiles the layers and captures the graphs this workload needs
@@ -487,6 +490,7 @@ def suite(shape: str, args: argparse.Namespace, settings: Settings, budget: Budg
         # The first engine compiled the model's layers in place: eager means the stance, too.
         with torch.compiler.set_stance("force_eager"):
             engine = LLMEngine(model, tokenizer, engine_config(args, eager=True), shape)
+            check_engine(engine)
             measure(f"enforce_eager decode at batch {batch}", lambda: decode_at(engine, batch, "eager"))
 
     for measurements in (engine_measurements, eager_measurements):

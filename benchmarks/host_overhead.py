@@ -10,9 +10,10 @@ every step; with async scheduling that work hides behind the device's only while
 model whose forward is cheap (two narrow layers, compiled as the engine compiles a real one, the 32,000-token head):
 each part is timed around its own call, and the host's work is the step's time less what would run on the device
 (the model's forward, without the attention metadata it builds on the host first, and the sampler's argmax). Parts:
-``schedule`` (the scheduler), ``pack`` (token ids, positions, slots), ``decode tables`` (the decode kernel's input,
-``DecodeBlocks.build``), ``sampler`` (its host side), ``settle`` (reading tokens back, stop checks, bookkeeping),
-``rest of the step`` (building the step's sample rows, advancing the sequences).
+``schedule`` (the scheduler), ``prepare`` (the step's inputs in one walk: token ids, positions, slots, the sampled
+rows), ``decode tables`` (the decode kernel's input, ``DecodeBlocks.build``), ``sampler`` (its host side),
+``settle`` (reading tokens back, stop checks, bookkeeping), ``rest of the step`` (the batch state following the
+scheduler, advancing the sequences).
 
 On CPU this is an estimate of a GPU host's work, off both ways: the host's work inside the forward (the layers'
 entry, the attention operator's Python) counts as the device's, and a GPU's decode steps also refill their CUDA
@@ -55,12 +56,13 @@ from batchgen.server.engine import (
     transfer,
 )
 from batchgen.server.engine import engine as engine_module
-from batchgen.server.engine.attention.decode import DecodeBlocks
+from batchgen.server.engine.attention import DecodeBlocks
 from batchgen.server.engine.demo_model import build_model, build_tokenizer
 from batchgen.server.engine.inputs import InputBuffers
 from batchgen.server.engine.scheduler import Scheduler
+from batchgen.server.engine.self_check import check_engine
 
-PARTS = ["schedule", "pack", "decode tables", "sampler", "settle", "rest of the step"]
+PARTS = ["schedule", "prepare", "decode tables", "sampler", "settle", "rest of the step"]
 
 
 class Timers:
@@ -86,7 +88,7 @@ class Timers:
 def instrument() -> Timers:
     timers = Timers()
     timers.wrap(Scheduler, "schedule", "schedule")
-    timers.wrap(InputBuffers, "pack", "pack")
+    timers.wrap(InputBuffers, "prepare", "prepare")
     timers.wrap(DecodeBlocks, "build", "decode tables")
     timers.wrap(sampler.Sampler, "launch", "sampler")
     timers.wrap(sampler, "argmax_first", "argmax")
@@ -106,7 +108,9 @@ def make_engine(batch: int, context: int, max_tokens: int, device: torch.device)
     model_runner.EAGER_BELOW_PARAMETERS = 0  # compiled, as a real model is
     blocks = batch * ((context + max_tokens) // 16 + 2)  # never preempts
     config = EngineConfig(max_num_batched_tokens=8192, max_num_seqs=batch, num_kv_blocks=blocks)
-    return LLMEngine(model, build_tokenizer(), config, "bench")
+    engine = LLMEngine(model, build_tokenizer(), config, "bench")
+    check_engine(engine)  # as build_engine does
+    return engine
 
 
 def measure(
@@ -141,7 +145,7 @@ def measure(
             us["host"] = us["step"] - us["wait"]
         else:  # the device is this CPU: take out what would run on a GPU
             us["sampler"] -= us["argmax"]
-            us["host"] = us["step"] - (us["forward"] - us["pack"] - us["decode tables"] + us["argmax"])
+            us["host"] = us["step"] - (us["forward"] - us["decode tables"] + us["argmax"])
         us["rest of the step"] = us["host"] - sum(us[part] for part in PARTS[:-1])
         per_round.append(us)
     return {key: statistics.median(us[key] for us in per_round) for key in [*PARTS, "host", "step"]}

@@ -41,6 +41,7 @@ from engine_throughput import SIZES, Clock, Row, best_round, make_model, print_t
 
 from batchgen.server.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams
 from batchgen.server.engine.grammar import GrammarCompiler, GrammarError
+from batchgen.server.engine.self_check import check_engine
 from batchgen.server.serving.structured import json_grammar
 
 CORPUS = Path(__file__).with_name("structured_schemas.json")
@@ -100,6 +101,7 @@ def run(
     model: Any, tokenizer: Any, config: EngineConfig, requests: list[tuple[list[int], SamplingParams]]
 ) -> tuple[Row, list[Any]]:
     engine = LLMEngine(model, tokenizer, config, "bench")
+    check_engine(engine)  # as build_engine does
     for i, (prompt, params) in enumerate(requests):
         engine.add_request(EngineRequest(f"r{i}", prompt, params))
     outputs: list[Any] = [None] * len(requests)

@@ -1,10 +1,14 @@
-"""The code's shape: no class in the packages is over 400 lines. One that grows past it does more than one job, and
-is split by job (as ``serving/`` is: preparing, answers, logprobs)."""
+"""The code's shape: no class in the packages is over 400 lines (one that grows past it does more than one job, and
+is split by job, as ``serving/`` is: preparing, answers, logprobs); the engine's modules import one another without a
+circle, counting every relative import: at a module's top, in a ``TYPE_CHECKING`` block, inside a function (a circle
+means a concept sits in the wrong module)."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+import batchgen.server.engine as engine_package
 
 PACKAGES = Path(__file__).resolve().parents[1] / "packages"
 MAX_CLASS_LINES = 400
@@ -19,3 +23,90 @@ def test_no_class_is_over_400_lines() -> None:
                 if lines > MAX_CLASS_LINES:
                     over.append(f"{path.relative_to(PACKAGES)}:{node.lineno} {node.name} ({lines} lines)")
     assert not over, f"classes over {MAX_CLASS_LINES} lines; split them by job: {', '.join(over)}"
+
+
+ROOT = Path(engine_package.__file__).parent
+PACKAGE = "batchgen.server.engine"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join((PACKAGE, *parts))
+
+
+def _is_package(path: Path) -> bool:
+    return path.name == "__init__.py"
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Each engine module -> the engine modules it imports relatively (``from .x import y`` names ``.x.y`` when
+    that is a module of its own)."""
+    modules = {_module_name(path): path for path in ROOT.rglob("*.py")}
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        package = name if _is_package(path) else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ImportFrom) or not node.level:
+                continue
+            base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+            target = f"{base}.{node.module}" if node.module else base
+            for alias in node.names:
+                child = f"{target}.{alias.name}"
+                imported = child if child in modules else target
+                if imported in modules and imported != name:
+                    graph[name].add(imported)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(graph[node]):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def _short(name: str) -> str:
+    return name.removeprefix(PACKAGE + ".")
+
+
+def test_the_engine_modules_import_without_a_circle() -> None:
+    found = cycles(import_graph())
+    assert not found, "import circles in engine/: " + "; ".join(
+        "{" + ", ".join(map(_short, component)) + "}" for component in found
+    )
+
+
+def test_a_circle_is_found_at_any_depth_of_a_module() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c"]]
+    assert "batchgen.server.engine.scheduler" in import_graph()

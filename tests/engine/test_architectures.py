@@ -24,6 +24,7 @@ from batchgen.server import cli
 from batchgen.server.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams, model_runner
 from batchgen.server.engine.demo_model import build_tokenizer
 from batchgen.server.engine.errors import ModelNotSupported
+from batchgen.server.engine.self_check import check_engine
 
 WINDOW = 12
 """Sliding windows this small matter on the prompts below (up to 60 tokens, block size 8 or 16)."""
@@ -149,7 +150,9 @@ class Reference:
 def _engine(path: Path, tokenizer: Any, **overrides: Any) -> LLMEngine:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     config = EngineConfig(model=str(path), dtype="float32", device="cpu", **{"num_kv_blocks": 128, **overrides})
-    return LLMEngine(model, tokenizer, config, path.name)
+    engine = LLMEngine(model, tokenizer, config, path.name)
+    check_engine(engine)  # the load-time self-check accepts every architecture served
+    return engine
 
 
 def _run(engine: LLMEngine, requests: list[EngineRequest]) -> dict[str, Any]:

@@ -18,10 +18,12 @@ import torch
 
 from batchgen.server.engine import EngineRequest, EngineResult, LLMEngine, SamplingParams
 from batchgen.server.engine.errors import ModelLoadError
-from batchgen.server.engine.inputs import DeviceTokens, InputBuffers
+from batchgen.server.engine.inputs import InputBuffers, StepInputs
+from batchgen.server.engine.launched import Launched
 from batchgen.server.engine.sampler import Sampled
-from batchgen.server.engine.scheduler import ScheduledSeq
+from batchgen.server.engine.scheduler_output import ScheduledSeq
 from batchgen.server.engine.sequence import PENDING
+from batchgen.server.engine.transfer import HostCopy
 
 Run = Callable[..., dict[str, EngineResult]]
 
@@ -115,7 +117,7 @@ def test_steps_overlap_and_take_their_inputs_from_the_device(
     engine = make_engine(async_scheduling="on")
     events: list[str] = []
     from_device: list[int] = []
-    start, settle, forward = engine._start, engine._settle, engine.runner.forward
+    start, settle, prepare = engine._start, engine._settle, engine.runner.inputs.prepare
 
     def spy_start(scheduled: list[ScheduledSeq]) -> Any:
         events.append("launch" if engine._in_flight is None else "launch while one is in flight")
@@ -125,11 +127,12 @@ def test_steps_overlap_and_take_their_inputs_from_the_device(
         events.append("settle")
         settle(finished)
 
-    def spy_forward(scheduled: list[ScheduledSeq], tables: Any, rows: list[int], hidden: bool, tokens: Any) -> Any:
-        from_device.append(0 if tokens is None else len(tokens.rows))
-        return forward(scheduled, tables, rows, hidden, tokens)
+    def spy_prepare(*args: Any) -> StepInputs:
+        step = prepare(*args)
+        from_device.append(0 if step.from_device is None else len(step.from_device.rows))
+        return step
 
-    engine._start, engine._settle, engine.runner.forward = spy_start, spy_settle, spy_forward  # type: ignore[method-assign]
+    engine._start, engine._settle, engine.runner.inputs.prepare = spy_start, spy_settle, spy_prepare  # type: ignore[method-assign]
     prompts = random_prompts(4, 5, 20, seed=3)
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     results = run_to_completion(engine, [EngineRequest(f"r{i}", p, params) for i, p in enumerate(prompts)])
@@ -163,21 +166,24 @@ def test_device_tokens_fill_the_inputs_the_host_has_not_read(make_engine: Callab
     rng = random.Random(0)
     for i in range(3):
         engine.add_request(EngineRequest(f"r{i}", [rng.randrange(256) for _ in range(9 + i)], SamplingParams()))
-    scheduled = engine.scheduler.schedule()
-    for item in scheduled:  # as after a step: prompts computed but their last token, which is sampled
+    output = engine.scheduler.schedule()
+    engine.runner.update_states(output)
+    for item in output.scheduled:  # as after a step: prompts computed but their last token, which is sampled
         item.seq.num_computed_tokens = len(item.seq) - 1
-    known = [ScheduledSeq(item.seq, 1) for item in scheduled]
+    known = [ScheduledSeq(item.seq, 1) for item in output.scheduled]
     buffers = InputBuffers(64, engine.config.block_size, torch.device("cpu"))
     sampled = torch.tensor([0, 41, 0, 42, 43])  # the step in flight's tokens: rows 1, 3, 4
+    in_flight = Launched(known, token_rows={item.seq: row for item, row in zip(known, [1, 3, 4], strict=True)})
+    in_flight.sampled = Sampled(sampled, HostCopy(sampled), 5, np.zeros(0, np.int64), np.zeros(0, np.int64), 0)
     expected = [41, 42, 43]
     for item, token in zip(known, expected, strict=True):
         item.seq.token_ids[-1] = token
     tables = engine.scheduler.block_manager.tables.array
-    plain = buffers.pack(known, tables)
+    plain = buffers.prepare(known, tables, engine.runner.batch).packed
     plain_ids = plain.input_ids.clone()
     for item in known:
         item.seq.token_ids[-1] = PENDING
-    filled = buffers.pack(known, tables, DeviceTokens([0, 1, 2], [1, 3, 4], sampled))
+    filled = buffers.prepare(known, tables, engine.runner.batch, in_flight).packed
     assert filled.input_ids.tolist() == plain_ids.tolist() == expected
     assert torch.equal(filled.positions, plain.positions) and torch.equal(filled.slots, plain.slots)
     engine.reset()

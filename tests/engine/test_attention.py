@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_mask
 
 from batchgen.server.engine import EngineRequest, EngineResult, LLMEngine, SamplingParams
-from batchgen.server.engine.attention import PagedStep, SeqSlice, cpu_decode, decode, make_backend
+from batchgen.server.engine.attention import DecodeBlocks, PagedStep, SeqSlice, cpu_decode, decode, make_backend
 from batchgen.server.engine.attention.flex import Q_BLOCK, _block_mask
 from batchgen.server.engine.attention.gather import GatherBackend
 from batchgen.server.engine.attention.kernels import attend, causal_mask
@@ -196,7 +196,7 @@ def test_decode_blocks_name_each_visible_slot_once(window: int | None, block: in
         tables[table_rows[row], : len(table)] = table
         own_tables.append(table)
         decodes.append(SeqSlice(row, 1, start, table_rows[row]))
-    blocks = decode.DecodeBlocks.build(decodes, window, block, tables)
+    blocks = DecodeBlocks.build(decodes, window, block, tables)
     assert blocks.tables.shape[1] == max(
         s.start // block - decode.first_visible(s.start, window) // block + 1 for s in decodes
     )
@@ -241,7 +241,7 @@ def test_paged_decode_in_groups_gives_what_it_gives_at_once(monkeypatch: pytest.
     layer = LAYERS["sinks"]
     step, cache, query, key, value = _step(7, [*DECODES, (40, 1), (2, 1)])
     cache.write(0, step.slot_mapping, key[0], value[0])
-    blocks = decode.DecodeBlocks.build(step.seqs, layer.window, BLOCK, step.block_tables)
+    blocks = DecodeBlocks.build(step.seqs, layer.window, BLOCK, step.block_tables)
     q, args = query[0].transpose(0, 1), (layer.sinks, 0.7, 1.5)
     at_once = decode.paged_decode(q, cache.k[0], cache.v[0], blocks, *args)
     for elements in (1, 3 * KV_HEADS * blocks.tables.shape[1] * BLOCK * DIM):  # one decode a group; three
@@ -276,7 +276,7 @@ def _decode_case(
     heads: tuple[int, int, int],
     block: int,
     dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, decode.DecodeBlocks, tuple[Any, float, Any], torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DecodeBlocks, tuple[Any, float, Any], torch.Tensor]:
     """A step of decodes alone, their keys and values in the cache, for a decode kernel: the queries ``[B, H, D]``,
     the caches, what the decodes see, the layer's (sinks, scale, soft-cap), and ``paged_decode``'s output in
     float64 (a sinks layer's sinks widened to ``heads``)."""
@@ -285,7 +285,7 @@ def _decode_case(
         layer = LayerAttention(layer.scale, layer.window, None, torch.linspace(-1, 2, heads[0], dtype=torch.float64))
     step, cache, query, key, value = _step(seed, shapes, dtype, heads, block)
     cache.write(0, step.slot_mapping, key[0], value[0])
-    blocks = decode.DecodeBlocks.build(step.seqs, layer.window, block, step.block_tables)
+    blocks = DecodeBlocks.build(step.seqs, layer.window, block, step.block_tables)
     q, k_cache, v_cache = query[0].transpose(0, 1), cache.k[0], cache.v[0]
     args = (layer.sinks, layer.scale or heads[2] ** -0.5, layer.softcap)
     expected = decode.paged_decode(q.double(), k_cache.double(), v_cache.double(), blocks, *args)

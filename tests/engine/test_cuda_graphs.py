@@ -13,7 +13,7 @@ from typing import Any
 from graph_helpers import Rerun
 
 from batchgen.server.engine import EngineRequest, LLMEngine, SamplingParams
-from batchgen.server.engine.attention.decode import DecodeBlocks
+from batchgen.server.engine.attention import DecodeBlocks
 from batchgen.server.engine.cuda_graphs import batch_buckets
 
 
@@ -86,10 +86,10 @@ def test_a_one_token_prefill_chunk_keeps_its_step_off_the_graphs(
     mixed_steps, failures = [], []
     forward, start = engine.runner.forward, engine._start
 
-    def spy_forward(scheduled: list[Any], tables: Any, sample_rows: list[int], *args: Any) -> Any:
-        if all(item.num_tokens == 1 for item in scheduled) and len(sample_rows) < len(scheduled):
-            mixed_steps.append(len(scheduled))
-        return forward(scheduled, tables, sample_rows, *args)
+    def spy_forward(packed: Any, sample_rows: list[int], *args: Any) -> Any:
+        if packed.all_decodes and len(sample_rows) < len(packed.seqs):
+            mixed_steps.append(len(packed.seqs))
+        return forward(packed, sample_rows, *args)
 
     def spy_start(scheduled: list[Any]) -> Any:
         try:

@@ -112,7 +112,7 @@ def test_errors_and_aborts(encoder_paths: dict[str, Path]) -> None:
     engine.add_request(EngineRequest("empty", [], task="embed"))
     engine.add_request(EngineRequest("unknown-token", [2, engine.vocab_size, 3], task="embed"))
     for i in range(6):
-        engine.add_request(EngineRequest(f"{'a' if i % 2 else 'b'}{i}", [2, 5 + i, 3], task="embed", group=str(i % 2)))
+        engine.add_request(EngineRequest(f"{'a' if i % 2 else 'b'}{i}", [2, 5 + i, 3], task="embed"))
     assert all(engine.abort_request(request_id) for request_id in ("a1", "a3", "a5"))
     assert engine.abort_request("b4") and not engine.abort_request("b4")
     results = {}
@@ -138,7 +138,7 @@ def test_serving_rejects_generation_on_an_embedding_model(encoder_paths: dict[st
         typed = msgspec.convert({"model": "tiny-bert", **body}, BODY_TYPES[url])
         line = BatchInputLine(custom_id="x", method="POST", url=url, body=typed)
         with pytest.raises(RequestRejected) as caught:
-            serving.prepare(line.body, request_id="req", defaults=BatchDefaults(), group="g")
+            serving.prepare(line.body, request_id="req", defaults=BatchDefaults())
         assert caught.value.code == "unsupported_endpoint"
         assert "'tiny-bert' is an embedding model" in caught.value.message and url in caught.value.message
 

@@ -18,8 +18,9 @@ from llguidance import LLMatcher
 
 from batchgen.server.engine import EngineRequest, EngineResult, EngineWorker, LLMEngine, SamplingParams
 from batchgen.server.engine.model_runner import ModelRunner
-from batchgen.server.engine.sampler import Sampler, int64_bits, mix64
+from batchgen.server.engine.sampler import Sampler
 from batchgen.server.engine.scheduler import Scheduler
+from batchgen.server.engine.seeds import int64_bits, mix64
 from batchgen.server.engine.worker import MAX_RESTARTS
 
 FORWARD_FAULT = "<forward-fault>"
@@ -35,7 +36,7 @@ def _good_requests(prompts: list[list[int]]) -> list[EngineRequest]:
         SamplingParams(max_tokens=6, temperature=1.0, n=2, seed=9, logprobs=True, top_logprobs=3),
         SamplingParams(max_tokens=6, temperature=1.0, seed=10, grammar=LLMatcher.grammar_from_regex("[a-z]{2,9}")),
     ]
-    return [EngineRequest(f"good-{i}", p, kinds[i % len(kinds)], group="g") for i, p in enumerate(prompts)]
+    return [EngineRequest(f"good-{i}", p, kinds[i % len(kinds)]) for i, p in enumerate(prompts)]
 
 
 def _outputs(results: dict[str, EngineResult]) -> dict[str, Any]:
@@ -60,12 +61,12 @@ def injected_faults(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, int]]
     """Forward and sampler raise for marked requests; the scheduler (outside the engine's own fault isolation)
     raises while a marked request is scheduled, ``calls`` times at most (all of them by default)."""
     scheduler_faults = {"left": 10**9}
-    forward, sample, schedule = ModelRunner.forward, Sampler.launch, Scheduler.schedule
+    execute, sample, schedule = ModelRunner.execute, Sampler.launch, Scheduler.schedule
 
     def faulty_forward(self: ModelRunner, scheduled: list[Any], *args: Any) -> Any:
         if any(FORWARD_FAULT in item.seq.state.request.params.stop for item in scheduled):
             raise RuntimeError("injected forward fault")
-        return forward(self, scheduled, *args)
+        return execute(self, scheduled, *args)
 
     def faulty_sample(self: Sampler, logits: Any, rows: Any) -> Any:
         if int64_bits(mix64(SAMPLER_FAULT_SEED, 0)) in rows.seeds:  # the marked request's choice
@@ -73,22 +74,22 @@ def injected_faults(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, int]]
         return sample(self, logits, rows)
 
     def faulty_schedule(self: Scheduler) -> Any:
-        scheduled = schedule(self)
+        output = schedule(self)
         if scheduler_faults["left"] and any(
-            SCHEDULER_FAULT in item.seq.state.request.params.stop for item in scheduled
+            SCHEDULER_FAULT in item.seq.state.request.params.stop for item in output.scheduled
         ):
             scheduler_faults["left"] -= 1
             raise RuntimeError("injected scheduler fault")
-        return scheduled
+        return output
 
-    monkeypatch.setattr(ModelRunner, "forward", faulty_forward)
+    monkeypatch.setattr(ModelRunner, "execute", faulty_forward)
     monkeypatch.setattr(Sampler, "launch", faulty_sample)
     monkeypatch.setattr(Scheduler, "schedule", faulty_schedule)
     yield scheduler_faults
 
 
 def _poison(rid: str, **params: Any) -> EngineRequest:
-    return EngineRequest(rid, [5, 6, 7, 8, 9], SamplingParams(max_tokens=6, **params), group="g")
+    return EngineRequest(rid, [5, 6, 7, 8, 9], SamplingParams(max_tokens=6, **params))
 
 
 @pytest.mark.parametrize("async_scheduling", ["off", "on"])

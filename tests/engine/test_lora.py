@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from batchgen.server.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams, model_runner
 from batchgen.server.engine.adapters import AdapterRefused, Adapters, adapter_config
+from batchgen.server.engine.self_check import check_engine
 
 NAMES = [None, "alpha", "beta", "gamma"]
 TOKENS = 10
@@ -43,7 +44,10 @@ def lora_engine(demo_path: Path, tokenizer: Any, adapters: dict[str, Path], **ov
         enable_lora=True, lora_modules=tuple(f"{name}={path}" for name, path in adapters.items()), max_loras=2,
         max_lora_rank=8, **overrides,
     )  # fmt: skip
-    return LLMEngine(model, tokenizer, config, "demo")
+    engine = LLMEngine(model, tokenizer, config, "demo")
+    if config.self_check:  # as the factory does: the base, then the first adapter through the slots
+        check_engine(engine)
+    return engine
 
 
 def check_mix(

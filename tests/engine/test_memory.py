@@ -26,10 +26,7 @@ def _requests(prompts: list[list[int]], round_no: int) -> list[EngineRequest]:
         SamplingParams(max_tokens=3, n=2, temperature=1.0, seed=2),
         SamplingParams(max_tokens=3, logprobs=True, top_logprobs=2, frequency_penalty=0.5),
     ]
-    requests = [
-        EngineRequest(f"{round_no}-{i}", prompt, kinds[i % len(kinds)], group=f"g{i % 3}")
-        for i, prompt in enumerate(prompts)
-    ]
+    requests = [EngineRequest(f"{round_no}-{i}", prompt, kinds[i % len(kinds)]) for i, prompt in enumerate(prompts)]
     requests.append(EngineRequest(f"{round_no}-embed", prompts[0], task="embed"))
     return requests
 

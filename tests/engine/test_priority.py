@@ -21,7 +21,7 @@ def _finish(engine: LLMEngine) -> dict[str, list[int]]:
 
 
 def _batch(prompts: list[list[int]]) -> list[EngineRequest]:
-    return [EngineRequest(f"b{i}", prompt, LONG, group="batch") for i, prompt in enumerate(prompts)]
+    return [EngineRequest(f"b{i}", prompt, LONG) for i, prompt in enumerate(prompts)]
 
 
 def test_an_interactive_request_preempts_a_full_running_set_and_finishes_first(

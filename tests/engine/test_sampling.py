@@ -12,7 +12,8 @@ import torch
 from batchgen.server.engine import EngineRequest, LLMEngine, SamplingParams
 from batchgen.server.engine.batch_state import BatchState, SamplingInputs
 from batchgen.server.engine.detokenizer import IncrementalDetokenizer
-from batchgen.server.engine.sampler import Sampler, argmax_first, uniform, uniforms
+from batchgen.server.engine.sampler import Sampler, argmax_first
+from batchgen.server.engine.seeds import uniform, uniforms
 
 Run = Callable[..., Any]
 
@@ -243,14 +244,12 @@ def test_token_ids_outside_the_vocabulary_are_an_error_not_a_crash(
     assert results["ok"].completion_tokens == 4
 
 
-def test_abort_request_and_group(
-    make_engine: Callable[..., LLMEngine], run_to_completion: Run, random_prompts: Run
-) -> None:
+def test_abort_request(make_engine: Callable[..., LLMEngine], run_to_completion: Run, random_prompts: Run) -> None:
     engine = make_engine()
     prompts = random_prompts(6, 5, 20, seed=17)
     for i, prompt in enumerate(prompts):
         params = SamplingParams(max_tokens=30, ignore_eos=True)
-        engine.add_request(EngineRequest(f"r{i}", prompt, params, group="a" if i < 3 else "b"))
+        engine.add_request(EngineRequest(f"r{i}", prompt, params))
     engine.step()
     assert engine.abort_request("r0")
     assert not engine.abort_request("r0")
@@ -323,6 +322,27 @@ def test_a_row_samples_the_same_token_whatever_shares_its_batch() -> None:
     alone = [Sampler()(logits[i : i + 1], _rows(vocab, [spec]))[0][0] for i, spec in enumerate(specs)]
     reversed_batch, _ = Sampler()(logits.flip(0), _rows(vocab, specs[::-1]))
     assert together == alone == reversed_batch[::-1]
+
+
+def test_a_row_that_filters_nothing_never_sorts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sorting the vocabulary is for min_p, top-k and top-p: a row with temperature alone (top-k at the vocabulary,
+    top-p 1 included) draws from its distribution as it stands; beside a top-p row, only that row is sorted."""
+    sorted_rows: list[int] = []
+    sort = torch.Tensor.sort
+
+    def spy(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        sorted_rows.append(self.shape[0])
+        return sort(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "sort", spy)
+    vocab = 50
+    logits = torch.randn(4, vocab, dtype=torch.float64)
+    kinds = [{"temperature": 0.5}, {"temperature": 1.0, "top_k": vocab}, {"temperature": 1.7, "top_p": 1.0}]
+    plain = [(SamplingParams(**kind), 1 + i, 3, [0], []) for i, kind in enumerate(kinds)]
+    Sampler()(logits[:3], _rows(vocab, plain))
+    assert sorted_rows == []
+    Sampler()(logits, _rows(vocab, [*plain, (SamplingParams(temperature=1.0, top_p=0.9), 9, 3, [0], [])]))
+    assert sorted_rows == [1]
 
 
 def test_min_p_draws_only_tokens_near_the_likeliest() -> None:

@@ -9,8 +9,9 @@ import pytest
 import torch
 from transformers import AutoConfig, LlamaForCausalLM, LlamaModel
 
-from batchgen.server.engine import EngineConfig, LLMEngine
+from batchgen.server.engine import EngineConfig, LLMEngine, factory
 from batchgen.server.engine.errors import ModelNotSupported
+from batchgen.server.engine.self_check import check_engine
 
 
 class TokenShiftModel(LlamaModel):
@@ -35,16 +36,21 @@ def _config(**overrides: Any) -> EngineConfig:
     return EngineConfig(model="demo", dtype="float64", device="cpu", **{"num_kv_blocks": 64, **overrides})
 
 
-def test_a_model_the_engine_cannot_drive_is_refused(demo_path: Path, tokenizer: Any) -> None:
+def test_a_model_the_engine_cannot_drive_is_refused(
+    demo_path: Path, tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The factory checks the engine it builds."""
     torch.manual_seed(0)
     model = TokenShiftForCausalLM(AutoConfig.from_pretrained(demo_path)).to(torch.float64).eval()
+    monkeypatch.setattr(factory, "load_model", lambda config: (model, tokenizer))
     with pytest.raises(ModelNotSupported, match=r"TokenShiftForCausalLM models: .*own forward"):
-        LLMEngine(model, tokenizer, _config(), "shift")
-    LLMEngine(model, tokenizer, _config(self_check=False), "shift")  # the flag skips it, at the user's risk
+        factory.build_engine(_config())
+    factory.build_engine(_config(self_check=False))  # the flag skips it, at the user's risk
 
 
 def test_the_self_check_leaves_nothing_behind(engine_model: Any, tokenizer: Any) -> None:
     engine = LLMEngine(engine_model, tokenizer, _config(), "demo")
+    check_engine(engine)
     stats = engine.stats()
     assert not engine.has_unfinished_requests()
     assert (stats.prompt_tokens, stats.generated_tokens, stats.running, stats.queued) == (0, 0, 0, 0)

@@ -44,7 +44,7 @@ def serve(make_engine: Callable[..., LLMEngine], run_to_completion: Run) -> Call
     def run(line: Any, defaults: BatchDefaults = NO_DEFAULTS, **engine_overrides: Any) -> Any:
         engine = make_engine(**engine_overrides)
         serving = OpenAIServing(engine.tokenizer, ("demo",), engine.max_context_length, engine.vocab_size)
-        prepared = serving.prepare(line.body, request_id="rid", defaults=defaults, group="batch_1")
+        prepared = serving.prepare(line.body, request_id="rid", defaults=defaults)
         requests = prepared.requests
         results = run_to_completion(engine, requests)
         in_order = [results[request.request_id] for request in requests]
@@ -100,7 +100,7 @@ def test_chat_uses_the_template_and_reports_cached_tokens(
     for i, question in enumerate(["What is 2+2?", "Name a colour."]):
         messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
         line = _line("/v1/chat/completions", {"messages": messages, "max_completion_tokens": 8}, f"c{i}")
-        prepared = serving.prepare(line.body, request_id=f"r{i}", defaults=BatchDefaults(), group="g")
+        prepared = serving.prepare(line.body, request_id=f"r{i}", defaults=BatchDefaults())
         requests = prepared.requests
         expected = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         assert requests[0].prompt_token_ids == tokenizer.encode(expected, add_special_tokens=False)
@@ -208,7 +208,7 @@ def test_unsupported_or_invalid_requests_are_rejected(
 ) -> None:
     serving = OpenAIServing(tokenizer, ("demo",), 2048, len(tokenizer))
     with pytest.raises(RequestRejected) as caught:
-        serving.prepare(_line(url, body).body, request_id="r", defaults=BatchDefaults(), group="g")
+        serving.prepare(_line(url, body).body, request_id="r", defaults=BatchDefaults())
     assert caught.value.param == param and caught.value.message
 
 
@@ -229,7 +229,7 @@ def _refused(serving: OpenAIServing, url: str, body: dict[str, Any]) -> RequestR
     return caught.value
 
 
-ARGS: dict[str, Any] = {"request_id": "r", "defaults": BatchDefaults(), "group": "g"}
+ARGS: dict[str, Any] = {"request_id": "r", "defaults": BatchDefaults()}
 UNSUPPORTED = [
     (url, name) for url, body_type in BODY_TYPES.items() for name in _unsupported_fields(body_type)
 ]  # fmt: skip
@@ -348,7 +348,7 @@ def test_the_model_generation_config_sits_beneath_batch_and_request(tokenizer: A
 
     def params(body: dict[str, Any], defaults: BatchDefaults = NO_DEFAULTS) -> Any:
         line = _line("/v1/completions", {"prompt": "x", **body})
-        return serving.prepare(line.body, request_id="r", defaults=defaults, group="g").requests[0].params
+        return serving.prepare(line.body, request_id="r", defaults=defaults).requests[0].params
 
     fields = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
     assert tuple(getattr(params({}), f) for f in fields) == (0.6, 0.8, 20, 0.05, 1.1, 7)

@@ -85,11 +85,11 @@ def test_the_worker_streams_and_fails_a_streamed_request_it_cannot_continue(
     failed = threading.Event()
 
     def fail_once_mid_stream(self: Scheduler) -> Any:
-        scheduled = schedule(self)
-        if not failed.is_set() and any(item.seq.num_generated >= 3 for item in scheduled):
+        output = schedule(self)
+        if not failed.is_set() and any(item.seq.num_generated >= 3 for item in output.scheduled):
             failed.set()
             raise RuntimeError("injected scheduler fault")
-        return scheduled
+        return output
 
     worker = EngineWorker(make_engine())
     monkeypatch.setattr(Scheduler, "schedule", fail_once_mid_stream)

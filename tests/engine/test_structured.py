@@ -98,7 +98,7 @@ def test_every_constrained_chat_output_validates(
     for i, (_, _, constraint) in enumerate(CASES):
         messages = [{"role": "user", "content": f"question {i}"}]
         line = _line("/v1/chat/completions", {"messages": messages, "max_tokens": 500, **constraint, **sampling})
-        prepared.append(serving.prepare(line.body, request_id=f"r{i}", defaults=BatchDefaults(), group="g"))
+        prepared.append(serving.prepare(line.body, request_id=f"r{i}", defaults=BatchDefaults()))
     results = run_to_completion(engine, [r for p in prepared for r in p.requests])
     for (kind, spec, _), line in zip(CASES, prepared, strict=True):
         out = serving.output_line("x", line, [results[r.request_id] for r in line.requests])
@@ -128,7 +128,7 @@ def test_completions_take_a_json_object_format_and_a_batch_default(
     ]
     for i, (body, schema) in enumerate(bodies):
         line = _line("/v1/completions", body)
-        prepared = serving.prepare(line.body, request_id=f"r{i}", defaults=defaults, group="g")
+        prepared = serving.prepare(line.body, request_id=f"r{i}", defaults=defaults)
         requests = prepared.requests
         results = run_to_completion(engine, requests)
         out = serving.output_line("x", prepared, [results[r.request_id] for r in requests]).response
@@ -138,7 +138,7 @@ def test_completions_take_a_json_object_format_and_a_batch_default(
 
 
 def _constrained(rid: str, prompt: list[int], grammar: str, **params: Any) -> EngineRequest:
-    return EngineRequest(rid, prompt, SamplingParams(max_tokens=500, grammar=grammar, **params), group="g")
+    return EngineRequest(rid, prompt, SamplingParams(max_tokens=500, grammar=grammar, **params))
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +172,7 @@ def test_sampled_constrained_outputs_survive_preemption_and_do_not_depend_on_the
         for i, p in enumerate(prompts[1:6])
     ]
     neighbours += [
-        EngineRequest(f"u{i}", p, SamplingParams(max_tokens=120, temperature=1.0, seed=i, ignore_eos=True), group="g")
+        EngineRequest(f"u{i}", p, SamplingParams(max_tokens=120, temperature=1.0, seed=i, ignore_eos=True))
         for i, p in enumerate(prompts[6:])
     ]
     engine = make_engine(num_kv_blocks=40, max_num_batched_tokens=64)
@@ -209,7 +209,7 @@ def test_a_grammar_that_can_only_end_ends_the_output_before_min_tokens(
     body = {"prompt": [0], "max_tokens": 40, "min_tokens": 30, "structured_outputs": {"json": {"enum": [3]}}}
     for sampling in ({}, {"temperature": 1.0, "seed": 1}):
         line = _line("/v1/completions", {**body, **sampling})
-        requests = serving.prepare(line.body, request_id="r", defaults=BatchDefaults(), group="g").requests
+        requests = serving.prepare(line.body, request_id="r", defaults=BatchDefaults()).requests
         ((output,),) = [result.outputs for result in run_to_completion(engine, requests).values()]
         assert (output.text, output.finish_reason) == ("3", "stop")
 
@@ -249,7 +249,6 @@ def test_the_grammar_constrains_what_follows_the_end_of_the_reasoning(
                 grammar=constraint.grammar,
                 grammar_after=(hash_id,),
             ),
-            group="g",
         )
         for seed in range(6)
     ]

@@ -363,7 +363,7 @@ def _auto_call(thinker: LiveServer, seed: int, **extra: Any) -> dict[str, Any]:
 
 def test_auto_tool_calls_and_reasoning_are_parsed_whole_and_streamed(thinker: LiveServer) -> None:
     reasoning_tokens = 0
-    for seed in (1, 4, 5):
+    for seed in (1, 3, 5):
         whole = thinker.http.post("/v1/chat/completions", json=_auto_call(thinker, seed)).json()
         (choice,) = whole["choices"]
         message = choice["message"]
@@ -390,7 +390,7 @@ def test_auto_tool_calls_and_reasoning_are_parsed_whole_and_streamed(thinker: Li
 
     lines = [
         {"custom_id": f"t{seed}", "method": "POST", "url": "/v1/chat/completions", "body": _auto_call(thinker, seed)}
-        for seed in (1, 4, 5)
+        for seed in (1, 3, 5)
     ]
     batch = thinker.run(lines)
     assert batch["usage"]["output_tokens_details"]["reasoning_tokens"] == reasoning_tokens

@@ -33,13 +33,14 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 def _run_batch(args: argparse.Namespace, settings: Settings) -> int:
     from batchgen.schemas.validation import validate_input_file
 
+    from .engine.adapters import lora_names
     from .engine.errors import ModelLoadError
     from .engines import load_engine
     from .run_batch import InvalidInputFile, run_batch
     from .serving import BatchDefaults
 
     config = settings.engine
-    served = (*config.served_model_names, *config.lora_names)
+    served = (*config.served_model_names, *lora_names(config))
     report = validate_input_file(args.input, family=served)  # before loading a model, which can take minutes
     if not report.ok:
         _print_invalid(args.input, report.errors, report.error_count)

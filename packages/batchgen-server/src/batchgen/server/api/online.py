@@ -91,7 +91,6 @@ async def prepare(context: ServerContext, body: RequestBody, request_id: str, *,
             body,
             request_id=request_id,
             defaults=NO_DEFAULTS,
-            group="",
             online=online,
         )
     except RequestRejected as exc:

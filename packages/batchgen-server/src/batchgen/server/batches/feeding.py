@@ -155,7 +155,7 @@ class Feeder:
         batch.in_window[request_id] = entry
         self._hold(entry, work)
         done = partial(self._tokenized, entry)
-        self.tokenizer.put(line.body, request_id=request_id, defaults=batch.defaults, group=batch.id, done=done)
+        self.tokenizer.put(line.body, request_id=request_id, defaults=batch.defaults, done=done)
         return True
 
     def _tokenized(self, entry: Entry, outcome: Outcome) -> None:

@@ -28,7 +28,6 @@ class _Job:
     body: RequestBody
     request_id: str
     defaults: BatchDefaults
-    group: str
     done: Callable[[Outcome], None]
 
 
@@ -56,19 +55,16 @@ class Tokenizer:
         *,
         request_id: str,
         defaults: BatchDefaults,
-        group: str,
         done: Callable[[Outcome], None],
     ) -> None:
         """Tokenize ``body``; ``done`` runs on the loop's thread with the outcome."""
-        self._jobs.put(_Job(body, request_id, defaults, group, done))
+        self._jobs.put(_Job(body, request_id, defaults, done))
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None and not self._stopping:
             outcome: Outcome
             try:
-                outcome = self.serving.prepare(
-                    job.body, request_id=job.request_id, defaults=job.defaults, group=job.group
-                )
+                outcome = self.serving.prepare(job.body, request_id=job.request_id, defaults=job.defaults)
             except Exception as exc:  # the loop decides: the line's error, or a storage fault that pauses its batch
                 outcome = exc
             self._post(partial(job.done, outcome))

@@ -184,6 +184,11 @@ def _weight_shapes(directory: Path, refuse: Any) -> dict[str, list[int]] | None:
     return shapes
 
 
+def lora_names(config: EngineConfig) -> tuple[str, ...]:
+    """The names of the LoRA adapters served from the start (``--lora-modules``), their directories not read."""
+    return tuple(LoRAModule.parse(text).name for text in config.lora_modules) if config.enable_lora else ()
+
+
 class Adapters:
     """The adapters served beside the base model, by name (thread-safe: the API loads and unloads at run time)."""
 

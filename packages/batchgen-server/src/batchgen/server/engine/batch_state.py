@@ -1,22 +1,23 @@
 """The running sequences' sampling state, one row each, kept across steps (vLLM v1's persistent input batch).
 
-A row is taken when a sequence is admitted (or forked) and given back when it finishes or is preempted; the
-scheduler does both. Its sampling parameters are written once, into arrays the sampler reads for a step's rows with
-one gather; a penalised row's token counts live on the device and grow by the tokens committed each step, instead
-of being rebuilt from the sequence's whole token list. Each row also has a place for what later features attach to
-a sequence: the LoRA adapter it runs with, and its grammar matcher (structured outputs).
+The model runner owns it, and keeps it in step with the scheduler (``update``): a sequence the scheduler started
+(admitted, or forked) takes a row, one it stopped (finished, aborted, preempted) gives its row back, when the engine
+passes them on: before a step runs, and once a step or an abort is over. A row's sampling parameters are written
+once, into arrays the sampler reads for a step's rows with one gather; a penalised row's token counts live on the
+device and grow by the tokens generated since the row's last step, instead of being rebuilt from the sequence's
+whole token list.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
 from .request import GREEDY_BELOW, SamplingParams
-from .sampler import int64_bits
+from .seeds import int64_bits
+from .sequence import Sequence, Status
 from .transfer import to_device
 
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
@@ -40,26 +41,40 @@ class BatchState:
         self.top_logprobs = np.zeros(capacity, dtype=np.int64)
         self.penalty_slot = np.full(capacity, -1, dtype=np.int64)
         """The row's place in ``counts``, or -1 (no penalty)."""
-        self.adapter = np.zeros(capacity, dtype=np.int32)
-        """The slot of the LoRA adapter the row runs with (0: the base model; ``lora.py``)."""
+        self.counted = np.zeros(capacity, dtype=np.int64)
+        """Generated tokens in the row's ``counts`` so far (penalised rows)."""
         self.bias: list[tuple[np.ndarray, np.ndarray] | None] = [None] * capacity
         """``logit_bias`` as (token ids, values)."""
         self.stop_ids: list[np.ndarray] = [_NO_IDS] * capacity
         """Tokens banned until ``min_tokens`` are generated (EOS and ``stop_token_ids``)."""
-        self.grammar: list[Any] = [None] * capacity
-        """The row's grammar matcher (structured outputs), if any."""
         self._free = list(range(capacity - 1, -1, -1))
         self.counts: torch.Tensor | None = None
         """``[slots, vocab]`` on the device: how often each token was generated, for penalised rows."""
         self.prompt_seen: torch.Tensor | None = None
         """``[slots, vocab]``: the prompt's tokens (the repetition penalty reads prompt and output)."""
         self._free_slots: list[int] = []
-        self.using = {"bias": 0, "min_tokens": 0, "penalties": 0, "logprobs": 0, "sampled": 0, "grammar": 0}
+        self.using = {"bias": 0, "min_tokens": 0, "penalties": 0, "logprobs": 0, "sampled": 0}
         """How many rows use each feature: a step of rows that use none reads nothing for it (no per-step cost)."""
 
     @property
     def capacity(self) -> int:
         return len(self.top_k)
+
+    def update(self, started: list[Sequence], stopped: list[Sequence]) -> None:
+        """Follow the scheduler (``SchedulerOutput``): the sequences that stopped running give back their rows, then
+        each that started and still runs takes one (since the last step a sequence may have stopped and started
+        again, or started and stopped)."""
+        for seq in stopped:
+            if seq.row >= 0:
+                self.remove(seq.row)
+                seq.row = -1
+        for seq in started:
+            if seq.status is Status.RUNNING and seq.row < 0:
+                state = seq.state
+                request = state.request
+                seq.row = self.add_row(
+                    request.params, seq.seed, request.prompt_token_ids, seq.generated_ids, state.stop_token_ids
+                )
 
     def add_row(
         self,
@@ -68,11 +83,8 @@ class BatchState:
         prompt: list[int],
         generated: list[int],
         stop_ids: frozenset[int] = frozenset(),
-        grammar: Any = None,
-        adapter: int = 0,
     ) -> int:
-        """A row for a sequence with these parameters, ``prompt`` and tokens ``generated`` so far, the grammar matcher
-        that constrains its next token, if any, and the slot of its LoRA adapter (``lora.py``)."""
+        """A row for a sequence with these parameters, ``prompt`` and tokens ``generated`` so far."""
         if not self._free:
             self._grow()
         row = self._free.pop()
@@ -84,12 +96,11 @@ class BatchState:
         self.prompt_len[row] = len(prompt)
         self.logprobs[row] = params.logprobs
         self.top_logprobs[row] = params.top_logprobs
-        self.adapter[row] = adapter
         bias = params.logit_bias
         self.bias[row] = (np.fromiter(bias, np.int64), np.fromiter(bias.values(), np.float64)) if bias else None
         self.stop_ids[row] = np.fromiter(sorted(stop_ids), np.int64) if params.min_tokens else _NO_IDS
-        self.grammar[row] = grammar
         self.penalty_slot[row] = self._take_slot(prompt, generated) if params.penalised else -1
+        self.counted[row] = len(generated)
         self._tally(row, 1)
         return row
 
@@ -98,34 +109,33 @@ class BatchState:
         if (slot := int(self.penalty_slot[row])) >= 0:
             self._free_slots.append(slot)
             self.penalty_slot[row] = -1
-        self.bias[row] = self.grammar[row] = None
+        self.bias[row] = None
         self._free.append(row)
-
-    def constrain(self, row: int, grammar: Any) -> None:
-        """From now on the row's next token follows ``grammar`` (a reasoning model finished thinking)."""
-        self.using["grammar"] += (grammar is not None) - (self.grammar[row] is not None)
-        self.grammar[row] = grammar
 
     def _tally(self, row: int, change: int) -> None:
         using = self.using
-        using["grammar"] += change * (self.grammar[row] is not None)
         using["bias"] += change * (self.bias[row] is not None)
         using["min_tokens"] += change * bool(self.min_tokens[row])
         using["penalties"] += change * bool(self.penalty_slot[row] >= 0)
         using["logprobs"] += change * bool(self.logprobs[row])
         using["sampled"] += change * bool(self.sampled[row])
 
-    def count(self, rows: list[int], tokens: list[int]) -> None:
-        """Tokens just committed to rows (penalised or not: only the penalised ones count)."""
-        if not self.using["penalties"]:
-            return
-        slots = self.penalty_slot[rows]
-        kept = slots >= 0
-        if not kept.any():
-            return
-        assert self.counts is not None
-        index = to_device(torch.from_numpy(np.stack([slots[kept], np.asarray(tokens)[kept]])), self.device)
-        self.counts.index_put_((index[0], index[1]), _ONE.to(self.device), accumulate=True)
+    def count_generated(self, seqs: list[Sequence]) -> None:
+        """The tokens the penalised sequences ``seqs`` (each with a row) generated since their rows last counted."""
+        slots: list[int] = []
+        tokens: list[int] = []
+        for seq in seqs:
+            row, generated = seq.row, seq.num_generated
+            counted = int(self.counted[row])
+            if generated > counted:
+                start = seq.num_prompt_tokens
+                slots += [int(self.penalty_slot[row])] * (generated - counted)
+                tokens += seq.token_ids[start + counted : start + generated]
+                self.counted[row] = generated
+        if slots:
+            assert self.counts is not None
+            index = to_device(torch.tensor([slots, tokens], dtype=torch.long), self.device)
+            self.counts.index_put_((index[0], index[1]), _ONE.to(self.device), accumulate=True)
 
     def inputs(self, rows: list[int], positions: list[int], seeds: dict[int, int] | None = None) -> SamplingInputs:
         """What the sampler reads for a step's logits rows: the rows of the sequences sampled (a sequence whose
@@ -155,12 +165,11 @@ class BatchState:
         old = self.capacity
         new = old * 2
         self.floats = np.concatenate([self.floats, np.zeros_like(self.floats)], axis=1)
-        for name in ("top_k", "seed", "sampled", "min_tokens", "prompt_len", "logprobs", "top_logprobs", "adapter"):
+        for name in ("top_k", "seed", "sampled", "min_tokens", "prompt_len", "logprobs", "top_logprobs", "counted"):
             setattr(self, name, np.concatenate([getattr(self, name), np.zeros_like(getattr(self, name))]))
         self.penalty_slot = np.concatenate([self.penalty_slot, np.full(old, -1, dtype=np.int64)])
         self.bias += [None] * old
         self.stop_ids += [_NO_IDS] * old
-        self.grammar += [None] * old
         self._free = list(range(new - 1, old - 1, -1)) + self._free
 
     def _grow_slots(self) -> None:
@@ -194,18 +203,6 @@ class SamplingInputs:
     """Each logits row's position: the index of the token it samples."""
     masks: tuple[np.ndarray, torch.Tensor] | None = None
     """The constrained logits rows and their grammars' token masks (packed bits), once filled."""
-
-    def grammars(self) -> tuple[np.ndarray, np.ndarray, list[Any]]:
-        """The logits rows a grammar constrains, each one's index into the matchers, and the matchers, each once (the
-        ``n`` choices of a prompt just completed share their parent's row, and so its mask)."""
-        if not self.state.using["grammar"]:
-            return _NO_IDS, _NO_IDS, []
-        grammar = self.state.grammar
-        at = [i for i, row in enumerate(self.rows.tolist()) if grammar[row] is not None]
-        rows = self.rows[at].tolist()
-        place = {row: i for i, row in enumerate(dict.fromkeys(rows))}
-        owner = np.array([place[row] for row in rows], dtype=np.int64)
-        return np.array(at, dtype=np.int64), owner, [grammar[row] for row in place]
 
     def __len__(self) -> int:
         return len(self.rows)

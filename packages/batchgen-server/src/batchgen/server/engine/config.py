@@ -140,13 +140,6 @@ class EngineConfig:
         return self.served_model_name or (self.model,)
 
     @property
-    def lora_names(self) -> tuple[str, ...]:
-        """The names of the LoRA adapters served from the start (``--lora-modules``)."""
-        from .adapters import LoRAModule
-
-        return tuple(LoRAModule.parse(text).name for text in self.lora_modules) if self.enable_lora else ()
-
-    @property
     def runtime_lora_updating(self) -> bool:
         """Adapters may be loaded and unloaded at run time: the flag, or vLLM's environment variable."""
         import os

@@ -21,8 +21,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from .attention import PagedStep, active
-from .attention.decode import DecodeBlocks, DecodeKernel
+from .attention import DecodeBlocks, PagedStep, active
+from .attention.decode import DecodeKernel
 from .attention.layer import LayerAttention
 from .fast_paths import FastPath
 from .inputs import PackedInputs

@@ -57,9 +57,7 @@ class EncoderEngine:
         if error is None and request.lora is not None:  # its padded forward has no adapter slots
             error = EngineError("invalid_adapter", f"Encoder model {self.model_name!r} serves no LoRA adapters.")
         if error is not None:
-            self._ready.append(
-                EngineResult(request.request_id, len(request.prompt_token_ids), error=error, group=request.group)
-            )
+            self._ready.append(EngineResult(request.request_id, len(request.prompt_token_ids), error=error))
             return
         self._waiting[request.request_id] = request
 
@@ -111,9 +109,7 @@ class EncoderEngine:
             self._run(batch[len(batch) // 2 :], finished)
             return
         for request, embedding in zip(batch, embeddings, strict=True):
-            result = EngineResult(
-                request.request_id, len(request.prompt_token_ids), embedding=embedding, group=request.group
-            )
+            result = EngineResult(request.request_id, len(request.prompt_token_ids), embedding=embedding)
             finished.append(result)
             self._prompt_tokens += len(request.prompt_token_ids)
 

@@ -1,62 +1,32 @@
-"""LLMEngine: the facade the server and run-batch use. A step reads as schedule -> prepare -> run -> sample ->
-process outputs: the scheduler picks what runs (``scheduler.py``), the step's inputs and sampled rows are prepared
-here, the model runs (``model_runner.py``), the sampler reads the running rows' state (``batch_state.py``,
-``sampler.py``), and the output processor commits the tokens and makes the results (``output_processor.py``)."""
+"""LLMEngine: the facade the server and run-batch use. A step reads as schedule -> run -> process outputs: the
+scheduler decides what runs (``scheduler.py``), the model runner turns that into the step's inputs, runs the forward
+and samples (``model_runner.py``), and the output processor commits the tokens and makes the results
+(``output_processor.py``)."""
 
 from __future__ import annotations
 
-import logging
 import random
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 from transformers import PreTrainedModel
 
 from .adapters import AdapterRefused, Adapters
-from .batch_state import BatchState, SamplingInputs
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .errors import ModelLoadError
-from .fast_paths import describe
-from .grammar import MaskFill, compiler_for
-from .inputs import DeviceTokens
+from .grammar import compiler_for
 from .interface import EngineStats
-from .lora import LoRASlots, build_slots, detach
+from .launched import Launched
+from .lora import LoRASlots
 from .model_runner import ModelRunner
-from .output_processor import Launched, OutputProcessor
-from .prompt_logprobs import PromptLogprobs, PromptSpan, prompt_rows
+from .output_processor import OutputProcessor
 from .request import EngineError, EngineRequest, EngineResult, GrammarError, Task, admission_error
-from .sampler import Sampler
-from .scheduler import ScheduledSeq, Scheduler
-from .self_check import self_check
+from .scheduler import Scheduler
+from .scheduler_output import ScheduledSeq
 from .sequence import RequestState, Sequence, Status
-from .transfer import indices
-
-logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class _Plan:
-    """A step prepared: what the forward returns logits for, and the rows the sampler reads."""
-
-    sample_rows: list[int]
-    """Packed rows whose logits the forward keeps, in order: those sampled (a prompt's last token, each decode), and
-    those that score a prompt token (``prompt_logprobs.py``)."""
-    logits_rows: list[int]
-    """For each sampled logits row, its index in ``sample_rows`` (a completed prompt feeds its ``n`` choices)."""
-    direct: bool
-    """Whether ``logits_rows`` is every kept row once, in order (no prompt rows, no forks): no gather needed."""
-    prompt_index: list[int]
-    """The indices in ``sample_rows`` of the rows that score prompt tokens, in the order of ``spans``."""
-    spans: list[PromptSpan]
-    inputs: SamplingInputs | None
-    device_tokens: DeviceTokens | None
-    want_hidden: bool
-    launched: Launched
 
 
 class LLMEngine:
@@ -67,49 +37,42 @@ class LLMEngine:
         self.config = config
         self.tokenizer = tokenizer
         self.model_name = model_name
-        self.runner = ModelRunner(model, config)
-        self.sampler = Sampler()
+        self.vocab_size: int = model.config.get_text_config().vocab_size
+        """Token ids a request may name (prompt, stop tokens, logit bias): rows of the embedding and of the logits."""
+        self.grammars = compiler_for(tokenizer, self.vocab_size, config.grammar_timeout_s)
+        self.runner = ModelRunner(model, config, self.grammars)
         self.async_scheduling = config.uses_async_scheduling(self.runner.device)
         model_limit = config.max_model_len or getattr(model.config.get_text_config(), "max_position_embeddings", None)
         if model_limit is None:
             raise ValueError("the model config names no max_position_embeddings; set max_model_len")
         self.max_context_length: int = min(model_limit, self.runner.num_blocks * config.block_size)
-        self.vocab_size: int = model.config.get_text_config().vocab_size
-        """Token ids a request may name (prompt, stop tokens, logit bias): rows of the embedding and of the logits."""
         self.eos_token_ids = frozenset(token for token in _eos_ids(model, tokenizer) if token < self.vocab_size)
         self._seeds = random.Random(config.seed)
-        self.grammars = compiler_for(tokenizer, self.vocab_size, config.grammar_timeout_s)
         self._requests: dict[str, RequestState] = {}
-        self.lora: LoRASlots | None = build_slots(self.runner, config) if config.enable_lora else None
-        if self.lora is None:
-            detach(model)
+        self.lora: LoRASlots | None = self.runner.lora
         self.scheduler = Scheduler(
-            self._fresh_cache(), self._fresh_rows(), config.max_num_seqs, config.max_num_batched_tokens,
-            self.runner.copy_block, self.lora,
-        )  # fmt: skip
+            self._fresh_cache(), config.max_num_seqs, config.max_num_batched_tokens, self.runner.copy_block, self.lora
+        )
         self.outputs = OutputProcessor(tokenizer, self.scheduler, self._requests)
         self._ready: list[EngineResult] = []
         self._step: list[ScheduledSeq] | None = None
         """What the step being run holds (its requests are the suspects if it fails); ``None`` between steps and while
         scheduling."""
         self._in_flight: Launched | None = None
-        served = Adapters.of(config).served() if self.lora else []
-        for adapter in served:  # each read now: refused at start, naming what it asks for
+        self.served_adapters = Adapters.of(config).served() if self.lora else []
+        """The adapters ``--lora-modules`` serves, their weights read: one that cannot be served is refused now."""
+        for adapter in self.served_adapters:
             assert self.lora is not None
             try:
                 self.lora.weights(adapter)
             except AdapterRefused as exc:
                 raise ModelLoadError(f"--lora-modules: {exc}") from None
-        if config.self_check:
-            self_check(self)
-            if served:  # the slots and the prefix cache's salt, against the adapter applied directly
-                self_check(self, served[0])
-        logger.info("%s: fast paths: %s", model_name, describe(self.runner.paths))
 
     def reset(self) -> None:
         """Forget every request and start from an empty cache (the weights and the cache tensors stay): how the
         worker recovers from a step that failed in a way it could not pin on a request."""
-        self.scheduler.reset(self._fresh_cache(), self._fresh_rows())
+        self.scheduler.reset(self._fresh_cache())
+        self.runner.reset()
         self._requests.clear()
         self._ready = []
         self._step = None
@@ -117,9 +80,6 @@ class LLMEngine:
 
     def _fresh_cache(self) -> BlockManager:
         return BlockManager(self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
-
-    def _fresh_rows(self) -> BatchState:
-        return BatchState(self.vocab_size, self.runner.device, capacity=self.config.max_num_seqs)
 
     # ---- requests in and out -----------------------------------------------------------------------------------
 
@@ -148,7 +108,7 @@ class LLMEngine:
         if error is None and request.lora is not None:
             error = self._adapter_error(request)
         if error is not None:
-            self._ready.append(EngineResult(request.request_id, prompt_len, error=error, group=request.group))
+            self._ready.append(EngineResult(request.request_id, prompt_len, error=error))
             return
         max_tokens = max_len - prompt_len if params.max_tokens is None else min(params.max_tokens, max_len - prompt_len)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
@@ -181,6 +141,7 @@ class LLMEngine:
         for seq in state.seqs:
             if seq.status is not Status.FINISHED:
                 self.scheduler.finish(seq)
+        self.runner.update_states(self.scheduler.changes())
         return True
 
     def suspects(self) -> list[str]:
@@ -231,7 +192,9 @@ class LLMEngine:
         if self._in_flight is not None and not self._in_flight.overlappable:
             self._settle(finished)
         self._step = None
-        scheduled = self._step = self.scheduler.schedule()
+        output = self.scheduler.schedule()
+        scheduled = self._step = output.scheduled
+        self.runner.update_states(output)
         now = time.time()
         for item in scheduled:
             if item.seq.state.scheduled is None:
@@ -242,6 +205,7 @@ class LLMEngine:
         self._in_flight = launched
         if launched is not None and (not self.async_scheduling or not self._requests):
             self._settle(finished)  # one step at a time; or every request ended, and what runs is not wanted
+        self.runner.update_states(self.scheduler.changes())  # the rows of the sequences the step ended go back now
         self._step = None  # it went through (and holds no finished request's state past its step)
         return finished
 
@@ -279,90 +243,11 @@ class LLMEngine:
         self._run(scheduled[half:], finished)
 
     def _start(self, scheduled: list[ScheduledSeq]) -> Launched:
-        """Prepare, run and sample a step, leaving it on the device; then advance its sequences as if it were done:
-        their computed tokens count, and each sampled one holds a ``PENDING`` token until the step is settled."""
-        plan = self._prepare(scheduled)
-        if self.lora is not None:  # each token runs with its row's adapter slot
-            rows = self.scheduler.rows.adapter
-            self.lora.prepare(np.repeat(rows[[item.seq.row for item in scheduled]], [i.num_tokens for i in scheduled]))
-        masks = None
-        if plan.inputs is not None:  # the constrained rows' masks are filled while the forward runs
-            constrained, owners, matchers = plan.inputs.grammars()
-            masks = MaskFill(self.grammars, matchers, owners, self.runner.device) if matchers else None
-        output = self.runner.forward(
-            scheduled, self.scheduler.block_manager.tables.array, plan.sample_rows, plan.want_hidden, plan.device_tokens
-        )
-        launched = plan.launched
-        launched.hidden = output.hidden
-        if plan.spans:
-            launched.prompt = PromptLogprobs(output.logits, plan.prompt_index, plan.spans)
-        if plan.inputs is not None:
-            if masks is not None:
-                plan.inputs.masks = constrained, masks.result()
-            logits = output.logits
-            if not plan.direct:  # prompt rows kept, or a completed prompt feeds its n choices from one row
-                logits = logits[indices(plan.logits_rows, logits.device)]
-            launched.sampled = self.sampler.launch(logits, plan.inputs)
+        """Run and sample a step, leaving it on the device; then advance its sequences as if it were done: their
+        computed tokens count, and each sampled one holds a ``PENDING`` token until the step is settled."""
+        launched = self.runner.execute(scheduled, self.scheduler.block_manager.tables.array, self._in_flight)
         self.scheduler.advance(scheduled, launched.token_rows)
         return launched
-
-    def _prepare(self, scheduled: list[ScheduledSeq]) -> _Plan:
-        """The step's sampled rows (their batch rows, seeds and positions: what the sampler reads), the input
-        tokens still on the device, and the record the step is settled from."""
-        bs = self.config.block_size
-        sample_rows: list[int] = []
-        logits_rows: list[int] = []
-        batch_rows: list[int] = []
-        positions: list[int] = []
-        fork_seeds: dict[int, int] = {}
-        device_rows: list[int] = []  # inputs the step in flight sampled: its output holds them
-        device_sources: list[int] = []
-        prompt_index: list[int] = []
-        spans: list[PromptSpan] = []
-        launched = Launched(scheduled, [], [], [])
-        want_hidden = False
-        row = 0
-        for item in scheduled:
-            seq = item.seq
-            if scored := prompt_rows(seq, seq.num_computed_tokens, item.num_tokens):  # before the sampled row
-                spans.append(PromptSpan(seq, seq.num_computed_tokens + 1, scored))
-                prompt_index += range(len(sample_rows), len(sample_rows) + scored)
-                sample_rows += range(row, row + scored)
-            row += item.num_tokens
-            launched.first_blocks.append(seq.num_computed_tokens // bs)
-            launched.token_indices.append(len(seq.token_ids))
-            if seq.pending and seq.num_computed_tokens + item.num_tokens == len(seq.token_ids):  # the chunk reaches it
-                assert self._in_flight is not None  # only a step in flight leaves one
-                device_rows.append(row - 1)
-                device_sources.append(self._in_flight.token_rows[seq])
-            request = seq.state.request
-            if request.task == "embed" or seq.num_uncomputed > item.num_tokens:
-                want_hidden |= request.task == "embed"
-                launched.choices.append(0)  # nothing to sample: an embedding, or a prefill chunk short of its end
-                if request.task == "embed":
-                    launched.overlappable = False
-                continue
-            n = 1 if seq.forked else request.params.n  # a completed prompt's n choices each sample its first token
-            launched.token_rows[seq] = len(batch_rows)  # a fork's parent holds choice 0
-            launched.choices.append(n)
-            sample_rows.append(row - 1)
-            for choice in range(n):
-                if choice:  # the row's seed is choice 0's
-                    fork_seeds[len(batch_rows)] = seq.state.choice_seed(choice)
-                logits_rows.append(len(sample_rows) - 1)
-                batch_rows.append(seq.row)
-                positions.append(len(seq))
-            if n > 1 or request.params.penalised or seq.matcher is not None:
-                launched.overlappable = False  # the next step needs what this one gives the host first
-        inputs = self.scheduler.rows.inputs(batch_rows, positions, fork_seeds) if batch_rows else None
-        device_tokens = None
-        if device_rows:
-            assert self._in_flight is not None and self._in_flight.sampled is not None
-            device_tokens = DeviceTokens(device_rows, device_sources, self._in_flight.sampled.tokens)
-        direct = not spans and len(logits_rows) == len(sample_rows)
-        return _Plan(
-            sample_rows, logits_rows, direct, prompt_index, spans, inputs, device_tokens, want_hidden, launched
-        )
 
     def _settle(self, finished: list[EngineResult]) -> None:
         """Read the step in flight back (waiting for the device) and commit it."""

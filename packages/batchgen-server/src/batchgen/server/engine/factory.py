@@ -1,12 +1,19 @@
-"""The engine a model calls for: ``LLMEngine`` for a causal LM, ``EncoderEngine`` for a BERT-style encoder."""
+"""The engine a model calls for: ``LLMEngine`` for a causal LM, checked against the model's own forward
+(``self_check.py``), or ``EncoderEngine`` for a BERT-style encoder."""
 
 from __future__ import annotations
+
+import logging
 
 from .adapters import Adapters
 from .config import EngineConfig
 from .encoder_engine import EncoderEngine
 from .engine import LLMEngine
+from .fast_paths import describe
 from .loader import is_encoder_only, load_model
+from .self_check import check_engine
+
+logger = logging.getLogger(__name__)
 
 
 def build_engine(config: EngineConfig) -> LLMEngine | EncoderEngine:
@@ -14,5 +21,11 @@ def build_engine(config: EngineConfig) -> LLMEngine | EncoderEngine:
     if config.enable_lora:
         Adapters.of(config)  # an adapter that cannot be served is refused before the model loads
     model, tokenizer = load_model(config)
-    engine_class = EncoderEngine if is_encoder_only(model.config) else LLMEngine
-    return engine_class(model, tokenizer, config, config.served_model_names[0])
+    name = config.served_model_names[0]
+    if is_encoder_only(model.config):
+        return EncoderEngine(model, tokenizer, config, name)
+    engine = LLMEngine(model, tokenizer, config, name)
+    if config.self_check:  # it runs the first steps, so it compiles what they need before the first request
+        check_engine(engine)
+    logger.info("%s: fast paths: %s", name, describe(engine.runner.paths))
+    return engine

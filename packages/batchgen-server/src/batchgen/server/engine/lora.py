@@ -30,17 +30,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from .adapters import WEIGHT_FILES, AdapterRefused, LoRARequest, adapter_config
 from .errors import ModelNotSupported
 from .fast_forward import decoder_layers
-from .transfer import to_device
+from .transfer import indices
 
 if TYPE_CHECKING:
     from .config import EngineConfig
-    from .model_runner import ModelRunner
 
 PEFT_PREFIX = "base_model.model."
 
@@ -134,22 +132,24 @@ def decoder_linears(model: torch.nn.Module, layers: list[torch.nn.Module]) -> di
     }
 
 
-def build_slots(runner: ModelRunner, config: EngineConfig) -> LoRASlots:
-    """The slots over the runner's model, for ``--max-loras`` adapters of rank up to ``--max-lora-rank``."""
-    linears = decoder_linears(runner.model, decoder_layers(runner.model, runner.attention_modules))
+def build_slots(
+    model: torch.nn.Module, attention_modules: list[torch.nn.Module], graph_rows: int, config: EngineConfig
+) -> LoRASlots:
+    """The slots over ``model`` (its attention modules found by the probe; ``graph_rows``: the rows of its largest
+    CUDA graph, if any), for ``--max-loras`` adapters of rank up to ``--max-lora-rank``."""
+    linears = decoder_linears(model, decoder_layers(model, attention_modules))
     if not linears:
-        raise ModelNotSupported(runner.architecture, "LoRA: no linear layers found in its decoder layers")
+        raise ModelNotSupported(type(model).__name__, "LoRA: no linear layers found in its decoder layers")
     if config.max_loras < 1 or config.max_lora_rank < 1:
         raise ValueError("--max-loras and --max-lora-rank must be at least 1")
-    graph_rows = runner.graphs.buckets[-1] if runner.graphs is not None else 0
     shape = (list(linears.values()), config.max_loras, config.max_lora_rank)
     max_tokens = max(config.max_num_batched_tokens, graph_rows)
-    earlier: LoRASlots | None = vars(runner.model).get("_batchgen_lora")
+    earlier: LoRASlots | None = vars(model).get("_batchgen_lora")
     if earlier is not None and earlier.shape == shape and earlier.off.shape[0] >= max_tokens:
         earlier.reset()  # an earlier engine's on this model, shared as its compiled layers are: none holds an adapter
         earlier.held = [None] * len(earlier.held)
         return earlier
-    return LoRASlots(runner.model, linears, *shape[1:], config.max_cpu_loras or config.max_loras, max_tokens)
+    return LoRASlots(model, linears, *shape[1:], config.max_cpu_loras or config.max_loras, max_tokens)
 
 
 def detach(model: torch.nn.Module) -> None:
@@ -305,10 +305,10 @@ class LoRASlots:
 
     # ---- a step --------------------------------------------------------------------------------------------------
 
-    def prepare(self, token_slots: np.ndarray) -> None:
-        """The step's tokens, each with its row's slot: the mask's first rows (a graph's padding rows beyond them
-        keep stale rows, and their outputs are dropped)."""
-        slots = to_device(torch.from_numpy(token_slots), self.device)
+    def prepare(self, token_slots: list[int]) -> None:
+        """The step's tokens, each with its sequence's slot: the mask's first rows (a graph's padding rows beyond
+        them keep stale rows, and their outputs are dropped)."""
+        slots = indices(token_slots, self.device)
         self.off[: len(token_slots)] = slots[:, None] != self._columns[None, :]
 
     @contextmanager

@@ -1,4 +1,6 @@
-"""Owns the model and its paged KV cache; turns a scheduled step into one packed forward."""
+"""The model runner (vLLM v1's GPU model runner): owns the model, its paged KV cache, the batch state (the running
+sequences' sampling rows) and the LoRA slots; turns the scheduler's step into its inputs, one packed forward (or a
+CUDA graph replay) and the sampler's draws, launched on the device."""
 
 from __future__ import annotations
 
@@ -22,16 +24,22 @@ from .attention import (
     active,
     make_backend,
 )
+from .batch_state import BatchState
 from .config import EngineConfig
 from .cuda_graphs import CudaGraph, DecodeGraphs
 from .errors import ModelLoadError, ModelNotSupported
 from .fast_forward import FastForward
 from .fast_paths import FastPath
-from .inputs import DeviceTokens, InputBuffers, PackedInputs
+from .grammar import GrammarCompiler, MaskFill
+from .inputs import InputBuffers, PackedInputs
 from .kv_cache import KVCache, LayerShape
+from .launched import Launched
 from .loader import input_embeddings
+from .lora import LoRASlots, build_slots, detach
+from .prompt_logprobs import PromptLogprobs
 from .quantization import kv_cache_dtype
-from .scheduler import ScheduledSeq
+from .sampler import Sampler
+from .scheduler_output import ScheduledSeq, SchedulerOutput
 from .transfer import indices
 
 EAGER_BELOW_PARAMETERS = 10_000_000
@@ -53,7 +61,7 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: PreTrainedModel, config: EngineConfig) -> None:
+    def __init__(self, model: PreTrainedModel, config: EngineConfig, grammars: GrammarCompiler) -> None:
         # No autograd, whatever thread steps the engine (grad mode is per thread). With trainable weights, the
         # in-place K/V writes made the cache tensors part of an autograd graph that grew by every step's saved
         # activations and was never freed: RSS grew by gigabytes per few thousand requests.
@@ -65,7 +73,6 @@ class ModelRunner:
         self.device: torch.device = input_embeddings(model).device
         self.block_size = config.block_size
         probe = self._probe_layers()
-        self.attention_modules = probe.modules
         shapes = self._cache_shapes(probe.shapes, config)
         self.block_bytes = KVCache.block_bytes(shapes, self.block_size)
         self.num_blocks = config.num_kv_blocks or self._blocks_that_fit(config)
@@ -94,6 +101,18 @@ class ModelRunner:
             *([self.graph_path] if self.graphs else []),
         ]
         """Its fast paths (``fast_paths.py``): none for a model that runs eagerly."""
+        self.vocab_size: int = model.config.get_text_config().vocab_size
+        self.max_num_seqs = config.max_num_seqs
+        self.batch = BatchState(self.vocab_size, self.device, capacity=self.max_num_seqs)
+        self.sampler = Sampler()
+        self.grammars = grammars
+        """Fills the constrained rows' token masks while the forward runs."""
+        self.lora: LoRASlots | None = None
+        if config.enable_lora:
+            graph_rows = self.graphs.buckets[-1] if self.graphs is not None else 0
+            self.lora = build_slots(model, probe.modules, graph_rows, config)
+        else:
+            detach(model)  # an earlier engine's slots, on a model shared with it
 
     @torch.no_grad()
     def _probe_layers(self) -> LayerProbe:
@@ -145,25 +164,51 @@ class ModelRunner:
     def copy_block(self, src: int, dst: int) -> None:
         self.cache.copy_block(src, dst)
 
+    def reset(self) -> None:
+        """No sequence runs (the engine reset): a fresh batch state."""
+        self.batch = BatchState(self.vocab_size, self.device, capacity=self.max_num_seqs)
+
+    def update_states(self, output: SchedulerOutput) -> None:
+        """The batch state follows the sequences the scheduler started and stopped since the last step."""
+        self.batch.update(output.started, output.stopped)
+
+    def execute(
+        self, scheduled: list[ScheduledSeq], block_tables: np.ndarray, previous: Launched | None = None
+    ) -> Launched:
+        """Prepare the step's inputs (its sequences' blocks in ``block_tables``: ``block_tables.py``; ``previous``:
+        the step in flight, whose tokens the host has not read), run its forward and sample it, leaving it on the
+        device. The only state it changes is the penalised rows' counts catching up with tokens already committed,
+        so a step computed again (the engine's fault isolation) reads what the first attempt read."""
+        step = self.inputs.prepare(scheduled, block_tables, self.batch, previous)
+        if self.lora is not None:  # each token runs with its sequence's adapter slot
+            self.lora.prepare(step.adapter_slots)
+        masks = None
+        if step.matchers:  # the constrained rows' masks are filled while the forward runs
+            masks = MaskFill(self.grammars, step.matchers, np.array(step.owners, dtype=np.int64), self.device)
+        output = self.forward(step.packed, step.sample_rows, step.want_hidden)
+        launched = step.launched
+        launched.hidden = output.hidden
+        if step.spans:
+            launched.prompt = PromptLogprobs(output.logits, step.prompt_index, step.spans)
+        if step.sampling is not None:
+            if masks is not None:
+                step.sampling.masks = np.array(step.constrained, dtype=np.int64), masks.result()
+            logits = output.logits
+            if not step.direct:  # prompt rows kept, or a completed prompt feeds its n choices from one row
+                logits = logits[indices(step.logits_rows, logits.device)]
+            launched.sampled = self.sampler.launch(logits, step.sampling)
+        return launched
+
     @torch.no_grad()
-    def forward(
-        self,
-        scheduled: list[ScheduledSeq],
-        block_tables: np.ndarray,
-        sample_rows: list[int],
-        want_hidden: bool,
-        device_tokens: DeviceTokens | None = None,
-    ) -> StepOutput:
-        """Run every scheduled chunk in one packed forward (their blocks in ``block_tables``: ``block_tables.py``);
-        logits at ``sample_rows`` only; the last hidden state of every token if ``want_hidden`` (embeddings); the
-        input tokens ``device_tokens`` names from the device.
+    def forward(self, packed: PackedInputs, sample_rows: list[int], want_hidden: bool) -> StepOutput:
+        """Run the packed step in one forward; logits at ``sample_rows`` only; the last hidden state of every token if
+        ``want_hidden`` (embeddings).
 
         A step of decodes alone, each sampled, replays a CUDA graph where there are graphs and a bucket holds it
         (n > 1 forks may outgrow the largest); any other step runs the model, its layers compiled where they are. The
         graphs and the compiled forward are fast paths (``fast_paths.py``): the eager forward serves where one
         fails, and that path is off for good; if the eager forward fails too, the fault is the inputs', and the
         engine's own fault isolation deals with it."""
-        packed = self.inputs.pack(scheduled, block_tables, device_tokens)
         graphs = self.graphs
         eager = lambda: self._eager_forward(packed, sample_rows, want_hidden)  # noqa: E731
         # A graph returns every row's logits: only for steps where every row is sampled (not a 1-token prefill chunk).

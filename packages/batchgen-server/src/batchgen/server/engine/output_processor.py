@@ -5,13 +5,12 @@ requests. Also the totals the engine's stats count."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from .launched import Launched
 from .pooling import normalized_mean
-from .prompt_logprobs import PromptLogprobs
 from .request import (
     MAX_REASON_CHARS,
     CompletionOutput,
@@ -21,31 +20,9 @@ from .request import (
     TokenLogprob,
     failed_result,
 )
-from .sampler import Sampled
-from .scheduler import ScheduledSeq, Scheduler
+from .scheduler import Scheduler
+from .scheduler_output import ScheduledSeq
 from .sequence import RequestState, Sequence, Status
-
-
-@dataclass(slots=True)
-class Launched:
-    """A step whose forward and sampling are launched, not yet settled (read back and committed)."""
-
-    scheduled: list[ScheduledSeq]
-    choices: list[int]
-    """Tokens sampled for each scheduled sequence: 0 (a prefill chunk short of the prompt's end, an embedding), 1,
-    or ``n`` when the prompt just completed (its choices fork from it)."""
-    first_blocks: list[int]
-    """Each sequence's first block not full before the step: where publishing full blocks resumes."""
-    token_indices: list[int]
-    """Each sequence's index of the token the step samples (``PENDING`` there until settled)."""
-    hidden: torch.Tensor | None = None
-    sampled: Sampled | None = None
-    prompt: PromptLogprobs | None = None
-    """The prompt logprobs the step scored, where a chunk of a request that asks for them ran."""
-    overlappable: bool = True
-    """Whether the next step may be scheduled and launched before this one is settled (with async scheduling)."""
-    token_rows: dict[Sequence, int] = field(default_factory=dict)
-    """Row of ``sampled.tokens`` each sampled sequence takes its next input from."""
 
 
 class OutputProcessor:
@@ -70,9 +47,6 @@ class OutputProcessor:
             for span, values in zip(launched.prompt.spans, prompt, strict=True):
                 if span.seq.state.prompt_logprobs is not None:  # a recompute (preemption) writes the same values
                     span.seq.state.prompt_logprobs[span.first : span.first + span.count] = values
-        counting = self.scheduler.rows.using["penalties"] > 0
-        counted_rows: list[int] = []
-        counted_tokens: list[int] = []
         row = start = 0
         for item, n, first_block, index in zip(
             launched.scheduled, launched.choices, launched.first_blocks, launched.token_indices, strict=True
@@ -88,17 +62,9 @@ class OutputProcessor:
             if item.seq.status is Status.FINISHED:
                 continue  # aborted, failed or ended while the step ran: what it computed is not wanted
             try:
-                targets = self._commit_one(item, first_block, index, hidden, choices, finished)
+                self._commit_one(item, first_block, index, hidden, choices, finished)
             except Exception as exc:  # e.g. a tokenizer that cannot decode the token: this request alone fails
                 self.fail(item.seq.state, exc, finished)
-                continue
-            if counting:  # each token of a sequence still running counts for its penalties
-                for target, (token_id, _) in zip(targets, choices, strict=True):
-                    if target.row >= 0:
-                        counted_rows.append(target.row)
-                        counted_tokens.append(token_id)
-        if counted_rows:
-            self.scheduler.rows.count(counted_rows, counted_tokens)
 
     def fail(self, state: RequestState, exc: Exception, finished: list[EngineResult]) -> None:
         """Fail one request whose step raised; the engine carries on with the others."""
@@ -116,9 +82,9 @@ class OutputProcessor:
         hidden: torch.Tensor | None,
         choices: list[tuple[int, TokenLogprob | None]],
         finished: list[EngineResult],
-    ) -> list[Sequence]:
+    ) -> None:
         """Commit one sequence's part of a step: its full blocks are published to the prefix cache, and the token at
-        ``index`` (``PENDING`` until now) takes each choice's sampled token; the sequences that took them."""
+        ``index`` (``PENDING`` until now) takes each choice's sampled token."""
         seq, state = item.seq, item.seq.state
         if choices:  # first, so that the blocks published next hold it, not the placeholder
             seq.put(index, choices[0][0])
@@ -130,9 +96,9 @@ class OutputProcessor:
             if not seq.num_uncomputed:
                 self.scheduler.finish(seq)
                 finished.append(self._embedding_result(state))
-            return []
+            return
         if not choices:
-            return []  # a prefill chunk that does not reach the end of the prompt yet
+            return  # a prefill chunk that does not reach the end of the prompt yet
         if state.first_token is None:
             state.first_token = time.time()
             self.totals["prompt"] += len(state.request.prompt_token_ids)
@@ -155,7 +121,6 @@ class OutputProcessor:
             finished.append(self._completion_result(state))
         elif state.request.stream:
             finished.append(self._partial_result(state, targets))
-        return targets
 
     def _set_token(self, seq: Sequence, index: int, token_id: int, logprob: TokenLogprob | None) -> bool:
         """Put a sampled token at ``index`` (its grammar advanced by it); end the sequence if it ends there (a
@@ -187,9 +152,7 @@ class OutputProcessor:
         if not seq.grammar_active:
             after = seq.state.request.params.grammar_after
             if seq.token_ids[index + 1 - len(after) : index + 1] == list(after):
-                seq.grammar_active = True
-                if seq.row >= 0:
-                    self.scheduler.rows.constrain(seq.row, seq.matcher)
+                seq.grammar_active = True  # the next step's inputs constrain its next token
             return False
         if not seq.matcher.consume_token(seq.token_ids[index]):  # a parser limit, past the compiled grammar's checks
             raise GrammarError(seq.matcher.get_error().split("\n", 1)[0][:MAX_REASON_CHARS])
@@ -206,7 +169,6 @@ class OutputProcessor:
             len(state.request.prompt_token_ids),
             cached_tokens=state.cached_tokens,
             outputs=outputs,
-            group=state.request.group,
             times=_times(state),
             prompt_logprobs=state.prompt_logprobs,
         )
@@ -247,7 +209,6 @@ class OutputProcessor:
             len(request.prompt_token_ids),
             cached_tokens=state.cached_tokens,
             outputs=outputs,
-            group=request.group,
             finished=False,
         )
 
@@ -260,7 +221,6 @@ class OutputProcessor:
             state.request.request_id,
             len(state.request.prompt_token_ids),
             embedding=embedding,
-            group=state.request.group,
             times=_times(state),
         )
 

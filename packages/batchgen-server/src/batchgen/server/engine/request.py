@@ -94,8 +94,6 @@ class EngineRequest:
     prompt_token_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     task: Task = "generate"
-    group: str = ""
-    """Scheduling group (the batch id): groups are served first come, first served; all of a group can be aborted."""
     interactive: bool = False
     """An online request, someone waiting on it: admitted ahead of batch work, preempting a batch sequence when the
     running set is full."""
@@ -153,7 +151,6 @@ class EngineResult:
     outputs: list[CompletionOutput] = field(default_factory=list)
     embedding: list[float] | None = None
     error: EngineError | None = None
-    group: str = ""
     times: RequestTimes | None = None
     """Set on the results of requests that ran (not on those refused at admission)."""
     prompt_logprobs: list[TokenLogprob | None] | None = None
@@ -172,11 +169,11 @@ def failed_result(request: EngineRequest, exc: BaseException) -> EngineResult:
     unless its grammar could not be followed (the request's fault, not the server's)."""
     if isinstance(exc, GrammarError):
         error = EngineError("invalid_grammar", f"The output's grammar could not be followed: {exc}")
-        return EngineResult(request.request_id, len(request.prompt_token_ids), error=error, group=request.group)
+        return EngineResult(request.request_id, len(request.prompt_token_ids), error=error)
     logger.error("request %s failed inside the engine", request.request_id, exc_info=exc)
     message = f"The engine failed while running this request ({type(exc).__name__}: {exc})."
     error = EngineError("server_error", message)
-    return EngineResult(request.request_id, len(request.prompt_token_ids), error=error, group=request.group)
+    return EngineResult(request.request_id, len(request.prompt_token_ids), error=error)
 
 
 def vocabulary_problem(name: str, token_ids: Collection[int], vocab_size: int) -> str | None:

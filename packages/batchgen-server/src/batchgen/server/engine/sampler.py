@@ -1,7 +1,8 @@
 """Pick the next token of every sampled row at once, on the model's device, with one transfer to the host.
 
 Every row's work is one batched tensor computation: the logit bias, ``min_tokens``, the penalties, greedy, temperature,
-``min_p``, top-k and top-p apply to all rows together, whatever their mix of parameters.
+``min_p``, top-k and top-p apply to all rows together, whatever their mix of parameters. Only the rows that filter
+(``min_p``, top-k, top-p) sort the vocabulary; the others draw from their distribution as it stands.
 
 Sampling is stateless: each row draws one uniform number from a hash of (its seed, the token's position), computed
 on the device (splitmix64 in 64-bit integer arithmetic), and takes the token where it falls in the cumulative
@@ -13,59 +14,15 @@ would have.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from .batch_state import SamplingInputs
 from .grammar import token_bias
 from .request import TokenLogprob
+from .seeds import uniforms
 from .transfer import HostCopy, to_device
-
-if TYPE_CHECKING:
-    from .batch_state import SamplingInputs
-
-_MASK64 = 2**64 - 1
-_GOLDEN, _MUL1, _MUL2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
-
-
-def mix64(*values: int) -> int:
-    """splitmix64 over the values in turn: a well-spread 64-bit hash."""
-    state = 0
-    for value in values:
-        state = (state + (value & _MASK64) + _GOLDEN) & _MASK64
-        z = state
-        z = ((z ^ (z >> 30)) * _MUL1) & _MASK64
-        z = ((z ^ (z >> 27)) * _MUL2) & _MASK64
-        state = z ^ (z >> 31)
-    return state
-
-
-def uniform(seed: int, position: int) -> float:
-    """A number in [0, 1) that depends only on ``seed`` and ``position``."""
-    return (mix64(seed, position) >> 11) / 2**53
-
-
-def int64_bits(value: int) -> int:
-    """The int64 with the same 64 bits."""
-    return value - 2**64 if value >= 2**63 else value
-
-
-def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
-    """Logical shift of int64 bit patterns (torch's ``>>`` is arithmetic on signed integers)."""
-    return (z >> bits) & ((1 << (64 - bits)) - 1)
-
-
-def uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """``uniform`` for every row at once: int64 tensors in (bit patterns of the 64-bit seeds), float64 out.
-    Integer multiplication and addition wrap modulo 2**64 on every torch device, which is what splitmix64 needs."""
-    state = torch.zeros_like(seeds)
-    for value in (seeds, positions):
-        z = state + value + int64_bits(_GOLDEN)
-        z = (z ^ _shift_right(z, 30)) * int64_bits(_MUL1)
-        z = (z ^ _shift_right(z, 27)) * int64_bits(_MUL2)
-        state = z ^ _shift_right(z, 31)
-    return _shift_right(state, 11).double() / 2**53
 
 
 @dataclass(slots=True)
@@ -201,20 +158,58 @@ def _penalties(logits: torch.Tensor, rows: SamplingInputs, at: np.ndarray) -> to
 
 
 def _sample(logits: torch.Tensor, rows: SamplingInputs, at: np.ndarray) -> torch.Tensor:
-    """Temperature, then ``min_p`` (drop tokens less likely than ``min_p`` times the likeliest), top-k and top-p
-    on one sorted copy, then the inverse-CDF draw, for the logits rows ``at``."""
+    """Temperature, then the inverse-CDF draw, for the logits rows ``at``: over the distribution as it stands for rows
+    that filter nothing, over one sorted copy filtered by ``min_p``, top-k and top-p for the others (``sorts``). A
+    row's path depends on its own parameters alone, so its draw does not depend on what shares the batch."""
     device, vocab = logits.device, logits.shape[1]
-    temperature, top_p, min_p, *_ = _columns(rows.floats(at), logits)
+    floats = rows.floats(at)
+    temperature, top_p, min_p, *_ = _columns(floats, logits)
     logits = logits / temperature
+    draws = uniforms(_index(rows.seeds[at], device), _index(rows.positions[at], device))
+    top_k = np.minimum(rows.top_k(at), vocab)
+    sorted_rows = sorts(floats, top_k, vocab)
+    if not sorted_rows.any():
+        return _inverse_cdf(logits.softmax(dim=-1), draws)
+    if sorted_rows.all():
+        return _filtered_draw(logits, draws, top_p, min_p, top_k)
+    tokens = torch.empty(len(at), dtype=torch.long, device=device)
+    plain, filtered = _index(np.flatnonzero(~sorted_rows), device), _index(np.flatnonzero(sorted_rows), device)
+    tokens[plain] = _inverse_cdf(logits[plain].softmax(dim=-1), draws[plain])
+    tokens[filtered] = _filtered_draw(
+        logits[filtered], draws[filtered], top_p[filtered], min_p[filtered], top_k[sorted_rows]
+    )
+    return tokens
+
+
+def sorts(floats: np.ndarray, top_k: np.ndarray, vocab: int) -> np.ndarray:
+    """Which rows sort the vocabulary: those that filter it (``min_p`` above 0, top-k below the vocabulary, top-p
+    below 1), given their ``[columns, rows]`` float parameters (``SamplingInputs.floats``) and top-k. Sorting a
+    32,000-token row costs more than the rest of its draw."""
+    _, top_p, min_p, *_ = floats
+    filters: np.ndarray = (min_p > 0) | (top_k < vocab) | (top_p < 1)
+    return filters
+
+
+def _filtered_draw(
+    logits: torch.Tensor, draws: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, top_k: np.ndarray
+) -> torch.Tensor:
+    """``min_p`` (drop tokens less likely than ``min_p`` times the likeliest), top-k and top-p on one sorted copy,
+    then the draw."""
+    device, vocab = logits.device, logits.shape[1]
     sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
     # p < min_p * p_max  <=>  logit < max logit + log(min_p); log(0) = -inf keeps everything.
     dropped = sorted_logits < sorted_logits[:, :1] + torch.log(min_p)
     ranks = torch.arange(vocab, device=device).unsqueeze(0)
-    top_k = _index(np.minimum(rows.top_k(at), vocab), device).unsqueeze(1)
-    probs = sorted_logits.masked_fill(dropped | (ranks >= top_k), float("-inf")).softmax(dim=-1)
+    dropped |= ranks >= _index(top_k, device).unsqueeze(1)
+    probs = sorted_logits.masked_fill(dropped, float("-inf")).softmax(dim=-1)
     # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
     probs = probs.masked_fill((probs.cumsum(dim=-1) - probs) >= top_p, 0.0)
+    return sorted_ids.gather(1, _inverse_cdf(probs, draws).unsqueeze(1)).squeeze(1)
+
+
+def _inverse_cdf(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
+    """The index where each row's draw in [0, 1) falls in its cumulative distribution (``probs`` need not sum to 1;
+    a token of probability 0 is never taken)."""
     cdf = probs.double().cumsum(dim=-1)
-    draws = uniforms(_index(rows.seeds[at], device), _index(rows.positions[at], device))
-    index = torch.searchsorted(cdf, (draws * cdf[:, -1]).unsqueeze(1), right=True).clamp(max=vocab - 1)
-    return sorted_ids.gather(1, index).squeeze(1)
+    index = torch.searchsorted(cdf, (draws * cdf[:, -1]).unsqueeze(1), right=True).clamp(max=probs.shape[1] - 1)
+    return index.squeeze(1)

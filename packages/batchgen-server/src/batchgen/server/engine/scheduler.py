@@ -10,68 +10,73 @@ Interactive sequences (online requests) come first everywhere: they wait ahead o
 and when one cannot be admitted (the running set is full, or no block is free) the batch sequence admitted last is
 preempted to make room. A batch never makes an online request wait behind it.
 
-The scheduler owns every change of a sequence's place: admission (a row of the ``BatchState`` taken), the tokens
-computed as steps run, preemption and finishing (the row and the blocks given back), and the forks of ``n`` choices.
+The scheduler decides; it owns every change of a sequence's place: admission, the tokens computed as steps run,
+preemption and finishing, the forks of ``n`` choices, and what a running sequence holds: its KV blocks and its LoRA
+adapter's slot. Each step it reports what runs and which sequences started or stopped running
+(``SchedulerOutput``); the model runner turns that into the step's inputs.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Container
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from .batch_state import BatchState
 from .block_manager import BlockManager
+from .scheduler_output import ScheduledSeq, SchedulerOutput
 from .sequence import PENDING, Sequence, Status
 
 if TYPE_CHECKING:
-    from .lora import LoRASlots
+    from .adapters import LoRARequest
 
 
-@dataclass(slots=True)
-class ScheduledSeq:
-    seq: Sequence
-    num_tokens: int
-    """New tokens computed this step, from ``seq.num_computed_tokens``."""
+class AdapterSlots(Protocol):
+    """The LoRA adapters' slots on the device (``lora.LoRASlots``), a resource the scheduler hands out as it does KV
+    blocks: a running sequence holds its adapter's slot, and one whose adapter finds none waits."""
+
+    def can_take(self, request: LoRARequest) -> bool: ...
+    def acquire(self, request: LoRARequest | None) -> int: ...
+    def release(self, slot: int) -> None: ...
+    def reset(self) -> None: ...
 
 
 class Scheduler:
     def __init__(
         self,
         block_manager: BlockManager,
-        rows: BatchState,
         max_num_seqs: int,
         max_num_batched_tokens: int,
         copy_block: Callable[[int, int], None],
-        adapters: LoRASlots | None = None,
+        adapters: AdapterSlots | None = None,
     ) -> None:
         self.block_manager = block_manager
-        self.rows = rows
-        """The running sequences' sampling state: a row each."""
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self._copy_block = copy_block
         """Copies a cache block's contents (a fork's partly filled last block)."""
         self.adapters = adapters
-        """The LoRA slots: a sequence runs once its adapter holds one (``lora.py``)."""
+        """The LoRA slots: a sequence runs once its adapter holds one."""
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         """A total since start, across resets."""
+        self._started: list[Sequence] = []
+        self._stopped: list[Sequence] = []
+        """The sequences that started and stopped running since the last report (``schedule``, ``changes``)."""
 
-    def reset(self, block_manager: BlockManager, rows: BatchState) -> None:
-        """Forget every sequence, on a fresh cache and batch state (how the engine recovers from a failed step)."""
-        self.block_manager, self.rows = block_manager, rows
+    def reset(self, block_manager: BlockManager) -> None:
+        """Forget every sequence, on a fresh cache (how the engine recovers from a failed step)."""
+        self.block_manager = block_manager
         if self.adapters is not None:
             self.adapters.reset()
         self.waiting.clear()
         self.running = []
+        self._started, self._stopped = [], []
 
     def add(self, seq: Sequence) -> None:
         self._enqueue(seq, front=False)
 
-    def schedule(self) -> list[ScheduledSeq]:
+    def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         kept: list[Sequence] = []
@@ -124,7 +129,16 @@ class Scheduler:
             self._run(seq)
             scheduled.append(ScheduledSeq(seq, num_tokens))
             budget -= num_tokens
-        return scheduled
+        return self._output(scheduled)
+
+    def changes(self) -> SchedulerOutput:
+        """The sequences that started and stopped running since the last report, with nothing scheduled: the engine
+        hands them to the runner at once after a step or an abort, so that nothing of a finished request stays."""
+        return self._output([])
+
+    def _output(self, scheduled: list[ScheduledSeq]) -> SchedulerOutput:
+        started, stopped, self._started, self._stopped = self._started, self._stopped, [], []
+        return SchedulerOutput(scheduled, started, stopped)
 
     def advance(self, scheduled: list[ScheduledSeq], sampled: Container[Sequence]) -> None:
         """The step ``scheduled`` is launched: its tokens count as computed (their K/V are being written), and each
@@ -148,22 +162,19 @@ class Scheduler:
 
     def _run(self, seq: Sequence) -> None:
         seq.status = Status.RUNNING
-        request = seq.state.request
-        slot = self.adapters.acquire(request.lora) if self.adapters is not None else 0
-        seq.row = self.rows.add_row(
-            request.params, seq.seed, request.prompt_token_ids, seq.generated_ids,
-            seq.state.stop_token_ids, seq.matcher if seq.grammar_active else None, slot,
-        )  # fmt: skip
+        if self.adapters is not None:
+            seq.adapter_slot = self.adapters.acquire(seq.state.request.lora)
         self.running.append(seq)
+        self._started.append(seq)
 
     def _leave(self, seq: Sequence) -> None:
-        """Give back what ``seq`` holds while it runs: its blocks and its row."""
+        """Give back what ``seq`` holds: its blocks, and while it runs its adapter's slot."""
         self.block_manager.free_seq(seq)
-        if seq.row >= 0:
+        if seq.status is Status.RUNNING:
             if self.adapters is not None:
-                self.adapters.release(int(self.rows.adapter[seq.row]))
-            self.rows.remove(seq.row)
-            seq.row = -1
+                self.adapters.release(seq.adapter_slot)
+            seq.adapter_slot = 0
+            self._stopped.append(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self._leave(seq)

@@ -39,6 +39,14 @@ def tolerance(dtype: torch.dtype, quantized: bool = False) -> float:
     return {torch.float64: 1e-6, torch.float32: 1e-3}.get(dtype, 0.3)
 
 
+def check_engine(engine: LLMEngine) -> None:
+    """The check of an engine just built (``factory.build_engine``): of the base model, then, where ``--lora-modules``
+    serves adapters, of the first (the slots and the prefix cache's salt, against the adapter applied directly)."""
+    self_check(engine)
+    if engine.served_adapters:
+        self_check(engine, engine.served_adapters[0])
+
+
 def self_check(engine: LLMEngine, lora: LoRARequest | None = None) -> None:
     """The check; with ``lora``, of that adapter's requests against the model's forward with the adapter applied
     directly (``LoRASlots.referencing``), prefix-cache hit included."""

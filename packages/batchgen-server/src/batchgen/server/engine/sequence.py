@@ -11,7 +11,7 @@ import torch
 
 from .detokenizer import IncrementalDetokenizer
 from .request import EngineRequest, FinishReason, TokenLogprob
-from .sampler import mix64
+from .seeds import mix64
 
 PENDING = -1
 """The token id a sequence holds, at its end, for a token sampled on the device that the host has not read yet (a
@@ -93,7 +93,11 @@ class Sequence:
     table_row: int = -1
     """Its row in ``BlockTables.array`` (``-1`` while it holds no blocks)."""
     row: int = -1
-    """Its row in the ``BatchState`` (its sampling state) while it runs; ``-1`` otherwise."""
+    """Its row in the model runner's ``BatchState`` (its sampling state) while it runs (``BatchState.update``); ``-1``
+    otherwise."""
+    adapter_slot: int = 0
+    """The LoRA slot its adapter holds while it runs (0: the base model), taken and given back by the scheduler as
+    its blocks are."""
     block_hashes: list[int] = field(default_factory=list)
     """Content hashes of the full blocks, in order (filled lazily, kept across preemption)."""
     finish_reason: FinishReason | None = None

@@ -74,4 +74,4 @@ def cut_stream(request: EngineRequest, failure: object) -> EngineResult:
         "continue what it streamed, which cannot be taken back, so it is not run again."
     )
     error = EngineError("server_error", message)
-    return EngineResult(request.request_id, len(request.prompt_token_ids), error=error, group=request.group)
+    return EngineResult(request.request_id, len(request.prompt_token_ids), error=error)

@@ -251,7 +251,7 @@ class EngineWorker:
             f"not run again (last failure: {self.error!r})."
         )
         error = EngineError("server_error", message)
-        return EngineResult(request.request_id, len(request.prompt_token_ids), error=error, group=request.group)
+        return EngineResult(request.request_id, len(request.prompt_token_ids), error=error)
 
 
 def _call(callback: Callable[[], None], what: str) -> None:

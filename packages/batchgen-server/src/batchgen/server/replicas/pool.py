@@ -400,7 +400,7 @@ class ReplicaPool:
             f"not run again (last failure: {replica.error})."
         )
         error = EngineError("server_error", message)
-        return EngineResult(request.request_id, len(request.prompt_token_ids), error=error, group=request.group)
+        return EngineResult(request.request_id, len(request.prompt_token_ids), error=error)
 
     def _where(self, request_id: str) -> _Replica | None:
         assignment = self._assigned.get(request_id)

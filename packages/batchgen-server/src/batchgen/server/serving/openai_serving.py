@@ -80,10 +80,10 @@ class OpenAIServing:
         )
 
     def prepare(
-        self, body: RequestBody, *, request_id: str, defaults: BatchDefaults, group: str, online: bool = False
+        self, body: RequestBody, *, request_id: str, defaults: BatchDefaults, online: bool = False
     ) -> PreparedRequest:
         """``body`` as engine requests, with what its answer is made from (``RequestPreparer.prepare``)."""
-        return self.preparer.prepare(body, request_id=request_id, defaults=defaults, group=group, online=online)
+        return self.preparer.prepare(body, request_id=request_id, defaults=defaults, online=online)
 
     def response_body(self, prepared: PreparedRequest, results: list[EngineResult]) -> ResponseBody:
         """The 200 body of a prepared request whose results (in the order of its engine requests) all succeeded."""

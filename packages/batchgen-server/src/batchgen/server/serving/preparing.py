@@ -89,7 +89,7 @@ class RequestPreparer:
         return self.served_names.model_names[0]
 
     def prepare(
-        self, body: RequestBody, *, request_id: str, defaults: BatchDefaults, group: str, online: bool = False
+        self, body: RequestBody, *, request_id: str, defaults: BatchDefaults, online: bool = False
     ) -> PreparedRequest:
         """``body`` ready to run: one engine request per prompt (chat: one; completions/embeddings: one per
         prompt/input), in prompt order; ``online`` ones are interactive (scheduled ahead of batch work) and may
@@ -111,9 +111,9 @@ class RequestPreparer:
                 name,
             )
         if not isinstance(body, ResponseRequest):
-            return self._prepare(body, body, request_id, defaults, group, online, lora)
+            return self._prepare(body, body, request_id, defaults, online, lora)
         try:  # it runs as its chat request, translated here once; its errors name the response's own fields
-            return self._prepare(body, chat_request(body), request_id, defaults, group, online, lora)
+            return self._prepare(body, chat_request(body), request_id, defaults, online, lora)
         except RequestRejected as exc:
             exc.param = None if exc.param is None else response_field(exc.param)
             raise
@@ -124,7 +124,6 @@ class RequestPreparer:
         runs_as: RunnableBody,
         request_id: str,
         defaults: BatchDefaults,
-        group: str,
         online: bool,
         lora: LoRARequest | None,
     ) -> PreparedRequest:
@@ -132,9 +131,7 @@ class RequestPreparer:
             prompts = self.prompts.prompts(runs_as.input, "input", first_set(runs_as.add_special_tokens, True))
             self._check_token_ids("input", prompts)
             requests = [
-                EngineRequest(
-                    engine_request_id(request_id, i), ids, task="embed", group=group, interactive=online, lora=lora
-                )
+                EngineRequest(engine_request_id(request_id, i), ids, task="embed", interactive=online, lora=lora)
                 for i, ids in enumerate(prompts)
             ]
             return PreparedRequest(body, runs_as, request_id, requests)
@@ -167,7 +164,6 @@ class RequestPreparer:
                 engine_request_id(request_id, i),
                 ids,
                 params=params,
-                group=group,
                 interactive=online,
                 stream=online and bool(runs_as.stream),
                 lora=lora,

@@ -20,7 +20,7 @@ from .flex import FlexBackend
 from .gather import GatherBackend
 from .layer import AttentionRefused, LayerAttention
 from .probe import LayerProbe
-from .step import AttentionBackend, PagedStep, SeqSlice, active, current
+from .step import AttentionBackend, DecodeBlocks, PagedStep, SeqSlice, active, current
 from .varlen import VarlenAttention, flash_varlen
 
 ATTENTION_NAME = "batchgen_paged"
@@ -101,6 +101,7 @@ __all__ = [
     "PROBE_NAME",
     "AttentionBackend",
     "AttentionRefused",
+    "DecodeBlocks",
     "LayerProbe",
     "PagedStep",
     "SeqSlice",

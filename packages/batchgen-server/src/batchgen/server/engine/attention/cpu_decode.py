@@ -13,7 +13,7 @@ from .. import native
 from ..fast_paths import plain_tensor
 
 if TYPE_CHECKING:
-    from .decode import DecodeBlocks
+    from .step import DecodeBlocks
 
 SOURCE = Path(__file__).with_suffix(".cpp")
 CACHE_TYPES = {torch.float32: 0, torch.bfloat16: 1}

@@ -15,10 +15,10 @@ import torch
 
 from ..fast_paths import FastPath
 from ..transfer import indices, to_device
-from .decode import DecodeBlocks, DecodeKernel, first_visible
+from .decode import DecodeKernel, first_visible
 from .kernels import attend, causal_mask
 from .layer import LayerAttention
-from .step import PagedStep, SeqSlice
+from .step import DecodeBlocks, PagedStep, SeqSlice
 from .varlen import PackedChunks, VarlenAttention
 
 

@@ -1,4 +1,5 @@
-"""The step the attention function serves: which forward is running, and what each of its sequences attends to.
+"""The step the attention function serves: which forward is running, what each of its sequences attends to, and the
+decodes' rows of the block tables (``DecodeBlocks``), which every decode kernel reads.
 
 The model runner makes the step current for the duration of one forward (a thread-local, so that models whose
 layers do not pass extra keyword arguments through to attention work too, and so that a compiled layer sees none
@@ -18,6 +19,7 @@ import torch
 
 from ..fast_paths import FastPath
 from ..kv_cache import KVCache
+from ..transfer import to_device
 from .layer import LayerAttention
 
 
@@ -38,6 +40,60 @@ class SeqSlice:
     def end(self) -> int:
         """Context length once this step's tokens are in the cache."""
         return self.start + self.num_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeBlocks:
+    """What a step's decodes see, for one window size. Decode ``i`` sees positions ``first[i]`` to ``last[i]`` (its
+    own); column ``j`` of its row in ``tables`` is the block holding positions from ``(first[i] // block_size + j) *
+    block_size`` on. A row's columns past the decode's last block are stale: valid block ids, never attended (the
+    kernels stop at each decode's last block; the plain versions read them and mask them out)."""
+
+    tables: torch.Tensor
+    """``[B, W]`` int64 (``W`` the most blocks any decode sees)."""
+    first: torch.Tensor
+    """``[B]`` int64: the first visible position (causal: 0; a sliding window's start)."""
+    last: torch.Tensor
+    """``[B]`` int64: the query's own position, the last visible."""
+    block_size: int
+
+    def to(self, device: torch.device) -> DecodeBlocks:
+        if self.tables.device == device:
+            return self
+        tables, first, last = (to_device(tensor, device) for tensor in (self.tables, self.first, self.last))
+        return DecodeBlocks(tables, first, last, self.block_size)
+
+    @classmethod
+    def build(cls, decodes: list[SeqSlice], window: int | None, block_size: int, tables: np.ndarray) -> DecodeBlocks:
+        """The decodes' rows, cut from ``tables`` (``block_tables.py``) with one index on the host: this runs every
+        step, and a Python pass over the blocks, or torch's small ops, cost milliseconds at batch 256."""
+        bs, count = block_size, len(decodes)
+        last = np.fromiter((s.start for s in decodes), np.int64, count)
+        rows = np.fromiter((s.table_row for s in decodes), np.int64, count)
+        if window is None:
+            first = np.zeros_like(last)
+            view = tables[rows, : int(last.max()) // bs + 1]
+        else:
+            first = np.maximum(last - window + 1, 0)
+            first_block = first // bs
+            columns = first_block[:, None] + np.arange(int((last // bs - first_block).max()) + 1)
+            view = tables[rows[:, None], np.minimum(columns, tables.shape[1] - 1)]  # past a row's end: stale
+        return cls(torch.from_numpy(view), torch.from_numpy(first), torch.from_numpy(last), bs)
+
+    def rows(self, start: int, stop: int) -> DecodeBlocks:
+        """Decodes ``start`` to ``stop``."""
+        return DecodeBlocks(self.tables[start:stop], self.first[start:stop], self.last[start:stop], self.block_size)
+
+    def positions(self) -> torch.Tensor:
+        """``[B, W * block_size]`` the position each slot of ``tables`` holds."""
+        bs, width = self.block_size, self.tables.shape[1]
+        start = self.first.div(bs, rounding_mode="floor") * bs
+        return start[:, None] + torch.arange(width * bs, device=self.tables.device)
+
+    def visible(self) -> torch.Tensor:
+        """``[B, W * block_size]`` which slots of ``tables`` each decode sees."""
+        positions = self.positions()
+        return (positions >= self.first[:, None]) & (positions <= self.last[:, None])
 
 
 class AttentionBackend(Protocol):

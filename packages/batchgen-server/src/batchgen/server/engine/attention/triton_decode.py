@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 if TYPE_CHECKING:
-    from .decode import DecodeBlocks
+    from .step import DecodeBlocks
 
 GROUP_BLOCK = 16
 """Query heads per program at most (an MQA layer's many heads per KV head take several programs)."""
