@@ -30,24 +30,20 @@ TORCH_CPU = "torch==2.13.0"  # what the test suite runs on
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"  # PyTorch's CPU-only wheels: ~200 MB, not ~3 GB of CUDA
 
 
-PIP_INSTALL = [PYTHON, "-m", "pip", "install", "--no-compile"]
-"""No bytecode compiled for every file installed (a third of the install's time): Python compiles what it imports."""
-
-
 def install_torch(session: nox.Session) -> None:
     """CUDA torch where an NVIDIA GPU is present; elsewhere a CPU build, from PyTorch's CPU index when it answers."""
     if subprocess.run([PYTHON, "-m", "pip", "show", "--quiet", "torch"], capture_output=True).returncode == 0:
         return  # installed by an earlier session: delete .nox/tests to reinstall
     if shutil.which("nvidia-smi"):
-        session.run_install(*PIP_INSTALL, "torch>=2.4", silent=True)
+        session.run_install(PYTHON, "-m", "pip", "install", "torch>=2.4", silent=True)
     elif reachable(TORCH_CPU_INDEX):
-        session.run_install(*PIP_INSTALL, "--index-url", TORCH_CPU_INDEX, TORCH_CPU, silent=True)
+        session.run_install(PYTHON, "-m", "pip", "install", "--index-url", TORCH_CPU_INDEX, TORCH_CPU, silent=True)
     else:
         session.warn(
             f"{TORCH_CPU_INDEX} cannot be reached: installing {TORCH_CPU} from the configured package index "
             "(on Linux, PyPI's build is the CUDA one, about 3 GB)"
         )
-        session.run_install(*PIP_INSTALL, TORCH_CPU, silent=True)
+        session.run_install(PYTHON, "-m", "pip", "install", TORCH_CPU, silent=True)
 
 
 def reachable(url: str) -> bool:
@@ -64,7 +60,7 @@ def install_project(session: nox.Session, *groups: str) -> None:
     install_torch(session)
     editable = [arg for path in PACKAGES for arg in ("-e", path)]
     extras = [dep for group in groups for dep in nox.project.dependency_groups(PYPROJECT, group)]
-    session.run_install(*PIP_INSTALL, *editable, *extras, silent=True)
+    session.run_install(PYTHON, "-m", "pip", "install", *editable, *extras, silent=True)
 
 
 def run(session: nox.Session, *args: str) -> None:
