@@ -8,7 +8,7 @@ weights itself (``lora.py``): the same request runs on any replica, and the serv
 
 from __future__ import annotations
 
-import itertools
+import hashlib
 import json
 import math
 import struct
@@ -23,7 +23,6 @@ if TYPE_CHECKING:
     from .config import EngineConfig
 
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
-_SALTS = itertools.count(1)
 
 
 class AdapterRefused(ValueError):
@@ -35,8 +34,10 @@ class LoRARequest:
     name: str
     path: str
     salt: int
-    """Tells this adapter's cached KV blocks from the base's and every other adapter's (``block_manager.py``): a name
-    loaded again from another directory gets another."""
+    """Tells this adapter's cached KV blocks (``block_manager.py``) and weights (``lora.py``) from the base's and every
+    other adapter's: derived from its name, its directory and its weights file's size and time, so every process
+    (the server, the engine, each replica) names the same adapter alike, and one loaded again from other files gets
+    another (``adapter_salt``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +190,18 @@ def lora_names(config: EngineConfig) -> tuple[str, ...]:
     return tuple(LoRAModule.parse(text).name for text in config.lora_modules) if config.enable_lora else ()
 
 
+def adapter_salt(name: str, directory: Path) -> int:
+    """A 63-bit number from the adapter's name, directory and weights file (size and modification time)."""
+    stamp = ""
+    for weights in WEIGHT_FILES:
+        if (file := directory / weights).is_file():
+            info = file.stat()
+            stamp = f"{weights}:{info.st_size}:{info.st_mtime_ns}"
+            break
+    digest = hashlib.sha256(f"{name}\0{directory}\0{stamp}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1 or 1
+
+
 class Adapters:
     """The adapters served beside the base model, by name (thread-safe: the API loads and unloads at run time)."""
 
@@ -218,7 +231,8 @@ class Adapters:
         with self._lock:
             if name in self._served or name == self.base:
                 raise ValueError(f"the name {name!r} is already served; unload it first")
-            request = self._served[name] = LoRARequest(name, str(Path(path).resolve()), next(_SALTS))
+            resolved = Path(path).resolve()
+            request = self._served[name] = LoRARequest(name, str(resolved), adapter_salt(name, resolved))
         return request
 
     def remove(self, name: str) -> bool:
