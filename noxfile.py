@@ -35,15 +35,15 @@ def install_torch(session: nox.Session) -> None:
     if subprocess.run([PYTHON, "-m", "pip", "show", "--quiet", "torch"], capture_output=True).returncode == 0:
         return  # installed by an earlier session: delete .nox/tests to reinstall
     if shutil.which("nvidia-smi"):
-        session.run_install(PYTHON, "-m", "pip", "install", "torch>=2.4", silent=True)
+        pip_install(session, "torch>=2.4")
     elif reachable(TORCH_CPU_INDEX):
-        session.run_install(PYTHON, "-m", "pip", "install", "--index-url", TORCH_CPU_INDEX, TORCH_CPU, silent=True)
+        pip_install(session, "--index-url", TORCH_CPU_INDEX, TORCH_CPU)
     else:
         session.warn(
             f"{TORCH_CPU_INDEX} cannot be reached: installing {TORCH_CPU} from the configured package index "
             "(on Linux, PyPI's build is the CUDA one, about 3 GB)"
         )
-        session.run_install(PYTHON, "-m", "pip", "install", TORCH_CPU, silent=True)
+        pip_install(session, TORCH_CPU)
 
 
 def reachable(url: str) -> bool:
@@ -60,13 +60,21 @@ def install_project(session: nox.Session, *groups: str) -> None:
     install_torch(session)
     editable = [arg for path in PACKAGES for arg in ("-e", path)]
     extras = [dep for group in groups for dep in nox.project.dependency_groups(PYPROJECT, group)]
-    session.run_install(PYTHON, "-m", "pip", "install", *editable, *extras, silent=True)
+    pip_install(session, *editable, *extras)
+
+
+def pip_install(session: nox.Session, *args: str) -> None:
+    """--no-compile: pip would compile every module of torch and transformers (30 s of a fresh install) where a run
+    imports a small share of them; `run` lets those be compiled once, on first import."""
+    session.run_install(PYTHON, "-m", "pip", "install", "--no-compile", *args, silent=True)
 
 
 def run(session: nox.Session, *args: str) -> None:
     """Run a module of the shared environment, with its scripts first on PATH (tests start `batchgen-server`)."""
     path = os.pathsep.join([str(BIN.resolve()), os.environ.get("PATH", "")])
-    session.run(PYTHON, *args, env={"PATH": path, "VIRTUAL_ENV": str(ENV.resolve())})
+    # Bytecode is written on first import even where PYTHONDONTWRITEBYTECODE is set (pip compiled none of it).
+    env = {"PATH": path, "VIRTUAL_ENV": str(ENV.resolve()), "PYTHONDONTWRITEBYTECODE": ""}
+    session.run(PYTHON, *args, env=env)
 
 
 def install_chromium(session: nox.Session) -> None:
