@@ -10,6 +10,7 @@ without building.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
@@ -68,30 +69,50 @@ def _cpu_features() -> str:
         return platform.processor()
 
 
+def _ninja() -> None:
+    """Make ninja findable by torch's builder, which runs ``ninja`` from ``PATH``: the ``ninja`` package installs it
+    beside this interpreter, which is not on ``PATH`` when the venv is not activated."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja  # the package ships the binary and says where it lies
+    except ImportError:
+        raise Unavailable("no ninja (torch's extension builder runs it): pip install ninja") from None
+    os.environ["PATH"] = os.pathsep.join([str(ninja.BIN_DIR), os.environ.get("PATH", "")])
+
+
 def _register(source: Path) -> None:
     compiler = _compiler()
     parts = [source.read_bytes(), compiler.encode(), " ".join(FLAGS).encode(), _cpu_features().encode()]
     key = hashlib.sha256(b"\0".join([*parts, torch.__version__.encode()])).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "batchgen" / "kernels"
     path = cache / f"{source.stem}-{key}.so"
-    if path.exists():
-        try:
-            torch.ops.load_library(path)  # type: ignore[no-untyped-call]
-        except (OSError, RuntimeError) as exc:
-            raise Unavailable(f"could not load {path}: {exc}") from None
-        return
-    if shutil.which("ninja") is None:
-        raise Unavailable(f"no ninja to build {source.name} (torch's builder runs it): pip install ninja")
-    cache.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        _ninja()
+        cache.mkdir(parents=True, exist_ok=True)
+        # One process builds, the others (pytest-xdist's workers, a server's replicas) wait and load its library. An
+        # flock rather than cpp_extension's lock file, which a build killed half way leaves behind for good.
+        with open(cache / f"{source.stem}-{key}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not path.exists():
+                _build(source, key, cache, path, compiler)  # and loaded
+                return
+    try:
+        torch.ops.load_library(path)  # type: ignore[no-untyped-call]
+    except (OSError, RuntimeError) as exc:
+        raise Unavailable(f"could not load {path}: {exc}") from None
+
+
+def _build(source: Path, key: str, cache: Path, path: Path, compiler: str) -> None:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=cache) as scratch:
         name = f"batchgen_{source.stem}_{key}"  # torch's builder remembers a name's sources for the process
-        try:  # builds, then loads
+        try:
             built = cpp_extension.load(
                 name, [str(source)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
                 build_directory=scratch, is_python_module=False,
             )  # fmt: skip
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:  # it runs the compiler to ask its version
             raise Unavailable(f"{compiler} failed to build {source.name}: {str(exc).strip()[-2000:]}") from None
-        os.replace(built, path)  # atomic: processes building at once each get a whole library
+        os.replace(built, path)  # atomic: a process that finds the path finds a whole library
     logger.info("built the native kernel %s in %.1f s: %s", source.name, time.perf_counter() - start, path)
