@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -71,11 +72,14 @@ def bench(args: argparse.Namespace, python: str, base_url: str, model: Path, nam
         "--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.max_concurrency),
         "--num-warmups", "4", "--seed", str(args.seed), "--percentile-metrics", "ttft,tpot,itl,e2el",
         "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(out.parent), "--result-filename",
-        out.name, "--disable-tqdm",
+        out.name, "--disable-tqdm", *(["--save-detailed"] if args.details else []),
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"})
     if done.returncode != 0:  # (its stderr is noisy on success: leak reports of a binding at exit)
         raise RuntimeError(f"vllm bench serve failed:\n{done.stderr.decode(errors='replace')[-4000:]}")
+    if args.details:
+        args.details.mkdir(parents=True, exist_ok=True)
+        shutil.copy(out, args.details / out.name)
     result: dict[str, Any] = json.loads(out.read_text())
     return result
 
@@ -157,6 +161,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-vllm", action="store_true")
     parser.add_argument("--vllm-python", default=None)
+    parser.add_argument(
+        "--details", type=Path, help="keep each client's detailed results here (every request's ITLs, in the order)"
+    )
     args = parser.parse_args()
     python = vllm_python(args.vllm_python)
     if python is None:

@@ -3,6 +3,7 @@ once, input lines, upload, create, wait, read results."""
 
 from __future__ import annotations
 
+import gc
 import json
 import multiprocessing
 import os
@@ -118,6 +119,7 @@ def _run_cli(argv: list[str], env: dict[str, str], log_path: str, open_files: in
         model_runner.EAGER_BELOW_PARAMETERS = 0
     from batchgen.server.cli import main
 
+    gc.freeze()  # the fork server's imports: the server's start-up collection (startup_heap.py) skips them
     sys.exit(main(argv))
 
 

@@ -11,6 +11,7 @@ for it, and what the backend does when the call fails or disagrees.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import random
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_mask
 
-from batchgen.server.engine import EngineRequest, EngineResult, LLMEngine, SamplingParams
+from batchgen.server.engine import EngineRequest, EngineResult, LLMEngine, SamplingParams, native
 from batchgen.server.engine.attention import DecodeBlocks, PagedStep, SeqSlice, cpu_decode, decode, make_backend
 from batchgen.server.engine.attention.flex import Q_BLOCK, _block_mask
 from batchgen.server.engine.attention.gather import GatherBackend
@@ -236,6 +237,23 @@ def test_cpu_decode_kernel(layer_name: str, dtype: torch.dtype, heads: tuple[int
         torch.set_num_threads(threads)
 
 
+def test_cpu_decode_kernel_refuses_what_it_cannot_read() -> None:
+    """The operator checks what its loops read, the block ids included, and says what is wrong."""
+    q, k_cache, v_cache, blocks, args, _ = _decode_case(5, DECODES, "plain", (8, 2, 20), BLOCK, torch.float32)
+    outside = blocks.tables.clone()
+    outside[1, 0] = k_cache.shape[1] // BLOCK
+    cases = {
+        "decode 1 reads block": (k_cache, v_cache, dataclasses.replace(blocks, tables=outside)),
+        "more than its": (k_cache, v_cache, dataclasses.replace(blocks, last=blocks.last + BLOCK * 8)),
+        "contiguous int64": (k_cache, v_cache, dataclasses.replace(blocks, first=blocks.first.int())),
+        "both float32 or both bfloat16": (k_cache, v_cache.bfloat16(), blocks),
+        "caches must be contiguous": (k_cache, v_cache.transpose(0, 1).contiguous().transpose(0, 1), blocks),
+    }
+    for message, (k, v, seen) in cases.items():
+        with pytest.raises(RuntimeError, match=message):
+            cpu_decode.paged_decode(q, k, v, seen, *args)
+
+
 def test_paged_decode_in_groups_gives_what_it_gives_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """``paged_decode`` gathers its decodes in groups when their padded rows would take too much memory at once."""
     layer = LAYERS["sinks"]
@@ -320,7 +338,7 @@ def test_the_decode_kernel_without_a_compiler_runs_eagerly(
     kernel says why once and runs ``paged_decode`` from then on."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("CXX", "false")
-    cpu_decode.library.cache_clear()
+    native._loaded.cache_clear()
     try:
         step, _, query, key, value = _step(2, DECODES, torch.float32)
         kernel = decode.DecodeKernel()
@@ -332,7 +350,7 @@ def test_the_decode_kernel_without_a_compiler_runs_eagerly(
             expected = _reference(step, seq, query, LAYERS["plain"])
             torch.testing.assert_close(out[seq.row : seq.row + 1].double(), expected, rtol=1e-5, atol=1e-5)
     finally:
-        cpu_decode.library.cache_clear()  # the next test builds (or finds) the real one
+        native._loaded.cache_clear()  # the next test builds (or finds) the real one
 
 
 @pytest.mark.parametrize("layer_name", ["plain", "window"])

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from batchgen.server.engine import cpu_linear
+from batchgen.server.engine import cpu_linear, native
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -18,9 +18,7 @@ from batchgen.server.engine import cpu_linear
     [(1000, 96), (33, 1030), (64, 7), (5, 40)],
     ids=["a head: the last panel partly filled", "k in three slices", "whole panels", "one partial panel"],
 )
-def test_the_packed_linear_equals_the_linear(
-    bias: bool, threads: int, features: tuple[int, int], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_packed_linear_equals_the_linear(bias: bool, threads: int, features: tuple[int, int]) -> None:
     torch.manual_seed(0)
     out_features, in_features = features
     linear = torch.nn.Linear(in_features, out_features, bias=bias)
@@ -39,10 +37,11 @@ def test_the_packed_linear_equals_the_linear(
                 hidden[:, ::7],
             ):
                 expected = linear.__class__.forward(linear, rows)
-                with monkeypatch.context() as patch:
-                    if rows.shape[1] in cpu_linear.ROWS:  # the kernel's, not MKL's: a silent fallback fails
-                        patch.setattr(torch.nn.functional, "linear", None)
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
                     actual = forward(rows)
+                # The kernel's row counts are ROWS exactly: a silent fallback to MKL fails, as does one missed.
+                on_mkl = any(event.name == "aten::linear" for event in profile.events())
+                assert on_mkl == (rows.shape[1] not in cpu_linear.ROWS)
                 assert actual.shape == expected.shape and actual.dtype == expected.dtype
                 torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
     finally:
@@ -82,16 +81,54 @@ def test_a_linear_with_someone_elses_forward_is_left_alone_and_a_packed_one_is_s
     assert "panels" not in dict(packed.named_buffers())
 
 
+def test_the_operators_check_their_inputs() -> None:
+    """What the kernel cannot read is refused with the reason (an error from C++), not read."""
+    weight = torch.randn(8, 16)
+    panels = cpu_linear.pack(weight)
+    x = torch.randn(4, 16)
+    for message, call in {
+        "x's last dimension must be the weight's 16, not 15": lambda: cpu_linear.linear(x[:, 1:], weight, panels, None),
+        "the bias must be a contiguous float32 vector of 8": lambda: cpu_linear.linear(
+            x, weight, panels, torch.zeros(8, dtype=torch.float64)
+        ),
+        "the panels must be contiguous float32": lambda: cpu_linear.linear(x, weight, panels.double(), None),
+        "the weight must be a 2-d float32 tensor, not 2-d Double": lambda: cpu_linear.pack(weight.double()),
+    }.items():
+        with pytest.raises(RuntimeError, match=message):
+            call()
+
+
+def test_the_operators_pass_torchs_checks() -> None:
+    """``opcheck``: the schemas say what the operators do, and panel_linear's meta kernel what torch.compile traces
+    (pack_panels runs once a linear, never traced)."""
+    weight, bias = torch.randn(70, 40), torch.randn(70)
+    panels = cpu_linear.pack(weight)
+    for x in (torch.randn(5, 40), torch.randn(2, 3, 40), torch.randn(100, 40)):
+        torch.library.opcheck(torch.ops.batchgen.panel_linear.default, (x, weight, panels, bias))
+    torch.library.opcheck(torch.ops.batchgen.pack_panels.default, (weight,), test_utils="test_schema")
+
+
 def test_without_a_compiler_the_linears_keep_their_own_forward(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """A failed build is said once and not tried again by the process; a library built before is loaded without a
+    compiler."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("CXX", "false")
-    cpu_linear.library.cache_clear()
+    native._loaded.cache_clear()
     cpu_linear._warn_once.cache_clear()
     try:
         with caplog.at_level(logging.WARNING):
             assert cpu_linear.forward_of(torch.nn.Linear(8, 8)) is None
         assert "failed to build cpu_linear.cpp" in caplog.text
+        with monkeypatch.context() as patch:
+            patch.setattr(native.cpp_extension, "load", None)
+            with pytest.raises(native.Unavailable, match=r"failed to build cpu_linear\.cpp"):
+                cpu_linear.pack(torch.randn(8, 8))
     finally:
-        cpu_linear.library.cache_clear()  # the next test builds (or finds) the real one
+        native._loaded.cache_clear()  # the next test builds (or finds) the real one
+    monkeypatch.undo()
+    native.load(cpu_linear.SOURCE)  # built before this test, or now
+    native._loaded.cache_clear()
+    monkeypatch.setattr(native.cpp_extension, "load", None)
+    native.load(cpu_linear.SOURCE)

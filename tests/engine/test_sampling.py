@@ -11,7 +11,6 @@ import torch
 
 from batchgen.server.engine import EngineRequest, LLMEngine, SamplingParams
 from batchgen.server.engine.batch_state import BatchState, SamplingInputs
-from batchgen.server.engine.detokenizer import IncrementalDetokenizer
 from batchgen.server.engine.sampler import Sampler, argmax_first
 from batchgen.server.engine.seeds import uniform, uniforms
 
@@ -146,21 +145,6 @@ def test_stop_string_across_token_boundaries_is_trimmed(
     assert stopped.finish_reason == "stop"
     assert stopped.text == full.text[: full.text.find(stop)]
     assert stop not in stopped.text
-
-
-def test_detokenizer_holds_back_split_characters_and_finds_stops(tokenizer: Any) -> None:
-    detok = IncrementalDetokenizer(tokenizer, ("wö",))
-    ids = tokenizer.encode("héllo wörld")
-    fed = 0
-    while not detok.add(ids[fed]):
-        fed += 1
-    assert fed == ids.index(0xB6)  # the stop is found at the last byte of "ö", not before
-    assert detok.text == "héllo "
-    plain = IncrementalDetokenizer(tokenizer, ())
-    for token in ids[:2]:  # "h" and the first byte of "é"
-        plain.add(token)
-    assert plain.text == "h"
-    assert plain.finish() == "h\ufffd"
 
 
 def test_eos_stops_and_ignore_eos_does_not(

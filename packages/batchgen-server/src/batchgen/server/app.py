@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -16,6 +17,7 @@ from litestar.datastructures import State
 
 from batchgen.schemas import BatchObject, ModelObject
 
+from . import startup_heap
 from .api.batches import BatchesController
 from .api.deps import DEPENDENCIES, ServerContext, admit_while_running
 from .api.engine_calls import OnlineRequests
@@ -124,6 +126,8 @@ def create_app(settings: Settings, engine: EngineClient | None = None) -> Litest
             if settings.log_interval_s > 0:
                 activity = log_activity(engine.stats, lambda: loop.status.active_batches, settings.log_interval_s)
                 started.push_async_callback(_cancel, asyncio.create_task(activity))
+            startup_heap.freeze()  # everything long-lived exists now
+            started.callback(gc.unfreeze)
             yield
 
     # Online bodies are read whole before they are decoded: their own, smaller limit (uploads stream to disk).

@@ -7,7 +7,14 @@
 // multiplied the next is prefetched, so the reads overlap the arithmetic (benchmarks/cpu_linear.py: 1.3-1.9x MKL at
 // 16-32 rows, 1.1-1.2x at 64, level or behind from 80, where the caller keeps MKL). K is cut into slices of KC so that
 // a slice of the panel and of x stay in cache across row blocks and panels (packed order: slice, panel, k, column).
-// No torch headers: it builds in under a second (native.py), and Python calls it through ctypes.
+// Registered as torch operators (native.py builds it): batchgen::pack_panels, and batchgen::panel_linear, which checks
+// and allocates here so that a call from Python costs one dispatch. Only the headers it uses: each adds to the build.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
+#include <torch/library.h>
 
 #include <array>
 #include <cstdint>
@@ -76,12 +83,8 @@ constexpr std::array<tile_fn, sizeof...(R)> tiles(std::integer_sequence<int, R..
 
 constexpr auto TILES = tiles(std::make_integer_sequence<int, MR>{});  // TILES[r - 1]: r rows
 
-}  // namespace
-
-extern "C" int batchgen_panel_width() { return NR; }
-
 // panels: for each slice of KC k's, for each panel of NR columns, for each k, the panel's NR weights (0 past N).
-extern "C" void batchgen_pack_panels(int64_t N, int64_t K, const float* w, float* panels) {
+void pack(int64_t N, int64_t K, const float* w, float* panels) {
     const int64_t count = (N + NR - 1) / NR, padded = count * NR;
     for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kc = K - k0 < KC ? K - k0 : KC;
@@ -95,8 +98,8 @@ extern "C" void batchgen_pack_panels(int64_t N, int64_t K, const float* w, float
 }
 
 // out (M x N, rows N apart) = x (M x K, rows ldx apart) . w^T + bias (bias may be null).
-extern "C" void batchgen_panel_linear(int64_t M, int64_t N, int64_t K, const float* x, int64_t ldx,
-                                      const float* panels, const float* bias, float* out, int threads) {
+void multiply(int64_t M, int64_t N, int64_t K, const float* x, int64_t ldx, const float* panels, const float* bias,
+              float* out, int threads) {
     if (M <= 0 || N <= 0) return;
     const int64_t count = (N + NR - 1) / NR, padded = count * NR;
     const int64_t blocks = (M + MR - 1) / MR;  // row blocks of M / blocks rows, give or take one
@@ -132,3 +135,73 @@ extern "C" void batchgen_panel_linear(int64_t M, int64_t N, int64_t K, const flo
         delete[] edge;
     }
 }
+
+// The row counts the kernel takes (benchmarks/cpu_linear.py: at one row MKL's path for a vector is as fast, from 64 to
+// 128 rows the two are level, and from there MKL is ahead); cpu_linear.ROWS says them to Python.
+constexpr int64_t MIN_ROWS = 2, MAX_ROWS = 64;
+
+int64_t panels_size(int64_t N, int64_t K) { return (N + NR - 1) / NR * NR * K; }
+
+at::Tensor pack_panels(const at::Tensor& weight) {
+    TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat,
+                "batchgen::pack_panels: the weight must be a 2-d float32 tensor, not ", weight.dim(), "-d ",
+                weight.scalar_type());
+    const at::Tensor w = weight.contiguous();
+    const int64_t N = w.size(0), K = w.size(1);
+    at::Tensor panels = at::empty({panels_size(N, K)}, w.options());
+    pack(N, K, w.const_data_ptr<float>(), panels.mutable_data_ptr<float>());
+    return panels;
+}
+
+// at::linear(x, weight, bias), through the panels (pack_panels(weight)) for the row counts the kernel takes.
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& panels,
+                        const std::optional<at::Tensor>& bias) {
+    TORCH_CHECK(weight.dim() == 2, "batchgen::panel_linear: the weight must be 2-d, not ", weight.dim(), "-d");
+    const int64_t N = weight.size(0), K = weight.size(1);
+    TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "batchgen::panel_linear: x's last dimension must be the weight's ",
+                K, ", not ", x.dim() ? x.size(-1) : 0);
+    const int64_t M = K ? x.numel() / K : 0;
+    // The panels are a copy: a served model's weights do not change; one converted or reshaped since takes at::linear.
+    if (M < MIN_ROWS || M > MAX_ROWS || x.scalar_type() != at::kFloat || weight.scalar_type() != at::kFloat ||
+        panels.numel() != panels_size(N, K))
+        return at::linear(x, weight, bias);
+    TORCH_CHECK(panels.scalar_type() == at::kFloat && panels.is_contiguous(),
+                "batchgen::panel_linear: the panels must be contiguous float32 (pack_panels' own)");
+    const float* b = nullptr;
+    if (bias) {
+        TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous(),
+                    "batchgen::panel_linear: the bias must be a contiguous float32 vector of ", N);
+        b = bias->const_data_ptr<float>();
+    }
+    at::Tensor flat = x.reshape({M, K});
+    if (flat.stride(1) != 1) flat = flat.contiguous();
+    at::Tensor out = at::empty({M, N}, x.options());
+    multiply(M, N, K, flat.const_data_ptr<float>(), flat.stride(0), panels.const_data_ptr<float>(), b,
+             out.mutable_data_ptr<float>(), at::get_num_threads());
+    std::vector<int64_t> shape = x.sizes().vec();
+    shape.back() = N;
+    return out.view(shape);
+}
+
+// Its shape and dtype alone, for torch.compile's tracing (sizes symbolic: the token count is dynamic).
+at::Tensor panel_linear_meta(const at::Tensor& x, const at::Tensor& weight, const at::Tensor&,
+                             const std::optional<at::Tensor>&) {
+    std::vector<c10::SymInt> shape(x.sym_sizes().begin(), x.sym_sizes().end());
+    shape.back() = weight.sym_size(0);
+    return at::empty_symint(shape, x.options());
+}
+
+}  // namespace
+
+// A fragment: the namespace is shared with the other kernels' libraries and with the operators Python defines.
+TORCH_LIBRARY_FRAGMENT(batchgen, m) {
+    m.def("pack_panels(Tensor weight) -> Tensor");
+    m.def("panel_linear(Tensor x, Tensor weight, Tensor panels, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(batchgen, CPU, m) {
+    m.impl("pack_panels", &pack_panels);
+    m.impl("panel_linear", &panel_linear);
+}
+
+TORCH_LIBRARY_IMPL(batchgen, Meta, m) { m.impl("panel_linear", &panel_linear_meta); }

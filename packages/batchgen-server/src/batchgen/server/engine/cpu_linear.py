@@ -6,13 +6,14 @@ multiplies this one. For more rows (prefill chunks, large batches) MKL is as fas
 layer's own weight and calls MKL there: the cost is that copy, the linears' weights once more in memory
 (``benchmarks/RESULTS.md``).
 
-``batchgen::panel_linear`` is a custom operator, so a compiled layer calls it as one opaque node (inductor cannot lower
-a ``ctypes`` call), with the panels as an input like the weight: the layers still share one compiled graph.
+``batchgen::panel_linear`` is a torch operator written in C++ (schema, checks, MKL's fallback and the kernel), so a
+compiled layer calls it as one opaque node, with the panels as an input like the weight (the layers still share one
+compiled graph), and an eager call is one dispatch into C++, with no Python on the way (seven calls a layer a decode
+step).
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 import types
@@ -28,8 +29,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".cpp")
 ROWS = range(2, 65)
-"""The row counts the kernel takes (``benchmarks/cpu_linear.py``: at one row MKL's path for a vector is as fast, from
-64 to 128 rows the two are level, and from there MKL is ahead)."""
+"""The row counts the kernel takes (``cpu_linear.cpp``'s ``MIN_ROWS`` to ``MAX_ROWS``); others run ``F.linear``."""
 
 
 def refusal(module: torch.nn.Module | None) -> str | None:
@@ -55,78 +55,15 @@ def supports(module: torch.nn.Module | None) -> bool:
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` (out x in) in the kernel's panels; raises ``native.Unavailable``."""
-    out_features, in_features = weight.shape
-    plain = weight.detach().contiguous()  # held: the C++ reads it
-    panels = torch.empty(_panels_size(out_features, in_features), dtype=torch.float32)
-    library().batchgen_pack_panels(out_features, in_features, plain.data_ptr(), panels.data_ptr())
+    native.load(SOURCE)
+    panels: torch.Tensor = torch.ops.batchgen.pack_panels(weight.detach())
     return panels
-
-
-def _panels_size(out_features: int, in_features: int) -> int:
-    return -(-out_features // _panel_width()) * _panel_width() * in_features
-
-
-@functools.cache
-def _panel_width() -> int:
-    """Columns a panel: the build's vector width decides it (asked once: it is checked on every call)."""
-    return int(library().batchgen_panel_width())
-
-
-# Registered with ``torch.library.Library`` rather than ``custom_op``: its wrapper costs 20 us a call, where a decode
-# step makes seven calls a layer.
-_LIBRARY = torch.library.Library("batchgen", "FRAGMENT")  # type: ignore[no-untyped-call]
-_LIBRARY.define("panel_linear(Tensor x, Tensor weight, Tensor panels, Tensor? bias) -> Tensor")  # type: ignore[no-untyped-call]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, through the panels (``pack(weight)``) for the row counts in ``ROWS``."""
     out: torch.Tensor = torch.ops.batchgen.panel_linear(x, weight, panels, bias)
     return out
-
-
-def _cpu_implementation(
-    x: torch.Tensor, weight: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    out_features, in_features = weight.shape
-    rows = x.numel() // in_features
-    # The panels are a copy: a served model's weights do not change; one converted or reshaped since takes torch's.
-    if (
-        rows not in ROWS
-        or not plain_tensor(x, torch.float32)
-        or not plain_tensor(weight, torch.float32)
-        or panels.numel() != _panels_size(out_features, in_features)
-    ):
-        return torch.nn.functional.linear(x, weight, bias)
-    flat = x.reshape(rows, in_features)
-    if flat.stride(1) != 1:
-        flat = flat.contiguous()
-    out = torch.empty(rows, out_features, dtype=torch.float32)
-    library().batchgen_panel_linear(
-        rows, out_features, in_features, flat.data_ptr(), flat.stride(0), panels.data_ptr(),
-        None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads(),
-    )  # fmt: skip
-    return out.reshape(*x.shape[:-1], out_features)
-
-
-def _shape(x: torch.Tensor, weight: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
-
-
-_LIBRARY.impl("panel_linear", _cpu_implementation, "CPU")  # type: ignore[no-untyped-call]
-torch.library.register_fake("batchgen::panel_linear", _shape, lib=_LIBRARY)
-
-
-@functools.cache
-def library() -> ctypes.CDLL:
-    """The built kernel; raises ``native.Unavailable``."""
-    lib = native.load(SOURCE)
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.batchgen_panel_width.restype = ctypes.c_int
-    lib.batchgen_pack_panels.argtypes = [i64, i64, ptr, ptr]
-    lib.batchgen_pack_panels.restype = None
-    lib.batchgen_panel_linear.argtypes = [i64, i64, i64, ptr, i64, ptr, ptr, ptr, ctypes.c_int]
-    lib.batchgen_panel_linear.restype = None
-    return lib
 
 
 def forward_of(module: torch.nn.Module | None) -> Callable[[torch.Tensor], torch.Tensor] | None:

@@ -4,9 +4,14 @@
 // cache (flash-decoding's online softmax, rescaled once per chunk of blocks), the next block's keys and this block's
 // values prefetched while its keys are scored. The scores are computed in tiles of four query heads by two keys, the
 // softmax's bookkeeping in vectors, so that even with several query heads per KV head (GQA) the cost is mostly the
-// memory (benchmarks/RESULTS.md). No torch headers: it builds in under a second, and Python calls it through ctypes
-// (cpu_decode.py). Vectors are GCC/Clang vector extensions, so the compiler picks the instructions of the machine it
-// builds on (AVX2, AVX-512, NEON).
+// memory (benchmarks/RESULTS.md). Registered as the torch operator batchgen::paged_decode (native.py builds it), which
+// checks its inputs and allocates its output here. Vectors are GCC/Clang vector extensions, so the compiler picks the
+// instructions of the machine it builds on (AVX2, AVX-512, NEON).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
 
 #include <cmath>
 #include <cstdint>
@@ -317,21 +322,73 @@ void attend_all(int64_t batch, const float* query, const void* k_cache, const vo
     }
 }
 
+// query [B, H, D] (any float dtype); caches [KVH, slots, D] and [KVH, slots, Dv], both float32 or both bfloat16;
+// tables [B, W], first and last [B], int64, as in step.py's DecodeBlocks; sinks [H] or none. Returns [B, H, Dv] in the
+// query's dtype: decode.py's paged_decode. Everything the loops read is checked first, the block ids included: the
+// loops read the caches wherever the tables point.
+at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& tables, const at::Tensor& first, const at::Tensor& last, int64_t block_size,
+                        const std::optional<at::Tensor>& sinks, double scale, std::optional<double> softcap) {
+    TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3,
+                "batchgen::paged_decode: query [B, H, D] and caches [KVH, slots, D] are 3-d");
+    TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
+                    (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16),
+                "batchgen::paged_decode: the caches must be both float32 or both bfloat16, not ",
+                k_cache.scalar_type(), " and ", v_cache.scalar_type());
+    TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "batchgen::paged_decode: the caches must be contiguous");
+    const int64_t batch = query.size(0), heads = query.size(1), dim = query.size(2);
+    const int64_t kv_heads = k_cache.size(0), slots = k_cache.size(1), vdim = v_cache.size(2);
+    TORCH_CHECK(k_cache.size(2) == dim && v_cache.size(0) == kv_heads && v_cache.size(1) == slots,
+                "batchgen::paged_decode: the caches' shapes ", k_cache.sizes(), " and ", v_cache.sizes(),
+                " do not match the query's ", query.sizes());
+    TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "batchgen::paged_decode: ", heads,
+                " query heads are not a multiple of ", kv_heads, " KV heads");
+    TORCH_CHECK(block_size > 0 && slots % block_size == 0, "batchgen::paged_decode: ", slots,
+                " slots are not whole blocks of ", block_size);
+    for (const at::Tensor* t : {&tables, &first, &last})
+        TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(),
+                    "batchgen::paged_decode: the block tables and bounds must be contiguous int64");
+    TORCH_CHECK(tables.dim() == 2 && tables.size(0) == batch && first.dim() == 1 && first.size(0) == batch &&
+                    last.dim() == 1 && last.size(0) == batch,
+                "batchgen::paged_decode: tables [B, W], first and last [B] for ", batch, " decodes");
+    const int64_t width = tables.size(1), blocks = slots / block_size;
+    const int64_t *rows = tables.const_data_ptr<int64_t>(), *firsts = first.const_data_ptr<int64_t>(),
+                  *lasts = last.const_data_ptr<int64_t>();
+    for (int64_t b = 0; b < batch; ++b) {
+        TORCH_CHECK(0 <= firsts[b] && firsts[b] <= lasts[b] && lasts[b] / block_size - firsts[b] / block_size < width,
+                    "batchgen::paged_decode: decode ", b, " sees positions ", firsts[b], " to ", lasts[b],
+                    ", more than its ", width, " blocks");
+        const Visible seen(rows, width, firsts, lasts, b, block_size);
+        for (int64_t j = 0; j < seen.count; ++j)
+            TORCH_CHECK(0 <= seen.row[j] && seen.row[j] < blocks, "batchgen::paged_decode: decode ", b,
+                        " reads block ", seen.row[j], " of a cache of ", blocks);
+    }
+    at::Tensor sink;
+    if (sinks) {
+        TORCH_CHECK(sinks->numel() == heads, "batchgen::paged_decode: ", sinks->numel(), " sinks for ", heads,
+                    " query heads");
+        sink = sinks->to(at::kFloat).contiguous();
+    }
+    const at::Tensor q = query.to(at::kFloat).contiguous();
+    at::Tensor out = at::empty({batch, heads, vdim}, q.options());
+    const Shape s{kv_heads, heads / kv_heads, dim, vdim, slots, block_size};
+    const float *qs = q.const_data_ptr<float>(), *sp = sinks ? sink.const_data_ptr<float>() : nullptr;
+    const float cap = softcap ? float(*softcap) : 0.f;
+    if (k_cache.scalar_type() == at::kBFloat16)
+        attend_all<uint16_t>(batch, qs, k_cache.const_data_ptr(), v_cache.const_data_ptr(), rows, width, firsts,
+                             lasts, sp, out.mutable_data_ptr<float>(), s, float(scale), cap, at::get_num_threads());
+    else
+        attend_all<float>(batch, qs, k_cache.const_data_ptr(), v_cache.const_data_ptr(), rows, width, firsts, lasts,
+                          sp, out.mutable_data_ptr<float>(), s, float(scale), cap, at::get_num_threads());
+    return out.to(query.scalar_type());
+}
+
 }  // namespace
 
-// query [batch, kv_heads, groups, dim] float32; caches [kv_heads, slots, dim] (float32, or bfloat16 when
-// `bf16_cache`); tables [batch, width], firsts and lasts [batch] as in decode.py's DecodeBlocks; sinks
-// [kv_heads * groups] float32 or null; softcap <= 0 for none. Writes out [batch, kv_heads, groups, vdim] float32.
-extern "C" void batchgen_paged_decode(int64_t batch, int64_t kv_heads, int64_t groups, int64_t dim, int64_t vdim,
-                                      int64_t slots, int64_t block_size, const float* query, const void* k_cache,
-                                      const void* v_cache, int bf16_cache, const int64_t* tables, int64_t width,
-                                      const int64_t* firsts, const int64_t* lasts, const float* sinks, float* out,
-                                      float scale, float softcap, int threads) {
-    const Shape s{kv_heads, groups, dim, vdim, slots, block_size};
-    if (bf16_cache)
-        attend_all<uint16_t>(batch, query, k_cache, v_cache, tables, width, firsts, lasts, sinks, out, s, scale,
-                             softcap, threads);
-    else
-        attend_all<float>(batch, query, k_cache, v_cache, tables, width, firsts, lasts, sinks, out, s, scale, softcap,
-                          threads);
+// A fragment: the namespace is shared with the other kernels' libraries and with the operators Python defines.
+TORCH_LIBRARY_FRAGMENT(batchgen, m) {
+    m.def("paged_decode(Tensor query, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor first, Tensor last, "
+          "int block_size, Tensor? sinks, float scale, float? softcap) -> Tensor");
 }
+
+TORCH_LIBRARY_IMPL(batchgen, CPU, m) { m.impl("paged_decode", &paged_decode); }
