@@ -179,7 +179,7 @@ class LLMEngine:
             preemptions=scheduler.num_preemptions,
             kv_cache_tokens=self.runner.num_blocks * self.config.block_size,
             kv_cache_bytes=self.runner.num_blocks * self.runner.block_bytes,
-            kv_cache_dtype=str(self.runner.cache.k[0].dtype).removeprefix("torch.") if self.runner.cache.k else "",
+            kv_cache_dtype=str(self.runner.cache_dtype).removeprefix("torch."),
             state_slots=states.cache.num_slots if states is not None else 0,
             state_checkpoints=states.slots.published if states is not None else 0,
             state_bytes_per_seq=states.slot_bytes if states is not None else 0,

@@ -195,6 +195,11 @@ class ModelRunner:
             budget = config.cpu_kv_cache_gib * 2**30
         return float(budget)
 
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The KV cache's dtype (a model without attention layers: its own, which its state is in)."""
+        return self.cache.k[0].dtype if self.cache.k else input_embeddings(self.model).dtype
+
     def copy_block(self, src: int, dst: int) -> None:
         self.cache.copy_block(src, dst)
 
