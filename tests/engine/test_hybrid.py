@@ -169,6 +169,22 @@ def test_preemption_recomputes_the_state(qwen3_5: tuple[Path, Reference], tokeni
     assert slots.can_take() and len(slots._free_live) == slots.live  # every live slot back
 
 
+def test_a_shared_system_prompt_is_computed_once_or_twice(qwen3_5: tuple[Path, Reference], tokenizer: Any) -> None:
+    """Lines under one 27-token system prompt, two at a time: the second line, admitted beside the first, leaves a
+    checkpoint of the state at the prefix they share (24 tokens, 3 blocks of 8: far below vLLM's 528-token blocks),
+    and every later line starts from it."""
+    path, reference = qwen3_5
+    engine = _engine(path, tokenizer, block_size=8, max_num_seqs=2)
+    system = list(_prompts()[4][:27])
+    prompts = [tuple(system + list(p[:n])) for p, n in zip(_prompts()[:4] * 2, (3, 5, 9, 2, 7, 4, 6, 8), strict=True)]
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    results = _run(engine, [EngineRequest(f"p{i}", list(p), params) for i, p in enumerate(prompts)])
+    cached = [results[f"p{i}"].cached_tokens for i in range(len(prompts))]
+    assert cached[:2] == [0, 0] and all(c >= 24 for c in cached[2:]), cached  # 32: a longer shared prefix
+    for i, prompt in enumerate(prompts):
+        assert results[f"p{i}"].outputs[0].token_ids == reference.greedy(prompt)[0][:4]
+
+
 def test_live_slots_bound_the_running_sequences(qwen3_5: tuple[Path, Reference], tokenizer: Any) -> None:
     """The state slots come out of the cache's memory budget: the KV blocks keep room for one full context, the live
     slots take the rest (up to ``--max-num-seqs``), so no more sequences than that run at once, and every request

@@ -32,6 +32,8 @@ class StateSlots:
         self._free_checkpoints: list[int] = []
         self._published: OrderedDict[int, int] = OrderedDict()
         """Block hash -> checkpoint slot, least recently used first."""
+        self._last_prompt: list[int] = []
+        """The prompt of the sequence admitted last: what the next one is compared with (``hit``)."""
         self.reset()
 
     def reset(self) -> None:
@@ -39,6 +41,7 @@ class StateSlots:
         self._free_live = list(range(self.live - 1, -1, -1))
         self._free_checkpoints = list(range(self.live + self.checkpoints - 1, self.live - 1, -1))
         self._published.clear()
+        self._last_prompt = []
 
     # ---- live slots ----------------------------------------------------------------------------------------------
 
@@ -99,11 +102,15 @@ class StateSlots:
         """Of the leading cached blocks ``hashes`` of ``seq``'s prompt, how many its prefix hit may use: those up to
         the longest that ends at a checkpoint (the recurrent layers need the state there), which its live slot starts
         from. Where the KV blocks reach further, that boundary is a prefix shared with an earlier prompt: the
-        sequence leaves a checkpoint there as it computes it (a reuse point)."""
+        sequence leaves a checkpoint there as it computes it (a reuse point). So does the prefix it shares with the
+        prompt admitted just before it (a batch's lines under one system prompt, before any of them is cached)."""
         blocks, slot = self.longest(hashes)
         seq.state_source = slot
-        if len(hashes) > blocks:
-            seq.state_reuse = len(hashes) * block_size
+        prompt = seq.token_ids[: seq.num_prompt_tokens]
+        shared = _common_prefix(prompt, self._last_prompt) // block_size * block_size
+        self._last_prompt = prompt
+        reuse = max(len(hashes) * block_size, shared)
+        seq.state_reuse = reuse if reuse > blocks * block_size else 0
         return blocks
 
     def can_run(self, seq: Sequence) -> bool:
@@ -146,3 +153,18 @@ class StateSlots:
             self.discard(slot)
         seq.state_checkpoints = []
         seq.state_source = None
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    low, high = 0, n  # a[:low] == b[:low], a[:high] != b[:high]
+    while high - low > 1:
+        middle = (low + high) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle
+    return low
