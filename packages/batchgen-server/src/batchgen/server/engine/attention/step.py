@@ -121,7 +121,7 @@ class StateLayers(Protocol):
 
     layers_run: int
 
-    def run(self, layer: int, hidden: torch.Tensor) -> torch.Tensor: ...
+    def run(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass(eq=False)

@@ -72,6 +72,8 @@ class RecordingCache(StateFacade):
         super().__init__(fresh=True)
         self.running: list[StateLayer] = []
         """The candidates whose forward is running, innermost last (one, unless a candidate runs another's code)."""
+        self.order: list[StateLayer] = []
+        """The state layers in the order they first kept state: the order a step runs them in."""
 
     def kernel(self, key: StateKey, given: int | None, conv_states: torch.Tensor) -> int:
         kernel = super().kernel(key, given, conv_states)
@@ -88,6 +90,8 @@ class RecordingCache(StateFacade):
         if not self.running:
             raise StateRefused(f"its state for layer {key[0]} is kept outside the layers that take a cache")
         layer = self.running[-1]
+        if not layer.states:
+            self.order.append(layer)
         if any(state.key == key for state in layer.states):
             raise StateRefused(f"{type(layer.module).__name__} updates its {key[1]} state twice in one forward")
         layer.states.append(StateShape(key, shape, like.dtype, like.device))
@@ -124,7 +128,7 @@ def discover(
                 vars(layer.module).pop("forward", None)
             else:
                 layer.module.forward = own
-    return [layer for layer in candidates if layer.states]
+    return recording.order
 
 
 def _within(name: str, parent: str) -> bool:

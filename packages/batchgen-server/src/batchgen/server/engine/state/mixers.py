@@ -89,8 +89,9 @@ class StateRun:
         self.step = step
         self.layers_run = 0
 
-    def run(self, index: int, hidden: torch.Tensor) -> torch.Tensor:
-        """Layer ``index`` on the packed row ``hidden`` ``[1, tokens, hidden]``."""
+    def run(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The next layer on the packed row ``hidden`` ``[1, tokens, hidden]``."""
+        index = self.layers_run
         mixers, step, layer = self.mixers, self.step, self.mixers.layers[index]
         cache, device = mixers.cache, hidden.device
         out = hidden.new_empty(*hidden.shape[:-1], layer.out_features)
@@ -138,7 +139,7 @@ def _install(layer: StateLayer, index: int) -> Callable[..., torch.Tensor]:
     def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
         if torch.compiler.is_compiling() or isinstance(current(), PagedStep):
             hidden = args[0] if args else kwargs[hidden_name]
-            out: torch.Tensor = torch.ops.batchgen.state_mixer(hidden, index, out_features)
+            out: torch.Tensor = torch.ops.batchgen.state_mixer(hidden, out_features)
             return out
         return own(*args, **kwargs)
 
@@ -149,15 +150,17 @@ def _install(layer: StateLayer, index: int) -> Callable[..., torch.Tensor]:
 
 
 @torch.library.custom_op("batchgen::state_mixer", mutates_args=())
-def _state_mixer(hidden: torch.Tensor, layer: int, out_features: int) -> torch.Tensor:
-    """One state layer in the current step (its slots updated in place): an operator, so that a compiled decoder layer
-    keeps it as one opaque call; what it does depends on the step, which is Python the compiler must not see."""
+def _state_mixer(hidden: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The next state layer in the current step (its slots updated in place): an operator, so that a compiled decoder
+    layer keeps it as one opaque call; what it does depends on the step, which is Python the compiler must not see.
+    Which layer is counted at run time, as attention layers are (layers run in the order the probe found them): a
+    layer index in the call would make every decoder layer a compiled graph of its own."""
     step = current()
     if not isinstance(step, PagedStep) or step.states is None:
         raise RuntimeError("a state layer runs only inside the batchgen engine's forward")
-    return step.states.run(layer, hidden)
+    return step.states.run(hidden)
 
 
 @_state_mixer.register_fake
-def _(hidden: torch.Tensor, layer: int, out_features: int) -> torch.Tensor:
+def _(hidden: torch.Tensor, out_features: int) -> torch.Tensor:
     return hidden.new_empty(*hidden.shape[:-1], out_features)
