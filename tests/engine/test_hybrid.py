@@ -18,6 +18,7 @@ from batchgen.server.engine import EngineRequest, SamplingParams
 from batchgen.server.engine.capacity import cache_sizes
 from batchgen.server.engine.config import EngineConfig
 from batchgen.server.engine.demo_model import build_tokenizer
+from batchgen.server.engine.model_runner import ModelRunner
 from batchgen.server.engine.state.slots import StateSlots
 
 GDN = {
@@ -183,6 +184,35 @@ def test_a_shared_system_prompt_is_computed_once_or_twice(qwen3_5: tuple[Path, R
     assert cached[:2] == [0, 0] and all(c >= 24 for c in cached[2:]), cached  # 32: a longer shared prefix
     for i, prompt in enumerate(prompts):
         assert results[f"p{i}"].outputs[0].token_ids == reference.greedy(prompt)[0][:4]
+
+
+def test_a_failing_step_recomputes_the_states_it_advanced(
+    qwen3_5: tuple[Path, Reference], tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step fails after its forward ran (every state slot in it advanced): the engine retries it in halves to pin
+    the fault on its request, each sequence from its first token, so the others' tokens are exactly what they would
+    have been."""
+    path, reference = qwen3_5
+    engine = _engine(path, tokenizer, block_size=8, max_num_batched_tokens=16)
+    execute = ModelRunner.execute
+
+    def faulty(self: ModelRunner, scheduled: list[Any], *args: Any) -> Any:
+        launched = execute(self, scheduled, *args)
+        if any(item.seq.state.request.request_id == "bad" for item in scheduled):
+            raise RuntimeError("injected after the forward")
+        return launched
+
+    monkeypatch.setattr(ModelRunner, "execute", faulty)
+    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    prompts = _prompts()[:4]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(EngineRequest(f"p{i}", list(prompt), params))
+    results = {r.request_id: r for r in engine.step() + engine.step()}  # mid-prompt and decoding
+    results |= _run(engine, [EngineRequest("bad", [5, 6, 7, 8, 9], params)])
+    error = results["bad"].error
+    assert error is not None and "injected after the forward" in error.message
+    for i, prompt in enumerate(prompts):
+        assert results[f"p{i}"].outputs[0].token_ids == reference.greedy(prompt)[0]
 
 
 def test_live_slots_bound_the_running_sequences(qwen3_5: tuple[Path, Reference], tokenizer: Any) -> None:
