@@ -30,6 +30,12 @@ together mean anything; the note also gives the engine's rounds over vLLM's run 
 
 A second workload puts a 1,000-token shared system prompt before short questions and compares the engine with the
 prefix cache on and off.
+
+``--family qwen3_5``: the model is Qwen3.5-shaped instead (the same sizes; three Gated DeltaNet linear-attention
+layers to one gated full-attention layer, as Qwen3.5 lays them out), and the engine's row on the same-size Llama is
+added; rows a system cannot run say so. Its second workload puts a 300-token system prompt before the questions, and
+counts the prompt tokens computed against the sum of the prompts and against what vLLM's rule would leave (its prefix
+hits are whole blocks of the size that holds one layer's state: 528 tokens for Qwen3.5-4B).
 """
 
 from __future__ import annotations
@@ -93,12 +99,55 @@ class Clock:
         return time.perf_counter() - self.wall, time.process_time() - self.cpu
 
 
-def make_model(size: str, device: str, dtype: torch.dtype) -> Any:
+def make_model(size: str, device: str, dtype: torch.dtype, family: str = "llama") -> Any:
     sizes = {**SIZES[size], "num_key_value_heads": SIZES[size]["num_attention_heads"], "max_position_embeddings": 4096}
-    model = build_model(32000, 1, 2, 0, **sizes)
+    model = build_model(32000, 1, 2, 0, **sizes) if family == "llama" else build_qwen3_5(sizes)
     model.generation_config.eos_token_id = None  # every request runs to its length (ignore_eos)
     model.generation_config.pad_token_id = 0
     return model.to(device=device, dtype=dtype).eval()
+
+
+def build_qwen3_5(sizes: dict[str, int]) -> Any:
+    """Qwen3.5's text model at the Llama's sizes: a full-attention layer after every three Gated DeltaNet layers
+    (key heads half the value heads, every head as wide as the Llama's)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    heads, hidden = sizes["num_attention_heads"], sizes["hidden_size"]
+    layers = sizes["num_hidden_layers"]
+    config = AutoConfig.for_model(
+        "qwen3_5_text",
+        vocab_size=32000,
+        **sizes,
+        head_dim=hidden // heads,
+        layer_types=["full_attention" if i % 4 == 3 else "linear_attention" for i in range(layers)],
+        linear_num_key_heads=max(1, heads // 2),
+        linear_num_value_heads=heads,
+        linear_key_head_dim=hidden // heads,
+        linear_value_head_dim=hidden // heads,
+        linear_conv_kernel_dim=4,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(1234)
+    model = AutoModelForCausalLM.from_config(config).to(torch.float32)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    return model
+
+
+def vllm_block_size(model: Any) -> int:
+    """The attention block size vLLM's rule gives a hybrid model: the smallest multiple of 16 tokens whose K/V (one
+    attention layer's) hold one linear-attention layer's state, a float32 recurrent state and a (K-1)-wide
+    convolution window (``platforms/interface.py``; 528 for Qwen3.5-4B, vllm-project/vllm#40696)."""
+    c = model.config
+    itemsize = model.dtype.itemsize
+    conv_dim = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
+    state = conv_dim * (c.linear_conv_kernel_dim - 1) * itemsize
+    state += c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+    per_token = 2 * c.num_key_value_heads * c.head_dim * itemsize
+    return 16 * -(-state // (16 * per_token))
 
 
 def make_workload(
@@ -326,6 +375,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, nargs=2, default=(16, 256))
     parser.add_argument("--quick", action="store_true", help="64 requests, prompts 16-256, outputs 16-128")
     parser.add_argument("--size", choices=SIZES, default="small", help="the model (above)")
+    parser.add_argument("--family", choices=("llama", "qwen3_5"), default="llama", help="the model's layers (above)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
@@ -354,7 +404,7 @@ def main() -> None:
     torch.set_grad_enabled(False)
 
     tokenizer = build_tokenizer()
-    model = make_model(args.size, args.device, dtype)
+    model = make_model(args.size, args.device, dtype, args.family)
     params = sum(p.numel() for p in model.parameters()) / 1e6
     workload = make_workload(args.requests, tuple(args.prompt_len), tuple(args.output_len), args.seed)
     config = EngineConfig(
@@ -369,8 +419,9 @@ def main() -> None:
     machine = torch.cuda.get_device_name() if cuda else f"{platform.machine()}, {torch.get_num_threads()} CPU threads"
     header = (
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {machine}; "
-        f"torch {torch.__version__}; model {params:.0f}M params ({args.dtype}); {args.requests} requests, prompts "
-        f"{args.prompt_len[0]}-{args.prompt_len[1]}, outputs {args.output_len[0]}-{args.output_len[1]} tokens"
+        f"torch {torch.__version__}; {args.family} model {params:.0f}M params ({args.dtype}); "
+        f"{args.requests} requests, prompts {args.prompt_len[0]}-{args.prompt_len[1]}, "
+        f"outputs {args.output_len[0]}-{args.output_len[1]} tokens"
     )
     print(header, flush=True)
 
@@ -383,12 +434,22 @@ def main() -> None:
         if python is not None:
             model.save_pretrained(model_dir)
             tokenizer.save_pretrained(model_dir)
+        llama = make_model(args.size, args.device, dtype) if args.family != "llama" else None
         for _ in range(args.rounds):
-            engine_row, ceiling_row, _, outputs["engine"] = run_engine(model, tokenizer, workload, config)
+            engine_row, ceiling_row, stats, outputs["engine"] = run_engine(model, tokenizer, workload, config)
+            if stats.state_bytes_per_seq:
+                engine_row.note += f"; state {stats.state_bytes_per_seq / 2**10:.0f} KiB a sequence"
             runs.setdefault("engine", []).append(engine_row)
             ceilings[engine_row.cpu_seconds] = ceiling_row
+            if llama is not None:
+                row = run_engine(llama, tokenizer, workload, config)[0]
+                runs.setdefault("batchgen engine, same-size Llama", []).append(dataclasses.replace(row, name=""))
             for eager in (False, True) if python is not None else ():
-                row, tokens = run_vllm(python, Path(model_dir), workload, args, eager)
+                try:
+                    row, tokens = run_vllm(python, Path(model_dir), workload, args, eager)
+                except RuntimeError as exc:
+                    print(f"vLLM ({'enforce_eager' if eager else 'compiled'}) cannot run this model: {exc}")
+                    continue
                 outputs[row.name] = tokens
                 runs.setdefault(row.name, []).append(row)
     engine_rounds = runs.pop("engine")
@@ -396,8 +457,9 @@ def main() -> None:
     ceiling_row = ceilings[engine_row.cpu_seconds]  # the same round's
     rows = [engine_row, ceiling_row]
     for name, rounds in runs.items():
-        row = best_round(rounds)
-        row.note = f"{row.note}; {same_tokens(outputs['engine'], outputs[name])}"
+        row = dataclasses.replace(best_round(rounds), name=rounds[0].name or name)
+        if name in outputs:
+            row.note = f"{row.note}; {same_tokens(outputs['engine'], outputs[name])}"
         if len(rounds) > 1:
             row.note = f"{row.note}; {paired_ratios(engine_rounds, rounds)}"
         rows.append(row)
@@ -407,7 +469,10 @@ def main() -> None:
             rows.append(run_hf_generate(model, workload, args.device))
             print_table("partial", rows, engine_row, on_cpu)
         if "generate_batch" not in args.skip:
-            rows.append(run_hf_generate_batch(model, workload, args.device, args.max_num_batched_tokens))
+            try:
+                rows.append(run_hf_generate_batch(model, workload, args.device, args.max_num_batched_tokens))
+            except Exception as exc:  # its paged cache knows full and sliding attention layers only
+                print(f"HF generate_batch cannot run this model: {type(exc).__name__}: {exc}")
             print_table("partial", rows, engine_row, on_cpu)
     print()
     print(header)
@@ -417,7 +482,9 @@ def main() -> None:
     if python is None and "vllm" not in args.skip:
         print("vLLM: skipped, no interpreter with vLLM (set BATCHGEN_VLLM_PYTHON or --vllm-python)")
 
-    if "prefix" not in args.skip:
+    if "prefix" not in args.skip and args.family != "llama":
+        shared_prefix_of_hybrid(model, tokenizer, workload, config, args.seed, on_cpu)
+    elif "prefix" not in args.skip:
         rng = random.Random(args.seed + 1)
         system = [rng.randrange(3, 32000) for _ in range(1000)]
         shared = [
@@ -434,6 +501,34 @@ def main() -> None:
             prefix_rows.append(row)
         print()
         print_table(f"Shared 1,000-token system prompt ({len(shared)} requests)", prefix_rows, prefix_rows[0], on_cpu)
+
+
+def shared_prefix_of_hybrid(
+    model: Any, tokenizer: Any, workload: list[tuple[list[int], int]], config: EngineConfig, seed: int, cpu: bool
+) -> None:
+    """A 300-token system prompt before each question, on a hybrid model: prefill tokens computed with the state's
+    prefix checkpoints on and off, against the sum of the prompts and against vLLM's rule."""
+    rng = random.Random(seed + 1)
+    system = [rng.randrange(3, 32000) for _ in range(300)]
+    shared = [(system + prompt[: rng.randint(16, 64)], min(out, 32)) for prompt, out in workload]
+    total = sum(len(prompt) for prompt, _ in shared)
+    block = vllm_block_size(model)
+    vllm_hits = (len(shared) - 1) * (len(system) // block * block)  # at best: every request but the first
+    rows = []
+    for fraction in (0.1, 0.0):
+        row, _, stats, _ = run_engine(
+            model, tokenizer, shared, dataclasses.replace(config, state_checkpoint_fraction=fraction)
+        )
+        row.name = f"engine, state checkpoints {'on' if fraction else 'off'}"
+        row.note = f"{total - stats.cached_tokens:,} prompt tokens computed of {total:,}"
+        rows.append(row)
+    print()
+    print_table(f"Shared 300-token system prompt, hybrid model ({len(shared)} requests)", rows, rows[0], cpu)
+    print(
+        f"vLLM's rule: its blocks for this model are {block} tokens, so the 300-token prefix gives at most "
+        f"{vllm_hits:,} cached tokens: {total - vllm_hits:,} prompt tokens computed of {total:,}; with Qwen3.5-4B's "
+        f"layers its blocks are 528 tokens: no hit, {total:,} computed"
+    )
 
 
 if __name__ == "__main__":

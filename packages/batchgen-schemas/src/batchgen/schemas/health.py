@@ -43,6 +43,13 @@ class KVCacheCapacity(Wire, kw_only=True):
     blocks: int
     bytes: int
     """Its memory: every layer's K and V."""
+    state_slots: int = 0
+    """Models with state layers (Mamba, linear attention, short convolutions): the state cache beside it, in the same
+    memory budget: its slots (one per running sequence, and the prefix checkpoints), the checkpoints held, what one
+    sequence's state costs and the whole state cache's bytes."""
+    state_checkpoints: int = 0
+    state_bytes_per_sequence: int = 0
+    state_bytes: int = 0
 
 
 class HealthStatus(Wire, kw_only=True):

@@ -59,6 +59,10 @@ def _kv_cache(context: ServerContext) -> KVCacheCapacity | None:
         tokens=stats.kv_cache_tokens,
         blocks=stats.kv_blocks_total,
         bytes=stats.kv_cache_bytes,
+        state_slots=stats.state_slots,
+        state_checkpoints=stats.state_checkpoints,
+        state_bytes_per_sequence=stats.state_bytes_per_seq,
+        state_bytes=stats.state_cache_bytes,
     )
 
 

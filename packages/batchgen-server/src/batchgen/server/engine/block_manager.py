@@ -3,19 +3,30 @@
 A full block is identified by the hash of (its parent block's hash, its token ids), so equal prefixes map to equal
 hash chains. Blocks whose reference count drops to zero keep their hash and go to the back of the free list; they are
 reused by a later request with the same prefix, or recycled least recently freed first.
+
+A model with state layers (recurrent mixers, short convolutions) also has state slots (``state/slots.py``), which
+follow the blocks: a sequence holds a live slot while it holds blocks, a fork copies it, and a prefix hit reaches only
+as far as a checkpoint of the state, which is published with the blocks it ends and dropped when its block is
+recycled.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from .block_tables import BlockTables
 from .sequence import Sequence
 
+if TYPE_CHECKING:
+    from .state.slots import StateSlots
+
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool, states: StateSlots | None = None
+    ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -25,6 +36,9 @@ class BlockManager:
         self.hash_to_block: dict[int, int] = {}
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         """Free blocks, least recently freed first; a cached one leaves the hash map only when it is recycled."""
+        self.states = states
+        if states is not None:
+            states.reset()
         self.tables = BlockTables()
         """The sequences' block tables as rows of one array: every change to a ``block_table`` goes through it."""
 
@@ -37,12 +51,16 @@ class BlockManager:
         return max(0, -(-total // self.block_size) - len(seq.block_table))
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        if self.states is not None and not self.states.can_run(seq):
+            return False
         return self.blocks_needed(seq, num_new_tokens) <= len(self.free)
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         """Give ``seq`` room for ``num_new_tokens`` more tokens (check ``can_allocate`` first)."""
         for _ in range(self.blocks_needed(seq, num_new_tokens)):
             self.tables.append(seq, self._take_free())
+        if self.states is not None:
+            self.states.admit(seq)
 
     def match_prefix(self, seq: Sequence) -> int:
         """Attach the cached blocks that hold a prefix of ``seq``; return how many tokens they cover.
@@ -52,11 +70,16 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.block_table:
             return 0
         hashes = self._full_block_hashes(seq, (len(seq) - 1) // self.block_size)
+        blocks: list[int] = []
         for i, block_hash in enumerate(hashes):
             block = self.hash_to_block.get(block_hash)
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             if block is None or self.block_tokens[block] != tokens:
                 break
+            blocks.append(block)
+        if self.states is not None:
+            del blocks[self.states.hit(seq, hashes[: len(blocks)], self.block_size) :]
+        for block in blocks:
             if self.ref_counts[block] == 0:
                 del self.free[block]
             self.ref_counts[block] += 1
@@ -70,6 +93,8 @@ class BlockManager:
         if not self.enable_prefix_caching or num_full <= first_block:
             return
         hashes = self._full_block_hashes(seq, num_full)
+        if self.states is not None:
+            self.states.settle(seq, hashes, self.block_size)
         for i in range(first_block, num_full):
             block = seq.block_table[i]
             if self.block_hash[block] is None:
@@ -83,7 +108,7 @@ class BlockManager:
         Returns ``False`` (sharing nothing) when no block is free for that copy.
         """
         partial = parent.num_computed_tokens % self.block_size != 0
-        if partial and not self.free:
+        if (partial and not self.free) or (self.states is not None and not self.states.fork(parent, child)):
             return False
         self.tables.copy(parent, child)
         child.block_hashes = list(parent.block_hashes)
@@ -105,6 +130,8 @@ class BlockManager:
                 self.free[block] = None
         self.tables.release(seq)
         seq.num_computed_tokens = 0
+        if self.states is not None:
+            self.states.leave(seq)
 
     def _take_free(self) -> int:
         block, _ = self.free.popitem(last=False)
@@ -112,6 +139,8 @@ class BlockManager:
         if block_hash is not None:
             if self.hash_to_block.get(block_hash) == block:
                 del self.hash_to_block[block_hash]
+                if self.states is not None:
+                    self.states.forget(block_hash)
             self.block_hash[block] = None
             self.block_tokens[block] = None
         self.ref_counts[block] = 1

@@ -82,6 +82,16 @@ class EngineConfig:
     enable_prefix_caching: bool = setting(
         True, "reuse the KV cache of shared prompt prefixes", flags=("--prefix-caching",)
     )
+    state_checkpoint_fraction: float = setting(
+        0.1,
+        "models with state layers (Mamba, linear attention, short convolutions): the share of the cache's memory kept "
+        "for prefix checkpoints of their state, without which their prefix cache finds nothing; 0 turns it off",
+    )
+    state_checkpoint_interval: int = setting(
+        256,
+        "models with state layers: a prompt also leaves a checkpoint of its state every this many tokens (a multiple "
+        "of --block-size; 0: only at its last block boundary and where it shares a prefix with an earlier prompt)",
+    )
     max_model_len: int | None = setting(None, "context cap (default: the model's max_position_embeddings)")
     seed: int = setting(0, "seed of the sampled requests that set none")
     attention_backend: str = setting(

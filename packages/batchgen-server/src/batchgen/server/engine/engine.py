@@ -15,6 +15,7 @@ from transformers import PreTrainedModel
 
 from .adapters import AdapterRefused, Adapters
 from .block_manager import BlockManager
+from .capacity import UNDECLARED_CONTEXT
 from .config import EngineConfig
 from .errors import ModelLoadError
 from .grammar import compiler_for
@@ -43,6 +44,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, config, self.grammars)
         self.async_scheduling = config.uses_async_scheduling(self.runner.device)
         model_limit = config.max_model_len or getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        if model_limit is None and not self.runner.cache.k:  # no attention: its state does not grow with the context
+            model_limit = UNDECLARED_CONTEXT
         if model_limit is None:
             raise ValueError("the model config names no max_position_embeddings; set max_model_len")
         self.max_context_length: int = min(model_limit, self.runner.num_blocks * config.block_size)
@@ -51,7 +54,11 @@ class LLMEngine:
         self._requests: dict[str, RequestState] = {}
         self.lora: LoRASlots | None = self.runner.lora
         self.scheduler = Scheduler(
-            self._fresh_cache(), config.max_num_seqs, config.max_num_batched_tokens, self.runner.copy_block, self.lora
+            self._fresh_cache(),
+            self.runner.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.runner.copy_block,
+            self.lora,
         )
         self.outputs = OutputProcessor(tokenizer, self.scheduler, self._requests)
         self._ready: list[EngineResult] = []
@@ -79,7 +86,8 @@ class LLMEngine:
         self._in_flight = None
 
     def _fresh_cache(self) -> BlockManager:
-        return BlockManager(self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        states = self.runner.states.slots if self.runner.states is not None else None
+        return BlockManager(self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching, states)
 
     # ---- requests in and out -----------------------------------------------------------------------------------
 
@@ -159,7 +167,7 @@ class LLMEngine:
         self.scheduler.num_preemptions = 0
 
     def stats(self) -> EngineStats:
-        scheduler, totals = self.scheduler, self.outputs.totals
+        scheduler, totals, states = self.scheduler, self.outputs.totals, self.runner.states
         return EngineStats(
             queued=len(scheduler.waiting),
             running=len(scheduler.running),
@@ -171,7 +179,11 @@ class LLMEngine:
             preemptions=scheduler.num_preemptions,
             kv_cache_tokens=self.runner.num_blocks * self.config.block_size,
             kv_cache_bytes=self.runner.num_blocks * self.runner.block_bytes,
-            kv_cache_dtype=str(self.runner.cache.k[0].dtype).removeprefix("torch."),
+            kv_cache_dtype=str(self.runner.cache_dtype).removeprefix("torch."),
+            state_slots=states.cache.num_slots if states is not None else 0,
+            state_checkpoints=states.slots.published if states is not None else 0,
+            state_bytes_per_seq=states.slot_bytes if states is not None else 0,
+            state_cache_bytes=states.total_bytes if states is not None else 0,
             fast_paths=tuple(path.state() for path in self.runner.paths),
         )
 
@@ -225,6 +237,8 @@ class LLMEngine:
     def _run(self, scheduled: list[ScheduledSeq], finished: list[EngineResult]) -> None:
         """With no step in flight: launch the step and settle it at once (``_launch`` isolates a fault)."""
         scheduled = [item for item in scheduled if item.seq.status is Status.RUNNING]  # not failed or ended meanwhile
+        if self.runner.states is not None:  # the failed attempt may have advanced their states: from scratch
+            scheduled = [rewound(item) for item in scheduled]
         if scheduled:
             self._in_flight = self._launch(scheduled, finished)
             if self._in_flight is not None:
@@ -260,6 +274,18 @@ class LLMEngine:
             self._step = launched.scheduled
             raise
         self.outputs.commit(launched, token_ids, logprobs, prompt, finished)
+
+
+def rewound(item: ScheduledSeq) -> ScheduledSeq:
+    """``item`` computed again from the sequence's first token: the step's tokens and every one before them (their
+    K/V are rewritten alike), so that its state layers start from no state rather than from one a failed step may
+    have advanced part of the way."""
+    seq = item.seq
+    if not seq.num_computed_tokens:
+        return item
+    total = seq.num_computed_tokens + item.num_tokens
+    seq.num_computed_tokens = 0
+    return ScheduledSeq(seq, total)
 
 
 def _request_ids(seqs: Iterable[Sequence]) -> list[str]:

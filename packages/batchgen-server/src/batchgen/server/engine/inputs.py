@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from .attention import SeqSlice
+from .attention.step import StateLayers
 from .batch_state import BatchState, SamplingInputs
 from .launched import Launched
 from .prompt_logprobs import PromptSpan, prompt_rows
@@ -44,6 +45,8 @@ class PackedInputs:
     seqs: list[SeqSlice]
     block_tables: np.ndarray
     """The rows the ``seqs`` name (``block_tables.py``)."""
+    states: StateLayers | None = None
+    """What the state layers run in the step (models with state layers: ``state/runtime.py``)."""
 
     @property
     def all_decodes(self) -> bool:

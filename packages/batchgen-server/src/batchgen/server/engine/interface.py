@@ -43,6 +43,13 @@ class EngineStats:
     kv_cache_bytes: int = 0
     kv_cache_dtype: str = ""
     """Its dtype (``bfloat16``...: ``--kv-cache-dtype``, or the model's); empty for an engine with none."""
+    state_slots: int = 0
+    """Models with state layers (recurrent mixers, short convolutions): the state cache's slots (one per running
+    sequence, and the prefix checkpoints), the checkpoints held, what one sequence's state costs and the whole cache
+    (counted in the same memory budget as the KV cache)."""
+    state_checkpoints: int = 0
+    state_bytes_per_seq: int = 0
+    state_cache_bytes: int = 0
     fast_paths: tuple[tuple[str, str | None], ...] = ()
     """Each fast path (``fast_paths.py``) by name, with why it is off (``None`` while on)."""
 

@@ -25,6 +25,7 @@ from .attention import (
     make_backend,
 )
 from .batch_state import BatchState
+from .capacity import cache_sizes
 from .config import EngineConfig
 from .cuda_graphs import CudaGraph, DecodeGraphs
 from .errors import ModelLoadError, ModelNotSupported
@@ -40,6 +41,8 @@ from .prompt_logprobs import PromptLogprobs
 from .quantization import kv_cache_dtype
 from .sampler import Sampler
 from .scheduler_output import ScheduledSeq, SchedulerOutput
+from .state.discovery import StateLayer, StateRefused, discover
+from .state.runtime import States
 from .transfer import indices
 
 EAGER_BELOW_PARAMETERS = 10_000_000
@@ -73,11 +76,25 @@ class ModelRunner:
         self.device: torch.device = input_embeddings(model).device
         self.block_size = config.block_size
         probe = self._probe_layers()
+        state_layers = self._state_layers(probe)
         shapes = self._cache_shapes(probe.shapes, config)
         self.block_bytes = KVCache.block_bytes(shapes, self.block_size)
-        self.num_blocks = config.num_kv_blocks or self._blocks_that_fit(config)
+        budget = None if config.num_kv_blocks else self._cache_budget(config)
+        context = config.max_model_len or getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        sizes = cache_sizes(budget, self.block_bytes, States.slot_bytes_of(state_layers), config, context)
+        self.num_blocks = sizes.blocks
+        self.states: States | None = None
+        """The state layers' cache and slots (models with recurrent mixers or short convolutions)."""
+        if state_layers:
+            if config.enable_lora:
+                raise ModelLoadError("--enable-lora: LoRA is not served yet on models with state layers")
+            interval = config.state_checkpoint_interval
+            if interval % self.block_size:
+                raise ModelLoadError("--state-checkpoint-interval must be a multiple of --block-size")
+            self.states = States(state_layers, sizes, self.block_size, interval)
         self.compiled = not config.enforce_eager and model.num_parameters() >= EAGER_BELOW_PARAMETERS
-        graphs = uses_graphs(self.compiled, self.device, config)
+        # No decode graphs with state layers yet: their mixers run per call from Python lists of rows and slots.
+        graphs = uses_graphs(self.compiled, self.device, config) and self.states is None
         # With graphs, one more block than the block manager hands out: the scratch block of padding rows.
         self.cache = KVCache(shapes, self.num_blocks + graphs, self.block_size)
         self.inputs = InputBuffers(config.max_num_batched_tokens, self.block_size, self.device)
@@ -87,7 +104,8 @@ class ModelRunner:
         self.backend = self.eager_backend
         if self.compiled or config.attention_backend == "flex":
             self.backend = make_backend(config.attention_backend, self.device, self.compiled)
-        self.fast = FastForward(model, probe.modules, on_off=self._eager_from_now_on) if self.compiled else None
+        layers = [*probe.modules, *(layer.module for layer in state_layers)]  # mixer-only layers compile too
+        self.fast = FastForward(model, layers, on_off=self._eager_from_now_on) if self.compiled else None
         self.graphs: DecodeGraphs | None = None
         if graphs:
             make_graph = CudaGraph.maker()
@@ -103,6 +121,8 @@ class ModelRunner:
         """Its fast paths (``fast_paths.py``): none for a model that runs eagerly."""
         self.vocab_size: int = model.config.get_text_config().vocab_size
         self.max_num_seqs = config.max_num_seqs
+        if self.states is not None:  # each running sequence holds a slot of state
+            self.max_num_seqs = min(self.max_num_seqs, self.states.slots.live)
         self.batch = BatchState(self.vocab_size, self.device, capacity=self.max_num_seqs)
         self.sampler = Sampler()
         self.grammars = grammars
@@ -118,6 +138,11 @@ class ModelRunner:
     def _probe_layers(self) -> LayerProbe:
         """Run a few tokens through the model with the probe as attention (see ``attention/probe.py``)."""
         probe = LayerProbe()
+        self._probe_forward(probe)
+        return probe
+
+    @torch.no_grad()
+    def _probe_forward(self, probe: LayerProbe) -> None:
         ids = torch.arange(8, device=self.device).unsqueeze(0)
         self.model.set_attn_implementation(PROBE_NAME)
         try:
@@ -127,13 +152,24 @@ class ModelRunner:
             raise ModelNotSupported(self.architecture, str(exc)) from None
         finally:  # never left on the model (other engines may share it)
             self.model.set_attn_implementation(ATTENTION_NAME)
-        if not probe.modules:
-            raise ModelNotSupported(
-                self.architecture,
-                "its attention does not run through transformers' AttentionInterface, so the engine cannot give it "
-                "a paged KV cache",
-            )
-        return probe
+
+    def _state_layers(self, probe: LayerProbe) -> list[StateLayer]:
+        """The layers that keep state across a sequence's tokens (``state/discovery.py``), found by a second probe
+        forward; a model with neither attention nor state layers is refused."""
+        no_attention = (
+            "its attention does not run through transformers' AttentionInterface, so the engine cannot give it a "
+            "paged KV cache"
+        )
+        try:
+            layers = discover(self.model, probe.modules, lambda: self._probe_forward(LayerProbe()))
+        except StateRefused as exc:
+            raise ModelNotSupported(self.architecture, str(exc)) from None
+        except Exception as exc:  # a layer outside attention used the recording cache as no state layer does
+            why = f"a layer outside its attention uses its cache as the engine cannot drive ({type(exc).__name__})"
+            raise ModelNotSupported(self.architecture, why if probe.modules else no_attention) from None
+        if not probe.modules and not layers:
+            raise ModelNotSupported(self.architecture, no_attention)
+        return layers
 
     def _cache_shapes(self, shapes: list[LayerShape], config: EngineConfig) -> list[LayerShape]:
         """The probed layers' K/V shapes, in ``--kv-cache-dtype``'s dtype where it names one (the attention reads a
@@ -145,7 +181,8 @@ class ModelRunner:
             raise ModelLoadError(f"--kv-cache-dtype {config.kv_cache_dtype} needs --attention-backend gather")
         return [dataclasses.replace(shape, dtype=dtype) for shape in shapes]
 
-    def _blocks_that_fit(self, config: EngineConfig) -> int:
+    def _cache_budget(self, config: EngineConfig) -> float:
+        """The bytes the caches may take: the KV blocks and, with state layers, the state slots."""
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             text_config = self.model.config.get_text_config()
@@ -156,10 +193,12 @@ class ModelRunner:
             budget = free - (1 - config.gpu_memory_utilization) * total - activations - logits
         else:
             budget = config.cpu_kv_cache_gib * 2**30
-        num_blocks = int(budget // self.block_bytes)
-        if num_blocks < 2:
-            raise RuntimeError(f"no memory left for the KV cache ({budget / 2**20:.0f} MiB); lower the load or dtype")
-        return num_blocks
+        return float(budget)
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The KV cache's dtype (a model without attention layers: its own, which its state is in)."""
+        return self.cache.k[0].dtype if self.cache.k else input_embeddings(self.model).dtype
 
     def copy_block(self, src: int, dst: int) -> None:
         self.cache.copy_block(src, dst)
@@ -180,6 +219,8 @@ class ModelRunner:
         device. The only state it changes is the penalised rows' counts catching up with tokens already committed,
         so a step computed again (the engine's fault isolation) reads what the first attempt read."""
         step = self.inputs.prepare(scheduled, block_tables, self.batch, previous)
+        if self.states is not None:
+            step.packed = dataclasses.replace(step.packed, states=self.states.step(scheduled, step.packed.seqs))
         if self.lora is not None:  # each token runs with its sequence's adapter slot
             self.lora.prepare(step.adapter_slots)
         masks = None
@@ -246,8 +287,11 @@ class ModelRunner:
         backend: AttentionBackend | None = None,
     ) -> StepOutput:
         step = PagedStep(
-            self.cache, backend or self.backend, packed.seqs, packed.block_tables, packed.slots, self.device
-        )
+            self.cache, backend or self.backend, packed.seqs, packed.block_tables, packed.slots, self.device,
+            packed.states,
+        )  # fmt: skip
+        if packed.states is not None:
+            packed.states.layers_run = 0
         every_row = len(sample_rows) == packed.input_ids.shape[0]
         keep = 0 if every_row else indices(sample_rows, self.device)  # 0: all
         hidden: list[torch.Tensor] = []
@@ -271,4 +315,7 @@ class ModelRunner:
                 handle.remove()
         if step.layers_attended != len(self.cache.k):
             raise RuntimeError(f"the forward ran {step.layers_attended} attention layers, not {len(self.cache.k)}")
+        ran, states = packed.states, self.states
+        if states is not None and ran is not None and ran.layers_run != len(states.layers):
+            raise RuntimeError(f"the forward ran {ran.layers_run} state layers, not {len(states.layers)}")
         return StepOutput(hidden[0][0] if hidden else None, out.logits[0])

@@ -70,7 +70,7 @@ def self_check(engine: LLMEngine, lora: LoRARequest | None = None) -> None:
     finally:
         scheduler.max_num_batched_tokens = budget
         engine.reset_stats()
-    tol = tolerance(engine.runner.cache.k[0].dtype, method_of(model.config) is not None)
+    tol = tolerance(engine.runner.cache_dtype, method_of(model.config) is not None)
     for result, prompt, adapter in zip(results, (first, second, first), (lora, None, lora), strict=True):
         _compare(engine, result, prompt, tol, adapter)
 

@@ -98,6 +98,14 @@ class Sequence:
     adapter_slot: int = 0
     """The LoRA slot its adapter holds while it runs (0: the base model), taken and given back by the scheduler as
     its blocks are."""
+    state_slot: int = -1
+    """Its live slot in the state cache while it runs (models with state layers: ``state/slots.py``)."""
+    state_source: int | None = None
+    """The checkpoint its prefix hit starts from, copied into its live slot when it is admitted."""
+    state_checkpoints: list[tuple[int, int]] = field(default_factory=list)
+    """(boundary, checkpoint slot): checkpoints its steps write, published once settled."""
+    state_reuse: int = 0
+    """A boundary its prompt shares with an earlier one that has no checkpoint: it leaves one there."""
     block_hashes: list[int] = field(default_factory=list)
     """Content hashes of the full blocks, in order (filled lazily, kept across preemption)."""
     finish_reason: FinishReason | None = None

@@ -194,6 +194,14 @@ class _StateCollector(Collector):
                 capacity = GaugeMetricFamily(name, help_text + " Its dtype in a label.", labels=["model_name", "dtype"])
                 capacity.add_metric([self.model_name, stats.kv_cache_dtype], value)
                 yield capacity
+        # Models with state layers: the state cache, in the same memory budget as the KV cache (0 without).
+        yield gauge("batchgen_state_cache_capacity_bytes", "Memory of the state cache (every slot).",
+                    stats.state_cache_bytes)  # fmt: skip
+        yield gauge("batchgen_state_cache_slots", "Slots of the state cache: running sequences' and checkpoints.",
+                    stats.state_slots)  # fmt: skip
+        yield gauge("batchgen_state_checkpoints", "Prefix checkpoints of the state held.", stats.state_checkpoints)
+        yield gauge("batchgen_state_bytes_per_sequence", "Memory of one sequence's state (every state layer).",
+                    stats.state_bytes_per_seq)  # fmt: skip
         yield counter(
             "batchgen_prompt_tokens", "Prompt tokens computed or served from the prefix cache.", stats.prompt_tokens
         )

@@ -215,13 +215,15 @@ class ReplicaPool:
         """The replicas' engine stats added up (every field is a count); a replica restarted counts from zero."""
         with self._lock:
             reported = [replica.stats for replica in self._replicas if replica.stats is not None]
-        counts = [f.name for f in dataclasses.fields(EngineStats) if f.name not in ("fast_paths", "kv_cache_dtype")]
+        same = ("fast_paths", "kv_cache_dtype", "state_bytes_per_seq")  # one config: the same on every replica
+        counts = [f.name for f in dataclasses.fields(EngineStats) if f.name not in same]
         paths: dict[str, str | None] = {}  # off if off on any replica
         for name, off in (path for stats in reported for path in stats.fast_paths):
             paths[name] = paths.get(name) or off
         totals = {name: sum(getattr(stats, name) for stats in reported) for name in counts}
         dtype = next((stats.kv_cache_dtype for stats in reported), "")  # one config: the same on every replica
-        return EngineStats(**totals, kv_cache_dtype=dtype, fast_paths=tuple(paths.items()))
+        per_seq = next((stats.state_bytes_per_seq for stats in reported), 0)
+        return EngineStats(**totals, kv_cache_dtype=dtype, state_bytes_per_seq=per_seq, fast_paths=tuple(paths.items()))
 
     def replicas(self) -> list[ReplicaStatus]:
         with self._lock:

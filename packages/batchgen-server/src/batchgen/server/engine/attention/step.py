@@ -116,6 +116,14 @@ class AttentionBackend(Protocol):
         ...
 
 
+class StateLayers(Protocol):
+    """The state layers' part of a forward (``state/mixers.py``), which the ``batchgen::state_mixer`` operator runs."""
+
+    layers_run: int
+
+    def run(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
 @dataclass(eq=False)
 class PagedStep:
     """One packed forward over the paged KV cache."""
@@ -129,6 +137,8 @@ class PagedStep:
     slot_mapping: torch.Tensor
     """Cache slot of each packed token."""
     device: torch.device
+    states: StateLayers | None = None
+    """Where the model has state layers (recurrent mixers, short convolutions): what they run in this step."""
     layers_attended: int = 0
     """Layers run so far in this forward: the next one's index in the cache (layers run in the order the probe
     found them; the runner checks that every one ran)."""

@@ -1,0 +1,66 @@
+"""A step's sequences as its state layers run them (``InputBuffers.prepare`` adds each scheduled sequence).
+
+A mixer cannot run the packed row in one call: its convolution and scan would run across sequences, and whether it
+takes its one-token path is decided per call. So every state layer runs its own forward once for all the step's
+decodes (a batch of sequences continuing by one token each, the one-token path ``generate`` decodes with) and once
+per other chunk (a prompt's chunk, alone: from no state where it starts the sequence, as ``generate`` prefills, else
+from its slot), cut at the checkpoints the chunk writes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..transfer import indices
+
+
+@dataclass(frozen=True, slots=True)
+class StateChunk:
+    row: int
+    """Its first row in the packed step."""
+    num_tokens: int
+    start: int
+    """The position of its first token: 0 starts the sequence (no state yet)."""
+    slot: int
+    """The sequence's live slot."""
+    checkpoints: tuple[tuple[int, int], ...]
+    """(boundary, checkpoint slot): the state after the token before ``boundary`` is copied there."""
+
+    def pieces(self) -> list[tuple[int, int, int | None]]:
+        """``(first, end, checkpoint)``: the chunk's tokens ``first`` to ``end`` (offsets in it), cut at each boundary,
+        each with the checkpoint slot its state is copied to (``None`` for none)."""
+        pieces: list[tuple[int, int, int | None]] = []
+        first = 0
+        for boundary, checkpoint in self.checkpoints:
+            pieces.append((first, boundary - self.start, checkpoint))
+            first = boundary - self.start
+        if first < self.num_tokens:
+            pieces.append((first, self.num_tokens, None))
+        return pieces
+
+
+@dataclass(slots=True)
+class StateStep:
+    decode_rows: list[int] = field(default_factory=list)
+    decode_slots: list[int] = field(default_factory=list)
+    decode_checkpoints: list[tuple[int, int]] = field(default_factory=list)
+    """(live slot, checkpoint slot): a decode that completes a checkpoint's block (a prompt's last token, say)."""
+    chunks: list[StateChunk] = field(default_factory=list)
+    _indices: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
+
+    def add(self, row: int, num_tokens: int, start: int, slot: int, checkpoints: tuple[tuple[int, int], ...]) -> None:
+        if num_tokens == 1 and start > 0:
+            self.decode_rows.append(row)
+            self.decode_slots.append(slot)
+            self.decode_checkpoints += [(slot, checkpoint) for _, checkpoint in checkpoints]
+        else:
+            self.chunks.append(StateChunk(row, num_tokens, start, slot, checkpoints))
+
+    def index(self, values: list[int], device: torch.device) -> torch.Tensor:
+        """``values`` as an index on ``device``, made once a step (every state layer reads the same ones)."""
+        key = tuple(values)
+        if key not in self._indices:
+            self._indices[key] = indices(values, device)
+        return self._indices[key]
