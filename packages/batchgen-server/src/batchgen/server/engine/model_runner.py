@@ -27,7 +27,7 @@ from .attention import (
 from .batch_state import BatchState
 from .config import EngineConfig
 from .cuda_graphs import CudaGraph, DecodeGraphs
-from .errors import ModelLoadError, ModelNotSupported
+from .errors import ModelLoadError, ModelNotSupported, refused
 from .fast_forward import FastForward
 from .fast_paths import FastPath
 from .grammar import GrammarCompiler, MaskFill
@@ -125,6 +125,8 @@ class ModelRunner:
                 self.model(input_ids=ids, position_ids=ids, use_cache=False, logits_to_keep=1)
         except AttentionRefused as exc:
             raise ModelNotSupported(self.architecture, str(exc)) from None
+        except Exception as exc:  # a layer that cannot run this way (e.g. one that needs a mask): one line
+            raise refused(self.architecture, "its forward failed in the engine's layer probe", exc) from None
         finally:  # never left on the model (other engines may share it)
             self.model.set_attn_implementation(ATTENTION_NAME)
         if not probe.modules:
@@ -158,7 +160,7 @@ class ModelRunner:
             budget = config.cpu_kv_cache_gib * 2**30
         num_blocks = int(budget // self.block_bytes)
         if num_blocks < 2:
-            raise RuntimeError(f"no memory left for the KV cache ({budget / 2**20:.0f} MiB); lower the load or dtype")
+            raise ModelLoadError(f"no memory left for the KV cache ({budget / 2**20:.0f} MiB); lower the load or dtype")
         return num_blocks
 
     def copy_block(self, src: int, dst: int) -> None:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .attention import ATTENTION_NAME
-from .errors import ModelNotSupported
+from .errors import ModelNotSupported, refused
 from .loader import input_embeddings
 from .quantization import method_of
 from .request import EngineRequest, EngineResult, SamplingParams
@@ -41,10 +41,14 @@ def tolerance(dtype: torch.dtype, quantized: bool = False) -> float:
 
 def check_engine(engine: LLMEngine) -> None:
     """The check of an engine just built (``factory.build_engine``): of the base model, then, where ``--lora-modules``
-    serves adapters, of the first (the slots and the prefix cache's salt, against the adapter applied directly)."""
-    self_check(engine)
-    if engine.served_adapters:
-        self_check(engine, engine.served_adapters[0])
+    serves adapters, of the first (the slots and the prefix cache's salt, against the adapter applied directly).
+    Whatever it raises is the one-line refusal."""
+    try:
+        self_check(engine)
+        if engine.served_adapters:
+            self_check(engine, engine.served_adapters[0])
+    except Exception as exc:
+        raise refused(engine.runner.architecture, "its forward failed in the engine's self-check", exc) from None
 
 
 def self_check(engine: LLMEngine, lora: LoRARequest | None = None) -> None:

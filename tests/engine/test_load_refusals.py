@@ -1,0 +1,115 @@
+"""No traceback at load, ever: whatever the layer probe, the self-check or the first forward raises is the one-line
+``ModelNotSupported`` refusal naming the architecture, in the engine and through ``batchgen-server run-batch``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from server_helpers import forked_cli
+from sparse_models import build
+from transformers import AutoModelForCausalLM
+
+from batchgen.server.engine import EngineConfig, LLMEngine, factory
+from batchgen.server.engine.errors import ModelNotSupported
+
+DSA_CRASH = "its forward failed in the engine's layer probe: TypeError: 'NoneType' object is not subscriptable"
+REFUSED = {
+    "deepseek_v32": ("DeepseekV32ForCausalLM", DSA_CRASH),
+    "glm_moe_dsa": ("GlmMoeDsaForCausalLM", DSA_CRASH),
+    "deepseek_v4": (
+        "DeepseekV4ForCausalLM",
+        "its attention sees 10 keys for 8 tokens: keys the tokens do not make one for one (compressed or memory "
+        "entries, as DeepSeek-V4's compressed attention appends), which a paged KV cache does not hold",
+    ),
+}
+"""Families the engine refuses, with why (the start of the line): DSA's indexer reads the mask the engine does not
+build; DeepSeek-V4 appends compressed keys the mask does not count."""
+
+
+def _config(**overrides: Any) -> EngineConfig:
+    return EngineConfig(model="x", dtype="float32", device="cpu", **{"num_kv_blocks": 64, **overrides})
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tokenizer: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return {name: build(name, tokenizer, tmp_path_factory.mktemp(name)) for name in REFUSED}
+
+
+@pytest.mark.parametrize("model_type", sorted(REFUSED))
+def test_refused_by_the_engine(model_type: str, checkpoints: dict[str, Path], tokenizer: Any) -> None:
+    architecture, reason = REFUSED[model_type]
+    model = AutoModelForCausalLM.from_pretrained(checkpoints[model_type], dtype=torch.float32)
+    with pytest.raises(ModelNotSupported) as refusal:
+        LLMEngine(model, tokenizer, _config(), model_type)
+    assert str(refusal.value).startswith(f"batchgen cannot serve {architecture} models: {reason}")
+    assert "\n" not in str(refusal.value)
+
+
+def test_run_batch_refuses_in_one_line(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """As a user tries them: ``batchgen-server run-batch`` exits 1 with the refusal as its last line, no
+    traceback (the CLIs run at once, forked from the fork server)."""
+    inputs = Path(__file__).parents[2] / "examples" / "chat.jsonl"
+    children = {}
+    for model_type, path in checkpoints.items():
+        log = tmp_path / f"{model_type}.log"
+        argv = ["run-batch", "-i", str(inputs), "-o", str(tmp_path / f"{model_type}.jsonl"), "--model", str(path)]
+        argv += ["--served-model-name", "demo", "--device", "cpu", "--num-kv-blocks", "64"]
+        children[model_type] = (forked_cli(argv, log), log)
+    for model_type, (child, log) in children.items():
+        assert child.wait(120) == 1, log.read_text()[-3000:]
+        text = log.read_text()
+        assert "Traceback" not in text, text
+        architecture, reason = REFUSED[model_type]
+        assert (
+            text.strip()
+            .splitlines()[-1]
+            .startswith(f"batchgen-server: batchgen cannot serve {architecture} models: {reason}")
+        )
+
+
+def _demo(demo_path: Path) -> Any:
+    return AutoModelForCausalLM.from_pretrained(demo_path, dtype=torch.float32).eval()
+
+
+def test_whatever_the_probe_raises_is_one_line(demo_path: Path, tokenizer: Any) -> None:
+    model = _demo(demo_path)
+
+    def broken(hidden: torch.Tensor) -> torch.Tensor:
+        raise TypeError("'NoneType' object is not subscriptable")
+
+    model.model.layers[0].mlp.forward = broken
+    with pytest.raises(ModelNotSupported) as refusal:
+        LLMEngine(model, tokenizer, _config(), "demo")
+    message = str(refusal.value)
+    assert message.startswith(
+        "batchgen cannot serve LlamaForCausalLM models: its forward failed in the engine's layer probe: "
+        "TypeError: 'NoneType' object is not subscriptable (test_load_refusals.py:"
+    )
+    assert "\n" not in message
+
+
+def test_whatever_the_self_check_raises_is_one_line(
+    demo_path: Path, tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A forward that fails only on the self-check's longest run (the model's own forward over a whole prompt and
+    its tokens; the engine's steps stay shorter)."""
+    model = _demo(demo_path)
+    norm = model.model.norm
+    forward = norm.forward
+
+    def longer_than_24(hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.shape[1] > 24:
+            raise IndexError("index 24 is out of bounds")
+        return forward(hidden)
+
+    norm.forward = longer_than_24
+    monkeypatch.setattr(factory, "load_model", lambda config: (model, tokenizer))
+    with pytest.raises(ModelNotSupported) as refusal:
+        factory.build_engine(_config(block_size=16))
+    assert str(refusal.value).startswith(
+        "batchgen cannot serve LlamaForCausalLM models: its forward failed in the engine's self-check: "
+        "IndexError: index 24 is out of bounds (test_load_refusals.py:"
+    )
