@@ -73,6 +73,8 @@ class ModelRunner:
         self.device: torch.device = input_embeddings(model).device
         self.block_size = config.block_size
         probe = self._probe_layers()
+        self.windows = probe.windows
+        """The layers' sliding windows (``None``: full attention), which the self-check reaches past."""
         shapes = self._cache_shapes(probe.shapes, config)
         self.block_bytes = KVCache.block_bytes(shapes, self.block_size)
         self.num_blocks = config.num_kv_blocks or self._blocks_that_fit(config)
