@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
+from . import dsa
 from .attention import (
     ATTENTION_NAME,
     PROBE_NAME,
@@ -21,6 +22,7 @@ from .attention import (
     AttentionRefused,
     LayerProbe,
     PagedStep,
+    Selections,
     active,
     make_backend,
 )
@@ -72,16 +74,23 @@ class ModelRunner:
             raise ModelNotSupported(self.architecture, "its forward takes no `logits_to_keep`")
         self.device: torch.device = input_embeddings(model).device
         self.block_size = config.block_size
+        self.sparse = dsa.install(model)
+        """DSA layers (``dsa.py``): their indexers run per sequence, so the model runs eagerly (no compiled layers,
+        no CUDA graphs) and without LoRA slots (the indexer's projections run on parts of the packed row)."""
+        if self.sparse and config.enable_lora:
+            raise ModelNotSupported(self.architecture, "LoRA adapters on DSA sparse-attention layers are not served")
+        self._masks: dict[str, Any] = {"attention_mask": Selections()} if self.sparse else {}
         probe = self._probe_layers()
         self.windows = probe.windows
         """The layers' sliding windows (``None``: full attention), which the self-check reaches past."""
         shapes = self._cache_shapes(probe.shapes, config)
-        self.block_bytes = KVCache.block_bytes(shapes, self.block_size)
+        self.block_bytes = KVCache.block_bytes(shapes, self.block_size, probe.indexers)
         self.num_blocks = config.num_kv_blocks or self._blocks_that_fit(config)
-        self.compiled = not config.enforce_eager and model.num_parameters() >= EAGER_BELOW_PARAMETERS
+        big = model.num_parameters() >= EAGER_BELOW_PARAMETERS
+        self.compiled = not config.enforce_eager and big and not self.sparse
         graphs = uses_graphs(self.compiled, self.device, config)
         # With graphs, one more block than the block manager hands out: the scratch block of padding rows.
-        self.cache = KVCache(shapes, self.num_blocks + graphs, self.block_size)
+        self.cache = KVCache(shapes, self.num_blocks + graphs, self.block_size, probe.indexers)
         self.inputs = InputBuffers(config.max_num_batched_tokens, self.block_size, self.device)
         # The eager retry's attention: what any device runs without compiling (eager flex is a dense reference over
         # the whole cache, far too large for a real one).
@@ -124,7 +133,7 @@ class ModelRunner:
         self.model.set_attn_implementation(PROBE_NAME)
         try:
             with active(probe), torch.compiler.set_stance("force_eager"):  # layers another engine compiled
-                self.model(input_ids=ids, position_ids=ids, use_cache=False, logits_to_keep=1)
+                self.model(input_ids=ids, position_ids=ids, use_cache=False, logits_to_keep=1, **self._masks)
         except AttentionRefused as exc:
             raise ModelNotSupported(self.architecture, str(exc)) from None
         except Exception as exc:  # a layer that cannot run this way (e.g. one that needs a mask): one line
@@ -269,6 +278,7 @@ class ModelRunner:
                     position_ids=packed.positions.unsqueeze(0),
                     use_cache=False,
                     logits_to_keep=keep,
+                    **self._masks,
                 )
         finally:
             if handle is not None:

@@ -21,6 +21,7 @@ from ..fast_paths import FastPath
 from ..kv_cache import KVCache
 from ..transfer import to_device
 from .layer import LayerAttention
+from .selection import attend_selected
 
 
 @dataclass(slots=True)
@@ -135,12 +136,29 @@ class PagedStep:
     _memo: dict[Any, Any] = field(default_factory=dict)
 
     def attend(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: LayerAttention
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        layer: LayerAttention,
+        selected: torch.Tensor | None = None,
     ) -> torch.Tensor:
         index = self.layers_attended
         self.layers_attended += 1
         self.cache.write(index, self.slot_mapping, key[0], value[0])
+        if selected is not None:  # a DSA layer: each query over its own selection, whatever the backend
+            contexts = self.memo(
+                "contexts", lambda: [(s.row, s.start, s.end, self.context_slots(s)) for s in self.seqs]
+            )
+            return attend_selected(self.cache.k[index], self.cache.v[index], query, layer, selected, contexts)
         return self.backend.attend(self, index, query, key, value, layer)
+
+    def context_slots(self, seq: SeqSlice) -> torch.Tensor:
+        """The cache slots of ``seq``'s positions from 0 to the last its tokens fill, on the cache's device."""
+        bs = self.cache.block_size
+        blocks = torch.from_numpy(self.blocks(seq))
+        slots = (blocks.unsqueeze(1) * bs + torch.arange(bs)).flatten()[: seq.end]
+        return to_device(slots, self.cache.k[0].device)
 
     def blocks(self, seq: SeqSlice, first: int = 0) -> np.ndarray:
         """``seq``'s blocks from its ``first`` up to the last its tokens fill once the step's are in (a copy)."""
