@@ -115,3 +115,42 @@ def test_what_the_config_declares(model_type: str, extra: dict[str, Any], expect
     config = AutoConfig.for_model(model_type, **extra)
     windows = {extra["sliding_window"], None} if "sliding_window" in extra else {None}
     assert [mechanism.what for mechanism in self_check.mechanisms(config, windows)] == expected
+
+
+@pytest.fixture(scope="module")
+def dsa_top40(tokenizer: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """DeepSeek-V3.2 whose indexer keeps 40 tokens: every short prompt's context is all selected."""
+    from sparse_models import build
+
+    return build("deepseek_v32", tokenizer, tmp_path_factory.mktemp("dsa"), index_topk=WINDOW)
+
+
+@pytest.fixture
+def selection_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A broken engine: DSA layers attend to every causal token, as if the indexer selected them all."""
+    from batchgen.server.engine.attention import step
+
+    attend = step.attend_selected
+
+    def dense(k: Any, v: Any, query: Any, layer: Any, selected: torch.Tensor, contexts: Any) -> torch.Tensor:
+        everything = torch.arange(k.shape[1], dtype=selected.dtype).expand(selected.shape[0], -1)
+        return attend(k, v, query, layer, everything, contexts)
+
+    monkeypatch.setattr(step, "attend_selected", dense)
+
+
+def test_the_check_runs_past_the_sparse_selection(dsa_top40: Path, tokenizer: Any) -> None:
+    check_engine(_engine(dsa_top40, tokenizer))
+
+
+def test_an_ignored_selection_is_refused(dsa_top40: Path, tokenizer: Any, selection_ignored: None) -> None:
+    refusal = r"DeepseekV32ForCausalLM models: (greedy decoding|its logprobs) through the engine"
+    with pytest.raises(ModelNotSupported, match=refusal):
+        check_engine(_engine(dsa_top40, tokenizer))
+
+
+def test_which_the_short_prompts_miss(
+    dsa_top40: Path, tokenizer: Any, selection_ignored: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(self_check, "mechanisms", lambda config, windows: [])
+    check_engine(_engine(dsa_top40, tokenizer))
