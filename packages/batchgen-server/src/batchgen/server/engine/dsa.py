@@ -81,35 +81,45 @@ class _IndexerForward:
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         position_ids: torch.Tensor | None,
     ) -> torch.Tensor:
+        """The indexer once per sequence, over exactly its context; the selections ``[1, tokens, index_topk]``.
+        Not the decodes as one batch padded to the longest context: ``topk`` breaks ties (exact zeros after the
+        ReLU) differently over a wider row, and transformers' decode step scores exactly the context."""
         keys = step.cache.indexer_keys[step.layers_attended]  # it selects for the attention layer that runs next
+        contexts = step.sparse_contexts()
         cos, sin = position_embeddings
         device = hidden_states.device
         selected = torch.full((hidden_states.shape[1], self.topk), -1, dtype=torch.int32, device=device)
-        for seq in step.seqs:
-            rows = slice(seq.row, seq.row + seq.num_tokens)
-            cache = _PagedKeys(keys, step.slot_mapping[rows], step.context_slots(seq))
-            mask = causal_mask(seq.num_tokens, seq.start, None, device).unsqueeze(0)  # [1, new, context]
+        parts = [(chunk.rows, chunk.positions, chunk.slots) for chunk in contexts.chunks]
+        if contexts.decodes is not None:
+            decodes = contexts.decodes
+            for i, seq in enumerate(s for s in step.seqs if s.num_tokens == 1):  # in the group's order
+                parts.append(
+                    (slice(seq.row, seq.row + 1), decodes.positions[i : i + 1], decodes.slots[i : i + 1, : seq.end])
+                )
+        for rows, positions, slots in parts:
+            visible = torch.arange(slots.shape[1], device=device) <= positions.to(device).unsqueeze(1)
             chosen = self.original(
                 hidden_states[:, rows],
                 q_resid[:, rows],
                 (cos[:, rows], sin[:, rows]),
-                mask,
+                visible.unsqueeze(0),  # [1, new tokens, context]
                 None if position_ids is None else position_ids[:, rows],
-                cache=cache,
+                cache=_PagedKeys(keys, step.slot_mapping[rows], slots),
             )
             selected[rows, : chosen.shape[-1]] = chosen[0]
         return selected.unsqueeze(0)
 
 
 class _PagedKeys:
-    """The cache an indexer sees for one sequence: its new keys go to their slots, its whole context comes back."""
+    """The cache an indexer sees: the new keys go to their slots, each sequence's whole context comes back
+    (``context_slots`` ``[batch, context]``)."""
 
     def __init__(self, keys: torch.Tensor, new_slots: torch.Tensor, context_slots: torch.Tensor) -> None:
         self.keys, self.new_slots, self.context_slots = keys, new_slots, context_slots
 
     def update_indexer(self, new: torch.Tensor, layer_idx: int) -> torch.Tensor:
-        self.keys.index_copy_(0, self.new_slots.to(self.keys.device), new[0].to(self.keys.dtype))
-        return self.keys[self.context_slots.to(self.keys.device)].unsqueeze(0)
+        self.keys.index_copy_(0, self.new_slots.to(self.keys.device), new.flatten(0, 1).to(self.keys.dtype))
+        return self.keys[self.context_slots.to(self.keys.device)]
 
 
 class _Recording:

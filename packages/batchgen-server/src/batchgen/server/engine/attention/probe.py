@@ -52,6 +52,6 @@ class LayerProbe:
         self.windows.add(layer.window)
         mask = None if layer.window is None else causal_mask(query.shape[2], 0, layer.window, query.device)
         if selected is not None:  # a DSA layer (``selection.py``)
-            chosen = selected_mask(selected, 0, key.shape[2])
+            chosen = selected_mask(selected, torch.arange(key.shape[2], device=key.device), key.shape[2])
             mask = chosen if mask is None else mask & chosen
         return attend(query, key, value, layer, mask)[0].transpose(0, 1)
