@@ -19,8 +19,9 @@ from batchgen.server.engine.errors import ModelNotSupported
 REFUSED = {
     "deepseek_v4": (
         "DeepseekV4ForCausalLM",
-        "its attention sees 10 keys for 8 tokens: keys the tokens do not make one for one (compressed or memory "
-        "entries, as DeepSeek-V4's compressed attention appends), which a paged KV cache does not hold",
+        "its compressed attention (compressed_sparse_attention one entry per 4 tokens, heavily_compressed_attention "
+        "one entry per 8 tokens) is not served: its attention sees 10 keys for 8 tokens, which a paged KV cache of "
+        "one key per token does not hold",
     ),
 }
 """Families the engine refuses, with why (the start of the line): DeepSeek-V4 appends compressed keys to the

@@ -40,6 +40,7 @@ from .loader import input_embeddings
 from .lora import LoRASlots, build_slots, detach
 from .prompt_logprobs import PromptLogprobs
 from .quantization import kv_cache_dtype
+from .reach import compression
 from .sampler import Sampler
 from .scheduler_output import ScheduledSeq, SchedulerOutput
 from .transfer import indices
@@ -135,7 +136,9 @@ class ModelRunner:
             with active(probe), torch.compiler.set_stance("force_eager"):  # layers another engine compiled
                 self.model(input_ids=ids, position_ids=ids, use_cache=False, logits_to_keep=1, **self._masks)
         except AttentionRefused as exc:
-            raise ModelNotSupported(self.architecture, str(exc)) from None
+            compressed = compression(self.model.config.get_text_config())  # the mechanism, where it declares one
+            reason = str(exc) if compressed is None else f"{compressed} is not served: {exc}"
+            raise ModelNotSupported(self.architecture, reason) from None
         except Exception as exc:  # a layer that cannot run this way (e.g. one that needs a mask): one line
             raise refused(self.architecture, "its forward failed in the engine's layer probe", exc) from None
         finally:  # never left on the model (other engines may share it)

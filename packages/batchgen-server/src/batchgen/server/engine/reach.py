@@ -20,6 +20,16 @@ class Mechanism:
     """A context of more tokens than this exercises it."""
 
 
+def compression(text_config: Any) -> str | None:
+    """The compressed attention ``text_config`` declares (DeepSeek-V4's), named for a refusal; ``None`` if none."""
+    rates = getattr(text_config, "compress_rates", None)
+    if isinstance(rates, dict) and rates:
+        layers = ", ".join(f"{name} one entry per {rate} tokens" for name, rate in rates.items())
+        return f"its compressed attention ({layers})"
+    rate = getattr(text_config, "compress_ratio", None)
+    return f"its compressed attention (one entry per {rate} tokens)" if isinstance(rate, int) and rate > 1 else None
+
+
 def mechanisms(text_config: Any, windows: set[int | None]) -> list[Mechanism]:
     """What ``text_config`` declares and the layers asked of attention when the engine probed them (``windows``:
     each layer's sliding window, ``None`` for full attention), longest last."""

@@ -43,9 +43,8 @@ class LayerProbe:
             raise AttentionRefused("it runs the same attention layer more than once per forward (shared weights)")
         if key.shape[2] != query.shape[2]:  # the paged cache holds one key per token, written at its slot
             raise AttentionRefused(
-                f"its attention sees {key.shape[2]} keys for {query.shape[2]} tokens: keys the tokens do not make "
-                "one for one (compressed or memory entries, as DeepSeek-V4's compressed attention appends), which "
-                "a paged KV cache does not hold"
+                f"its attention sees {key.shape[2]} keys for {query.shape[2]} tokens, which a paged KV cache of one "
+                "key per token does not hold"
             )
         self.modules.append(module)
         self.shapes.append(LayerShape(key.shape[1], key.shape[3], value.shape[3], key.dtype, key.device))
