@@ -16,6 +16,7 @@ from sparse_models import build
 from test_architectures import NEW_TOKENS, Reference, _check, _engine, _prompts, _run
 
 from batchgen.server.engine import EngineRequest, SamplingParams
+from batchgen.server.engine.errors import ModelNotSupported
 
 FAMILIES = ["deepseek_v32", "glm_moe_dsa"]
 
@@ -73,3 +74,11 @@ def test_the_selection_bites(family: tuple[Path, Reference]) -> None:
             for indexer in indexers:
                 indexer.index_topk = 8
     assert (sparse - dense).abs().max().item() > 1e-2
+
+
+def test_lora_is_refused_in_one_line(family: tuple[Path, Reference], tokenizer: Any) -> None:
+    """The indexer's projections run on parts of the packed row, which the LoRA slots' per-token mask does not
+    follow: refused by name rather than served wrong."""
+    path, _ = family
+    with pytest.raises(ModelNotSupported, match="LoRA adapters on DSA sparse-attention layers are not served"):
+        _engine(path, tokenizer, enable_lora=True)
