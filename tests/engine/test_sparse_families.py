@@ -1,5 +1,7 @@
-"""No traceback at load, ever: whatever the layer probe, the self-check or the first forward raises is the one-line
-``ModelNotSupported`` refusal naming the architecture, in the engine and through ``batchgen-server run-batch``."""
+"""The sparse-attention families as a user meets them, and no traceback at load, ever: whatever the layer probe, the
+self-check or the first forward raises is the one-line ``ModelNotSupported`` refusal naming the architecture, in the
+engine and through ``batchgen-server run-batch``; the families served run a batch, and answer online, whole and
+streamed. (One module: the commands fork from one fork server.)"""
 
 from __future__ import annotations
 
@@ -7,10 +9,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
-from server_helpers import forked_cli
+from server_helpers import ServerProcess, forked_cli
 from sparse_models import build
+from test_architectures import NEW_TOKENS, Reference, _prompts
 from transformers import AutoModelForCausalLM
 
 from batchgen.server.engine import EngineConfig, LLMEngine, factory
@@ -96,7 +100,7 @@ def test_whatever_the_probe_raises_is_one_line(demo_path: Path, tokenizer: Any) 
     message = str(refusal.value)
     assert message.startswith(
         "batchgen cannot serve LlamaForCausalLM models: its forward failed in the engine's layer probe: "
-        "TypeError: 'NoneType' object is not subscriptable (test_load_refusals.py:"
+        "TypeError: 'NoneType' object is not subscriptable (test_sparse_families.py:"
     )
     assert "\n" not in message
 
@@ -121,5 +125,25 @@ def test_whatever_the_self_check_raises_is_one_line(
         factory.build_engine(_config(block_size=16))
     assert str(refusal.value).startswith(
         "batchgen cannot serve LlamaForCausalLM models: its forward failed in the engine's self-check: "
-        "IndexError: index 24 is out of bounds (test_load_refusals.py:"
+        "IndexError: index 24 is out of bounds (test_sparse_families.py:"
     )
+
+
+def test_online_whole_and_streamed(tokenizer: Any, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A served DeepSeek-V3.2 (``batchgen-server serve``): a completion of token ids, whole and streamed, is the
+    text of ``generate``'s tokens."""
+    path = build("deepseek_v32", tokenizer, tmp_path_factory.mktemp("dsa-online"))
+    prompt = list(_prompts()[2])
+    expected = tokenizer.decode(Reference(path).greedy(tuple(prompt))[0], skip_special_tokens=True)
+    flags = ["--served-model-name", "demo", "--device", "cpu", "--torch-threads", "1", "--num-kv-blocks", "64"]
+    with ServerProcess(tmp_path_factory.mktemp("server"), *flags, model=str(path)) as server:
+        body = {"model": "demo", "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0}
+        with httpx.Client(base_url=server.base_url, timeout=60) as http:
+            whole = http.post("/v1/completions", json=body)
+            assert whole.status_code == 200, whole.text
+            streamed = ""
+            with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as events:
+                for line in events.iter_lines():
+                    if line.startswith("data: {"):
+                        streamed += json.loads(line.removeprefix("data: "))["choices"][0]["text"]
+    assert expected and whole.json()["choices"][0]["text"] == streamed == expected
