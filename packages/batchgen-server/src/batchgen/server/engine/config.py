@@ -117,6 +117,11 @@ class EngineConfig:
         "they disagree",
         flags=("--self-check",),
     )
+    self_check_budget_s: float = setting(
+        180.0,
+        "longest the self-check may take to run a prompt past the model's longest sliding window or sparse "
+        "selection (estimated from its short part); a model it cannot check that far within it is refused",
+    )
     torch_threads: int | None = setting(
         None, "CPU threads of torch's ops, process-wide (default: torch's own, the machine's cores)"
     )

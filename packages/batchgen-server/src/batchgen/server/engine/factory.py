@@ -9,6 +9,7 @@ from .adapters import Adapters
 from .config import EngineConfig
 from .encoder_engine import EncoderEngine
 from .engine import LLMEngine
+from .errors import refused
 from .fast_paths import describe
 from .loader import is_encoder_only, load_model
 from .self_check import check_engine
@@ -24,7 +25,10 @@ def build_engine(config: EngineConfig) -> LLMEngine | EncoderEngine:
     name = config.served_model_names[0]
     if is_encoder_only(model.config):
         return EncoderEngine(model, tokenizer, config, name)
-    engine = LLMEngine(model, tokenizer, config, name)
+    try:
+        engine = LLMEngine(model, tokenizer, config, name)
+    except Exception as exc:  # the probe says why in one line; anything else it meets must be one line too
+        raise refused(type(model).__name__, "the engine could not be built for it", exc) from None
     if config.self_check:  # it runs the first steps, so it compiles what they need before the first request
         check_engine(engine)
     logger.info("%s: fast paths: %s", name, describe(engine.runner.paths))

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
+from . import dsa
 from .attention import (
     ATTENTION_NAME,
     PROBE_NAME,
@@ -21,6 +22,7 @@ from .attention import (
     AttentionRefused,
     LayerProbe,
     PagedStep,
+    Selections,
     active,
     make_backend,
 )
@@ -28,7 +30,7 @@ from .batch_state import BatchState
 from .capacity import cache_sizes
 from .config import EngineConfig
 from .cuda_graphs import CudaGraph, DecodeGraphs
-from .errors import ModelLoadError, ModelNotSupported
+from .errors import ModelLoadError, ModelNotSupported, refused
 from .fast_forward import FastForward
 from .fast_paths import FastPath
 from .grammar import GrammarCompiler, MaskFill
@@ -39,6 +41,7 @@ from .loader import input_embeddings
 from .lora import LoRASlots, build_slots, detach
 from .prompt_logprobs import PromptLogprobs
 from .quantization import kv_cache_dtype
+from .reach import compression
 from .sampler import Sampler
 from .scheduler_output import ScheduledSeq, SchedulerOutput
 from .state.discovery import StateLayer, StateRefused, discover
@@ -75,10 +78,18 @@ class ModelRunner:
             raise ModelNotSupported(self.architecture, "its forward takes no `logits_to_keep`")
         self.device: torch.device = input_embeddings(model).device
         self.block_size = config.block_size
+        self.sparse = dsa.install(model)
+        """DSA layers (``dsa.py``): their indexers run per sequence, so the model runs eagerly (no compiled layers,
+        no CUDA graphs) and without LoRA slots (the indexer's projections run on parts of the packed row)."""
+        if self.sparse and config.enable_lora:
+            raise ModelNotSupported(self.architecture, "LoRA adapters on DSA sparse-attention layers are not served")
+        self._masks: dict[str, Any] = {"attention_mask": Selections()} if self.sparse else {}
         probe = self._probe_layers()
+        self.windows = probe.windows
+        """The layers' sliding windows (``None``: full attention), which the self-check reaches past."""
         state_layers = self._state_layers(probe)
         shapes = self._cache_shapes(probe.shapes, config)
-        self.block_bytes = KVCache.block_bytes(shapes, self.block_size)
+        self.block_bytes = KVCache.block_bytes(shapes, self.block_size, probe.indexers)
         budget = None if config.num_kv_blocks else self._cache_budget(config)
         context = config.max_model_len or getattr(model.config.get_text_config(), "max_position_embeddings", None)
         sizes = cache_sizes(budget, self.block_bytes, States.slot_bytes_of(state_layers), config, context)
@@ -92,11 +103,12 @@ class ModelRunner:
             if interval % self.block_size:
                 raise ModelLoadError("--state-checkpoint-interval must be a multiple of --block-size")
             self.states = States(state_layers, sizes, self.block_size, interval)
-        self.compiled = not config.enforce_eager and model.num_parameters() >= EAGER_BELOW_PARAMETERS
+        big = model.num_parameters() >= EAGER_BELOW_PARAMETERS
+        self.compiled = not config.enforce_eager and big and not self.sparse
         # No decode graphs with state layers yet: their mixers run per call from Python lists of rows and slots.
         graphs = uses_graphs(self.compiled, self.device, config) and self.states is None
         # With graphs, one more block than the block manager hands out: the scratch block of padding rows.
-        self.cache = KVCache(shapes, self.num_blocks + graphs, self.block_size)
+        self.cache = KVCache(shapes, self.num_blocks + graphs, self.block_size, probe.indexers)
         self.inputs = InputBuffers(config.max_num_batched_tokens, self.block_size, self.device)
         # The eager retry's attention: what any device runs without compiling (eager flex is a dense reference over
         # the whole cache, far too large for a real one).
@@ -147,9 +159,13 @@ class ModelRunner:
         self.model.set_attn_implementation(PROBE_NAME)
         try:
             with active(probe), torch.compiler.set_stance("force_eager"):  # layers another engine compiled
-                self.model(input_ids=ids, position_ids=ids, use_cache=False, logits_to_keep=1)
+                self.model(input_ids=ids, position_ids=ids, use_cache=False, logits_to_keep=1, **self._masks)
         except AttentionRefused as exc:
-            raise ModelNotSupported(self.architecture, str(exc)) from None
+            compressed = compression(self.model.config.get_text_config())  # the mechanism, where it declares one
+            reason = str(exc) if compressed is None else f"{compressed} is not served: {exc}"
+            raise ModelNotSupported(self.architecture, reason) from None
+        except Exception as exc:  # a layer that cannot run this way (e.g. one that needs a mask): one line
+            raise refused(self.architecture, "its forward failed in the engine's layer probe", exc) from None
         finally:  # never left on the model (other engines may share it)
             self.model.set_attn_implementation(ATTENTION_NAME)
 
@@ -309,6 +325,7 @@ class ModelRunner:
                     position_ids=packed.positions.unsqueeze(0),
                     use_cache=False,
                     logits_to_keep=keep,
+                    **self._masks,
                 )
         finally:
             if handle is not None:

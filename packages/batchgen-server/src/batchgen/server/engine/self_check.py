@@ -6,20 +6,27 @@ with transformers' eager attention, then scores the same tokens. If any logprob 
 tolerance, the engine cannot drive this model and refuses it, whatever the architecture: this catches what no list
 of known architectures can (a layer that mixes tokens outside attention, a cache it keeps itself, a head that
 post-processes logits in a way the engine does not reproduce).
+
+Those prompts are a few blocks long. Where the model's attention reaches further back (a sliding window, a sparse
+top-k selection, a compression stride: ``reach.py``), one more prompt runs past the longest of them, prefilled in a
+few chunks and decoded past it, if the short part's time per token says it fits ``--self-check-budget-s``; else the
+model is refused, naming the mechanism the check cannot reach.
 """
 
 from __future__ import annotations
 
 import random
+import time
 from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 import torch
 
 from .attention import ATTENTION_NAME
-from .errors import ModelNotSupported
+from .errors import ModelNotSupported, refused
 from .loader import input_embeddings
 from .quantization import method_of
+from .reach import mechanisms
 from .request import EngineRequest, EngineResult, SamplingParams
 
 if TYPE_CHECKING:
@@ -28,6 +35,8 @@ if TYPE_CHECKING:
 
 NEW_TOKENS = 4
 TOP = 5
+REACH_CHUNKS = 4
+"""The prompt past the model's reach is prefilled in about this many chunks: continuations past a window's start."""
 
 
 def tolerance(dtype: torch.dtype, quantized: bool = False) -> float:
@@ -41,15 +50,20 @@ def tolerance(dtype: torch.dtype, quantized: bool = False) -> float:
 
 def check_engine(engine: LLMEngine) -> None:
     """The check of an engine just built (``factory.build_engine``): of the base model, then, where ``--lora-modules``
-    serves adapters, of the first (the slots and the prefix cache's salt, against the adapter applied directly)."""
-    self_check(engine)
-    if engine.served_adapters:
-        self_check(engine, engine.served_adapters[0])
+    serves adapters, of the first (the slots and the prefix cache's salt, against the adapter applied directly).
+    Whatever it raises is the one-line refusal."""
+    try:
+        self_check(engine)
+        if engine.served_adapters:
+            self_check(engine, engine.served_adapters[0])
+    except Exception as exc:
+        raise refused(engine.runner.architecture, "its forward failed in the engine's self-check", exc) from None
 
 
 def self_check(engine: LLMEngine, lora: LoRARequest | None = None) -> None:
     """The check; with ``lora``, of that adapter's requests against the model's forward with the adapter applied
     directly (``LoRASlots.referencing``), prefix-cache hit included."""
+    started = time.monotonic()
     model = engine.runner.model
     bs = engine.config.block_size
     vocab = input_embeddings(model).shape[0]
@@ -73,6 +87,46 @@ def self_check(engine: LLMEngine, lora: LoRARequest | None = None) -> None:
     tol = tolerance(engine.runner.cache_dtype, method_of(model.config) is not None)
     for result, prompt, adapter in zip(results, (first, second, first), (lora, None, lora), strict=True):
         _compare(engine, result, prompt, tol, adapter)
+    if lora is None:  # the adapters' own check is of their slots and salt, which the short prompts cover
+        seconds_per_token = (time.monotonic() - started) / (2 * len(first) + len(second) + 3 * NEW_TOKENS)
+        _reach(engine, len(first), second, seconds_per_token, tol)
+
+
+def _reach(engine: LLMEngine, checked: int, beside: list[int], seconds_per_token: float, tol: float) -> None:
+    """A prompt past the model's longest window or sparse selection (``reach.py``), prefilled in a few chunks
+    beside another sequence's decodes, then decoded past it; or the refusal naming the mechanism if that would take
+    longer than ``--self-check-budget-s`` (estimated from the short part's time per token)."""
+    runner, config = engine.runner, engine.config
+    found = mechanisms(runner.model.config.get_text_config(), runner.windows)
+    if not found:
+        return
+    mechanism = found[-1]
+    length = min(mechanism.tokens + config.block_size + 3, engine.max_context_length - NEW_TOKENS - 1)
+    if length <= checked:  # the short prompts reached past it already, or no request can reach it
+        return
+    estimate = seconds_per_token * (length + NEW_TOKENS)
+    if estimate > config.self_check_budget_s:
+        raise ModelNotSupported(
+            runner.architecture,
+            f"the self-check cannot reach past {mechanism.what} in time: a prompt of {length} tokens would take "
+            f"about {estimate:.0f} s, over --self-check-budget-s {config.self_check_budget_s:g}; raise it, or run "
+            "with the self-check off at your own risk",
+        )
+    rng = random.Random(1)
+    prompt = [rng.randrange(engine.vocab_size) for _ in range(length)]
+    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=True, top_logprobs=TOP)
+    scheduler = engine.scheduler
+    budget = scheduler.max_num_batched_tokens
+    scheduler.max_num_batched_tokens = min(budget, max(config.block_size + 4, -(-length // REACH_CHUNKS)))
+    try:
+        result, _ = _run(
+            engine,
+            [EngineRequest("self-check-reach", prompt, params), EngineRequest("self-check-beside", beside, params)],
+        )
+    finally:
+        scheduler.max_num_batched_tokens = budget
+        engine.reset_stats()
+    _compare(engine, result, prompt, tol, None)
 
 
 def _run(engine: LLMEngine, requests: list[EngineRequest]) -> list[EngineResult]:

@@ -18,8 +18,9 @@ from transformers import AttentionInterface
 from .decode import DecodeKernel
 from .flex import FlexBackend
 from .gather import GatherBackend
-from .layer import AttentionRefused, LayerAttention
+from .layer import SELECTION, AttentionRefused, LayerAttention
 from .probe import LayerProbe
+from .selection import Selections
 from .step import AttentionBackend, DecodeBlocks, PagedStep, SeqSlice, active, current
 from .varlen import VarlenAttention, flash_varlen
 
@@ -39,8 +40,17 @@ def paged_attention(
     """``query`` is ``[1, heads, tokens, head_dim]``, ``key``/``value`` ``[1, kv_heads, tokens, head_dim]``; returns
     ``[1, tokens, heads, head_dim]`` as transformers' attention functions do."""
     layer = LayerAttention.of(module, attention_mask, kwargs)
-    out = torch.ops.batchgen.paged_attention(query, key, value, layer.scale, layer.window, layer.softcap, layer.sinks)
+    selected = _selected(attention_mask, kwargs)
+    out = torch.ops.batchgen.paged_attention(
+        query, key, value, layer.scale, layer.window, layer.softcap, layer.sinks, selected
+    )
     return out.unsqueeze(0), None
+
+
+def _selected(attention_mask: object, kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """A DSA layer's selection ``[tokens, k]`` (``selection.py``), or ``None``."""
+    indices = kwargs.get("indices") if attention_mask is SELECTION else None
+    return None if indices is None else indices[0]
 
 
 @torch.library.custom_op("batchgen::paged_attention", mutates_args=())
@@ -52,14 +62,16 @@ def _paged_attention_op(
     window: int | None,
     softcap: float | None,
     sinks: torch.Tensor | None,
+    selected: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One layer's attention in the current step (its cache write included). An operator, so that a compiled decoder
-    layer keeps it as one opaque call: what it does depends on the step, which is Python the compiler must not see."""
+    layer keeps it as one opaque call: what it does depends on the step, which is Python the compiler must not see.
+    ``selected``: a DSA layer's positions per query (``selection.py``)."""
     step = current()
     if not isinstance(step, PagedStep):
         raise RuntimeError(f"{ATTENTION_NAME} attention runs only inside the batchgen engine's forward")
     # Contiguous, as the fake below declares it (compiled layers check the strides of what it returns).
-    return step.attend(query, key, value, LayerAttention(scale, window, softcap, sinks)).contiguous()
+    return step.attend(query, key, value, LayerAttention(scale, window, softcap, sinks), selected).contiguous()
 
 
 @_paged_attention_op.register_fake
@@ -78,7 +90,8 @@ def probe_attention(
     probe = current()
     if not isinstance(probe, LayerProbe):
         raise RuntimeError(f"{PROBE_NAME} attention runs only inside the batchgen engine's probe")
-    return probe.attend(module, query, key, value, LayerAttention.of(module, attention_mask, kwargs)).unsqueeze(0), None
+    layer = LayerAttention.of(module, attention_mask, kwargs)
+    return probe.attend(module, query, key, value, layer, _selected(attention_mask, kwargs)).unsqueeze(0), None
 
 
 def make_backend(name: str, device: torch.device, compiled: bool) -> AttentionBackend:
@@ -104,7 +117,9 @@ __all__ = [
     "DecodeBlocks",
     "LayerProbe",
     "PagedStep",
+    "SELECTION",
     "SeqSlice",
+    "Selections",
     "active",
     "make_backend",
 ]

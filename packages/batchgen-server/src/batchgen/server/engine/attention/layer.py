@@ -18,6 +18,20 @@ IRRELEVANT = frozenset(
 """Keywords the layers pass along that do not change what attention computes."""
 
 
+class SelectionMask:
+    """The mask a DSA layer indexes (``attention_mask[:, 0, :, :]``) and passes on, in the engine's forwards: it
+    stands for a mask the engine does not build (``selection.py``)."""
+
+    def __getitem__(self, item: Any) -> SelectionMask:
+        return self
+
+    def __repr__(self) -> str:
+        return "SELECTION"
+
+
+SELECTION = SelectionMask()
+
+
 class AttentionRefused(Exception):
     """An attention call asks for something this engine does not compute (the message says what)."""
 
@@ -40,12 +54,17 @@ class LayerAttention:
 
     @classmethod
     def of(cls, module: torch.nn.Module, attention_mask: object, kwargs: dict[str, Any]) -> LayerAttention:
-        if attention_mask is not None:
+        """What the call asks for; ``attention_mask`` may be the engine's DSA stand-in (``selection.py``), whose
+        layers hand their selection over as ``indices`` (``selected``)."""
+        sparse = attention_mask is SELECTION
+        if attention_mask is not None and not sparse:
             raise AttentionRefused("its layers build their own attention mask (e.g. ALiBi or a custom bias)")
         if kwargs.get("is_causal", getattr(module, "is_causal", True)) is False:
             raise AttentionRefused("its attention is bidirectional, not causal")
         for name, value in kwargs.items():
             if name in IRRELEVANT or name in {"scaling", "sliding_window", "softcap", "s_aux", "dropout", "is_causal"}:
+                continue
+            if sparse and name == "indices":
                 continue
             if value is not None and value is not False:
                 raise AttentionRefused(

@@ -21,6 +21,7 @@ from ..fast_paths import FastPath
 from ..kv_cache import KVCache
 from ..transfer import to_device
 from .layer import LayerAttention
+from .selection import Chunk, Decodes, SparseContexts, attend_selected
 
 
 @dataclass(slots=True)
@@ -145,12 +146,47 @@ class PagedStep:
     _memo: dict[Any, Any] = field(default_factory=dict)
 
     def attend(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: LayerAttention
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        layer: LayerAttention,
+        selected: torch.Tensor | None = None,
     ) -> torch.Tensor:
         index = self.layers_attended
         self.layers_attended += 1
         self.cache.write(index, self.slot_mapping, key[0], value[0])
+        if selected is not None:  # a DSA layer: each query over its own selection, whatever the backend
+            contexts = self.sparse_contexts()
+            return attend_selected(self.cache.k[index], self.cache.v[index], query, layer, selected, contexts)
         return self.backend.attend(self, index, query, key, value, layer)
+
+    def sparse_contexts(self) -> SparseContexts:
+        """What the step's DSA layers read (``selection.py``), built once a step."""
+        return self.memo("sparse", self._build_sparse_contexts)  # type: ignore[no-any-return]
+
+    def _build_sparse_contexts(self) -> SparseContexts:
+        bs, tables, device = self.cache.block_size, self.block_tables, self.cache.k[0].device
+        chunks = []
+        for seq in self.seqs:
+            if seq.num_tokens > 1:
+                slots = _slots(tables[seq.table_row : seq.table_row + 1], seq.end, bs)
+                positions = torch.arange(seq.start, seq.end, device=device)
+                chunks.append(Chunk(slice(seq.row, seq.row + seq.num_tokens), positions, to_device(slots, device)))
+        decodes = [s for s in self.seqs if s.num_tokens == 1]
+        if not decodes:
+            return SparseContexts(chunks, None)
+        count = len(decodes)
+        rows = np.fromiter((s.row for s in decodes), np.int64, count)
+        starts = np.fromiter((s.start for s in decodes), np.int64, count)
+        table_rows = tables[np.fromiter((s.table_row for s in decodes), np.int64, count)]
+        slots = _slots(table_rows, int(starts.max()) + 1, bs)  # past a row's end: stale, never visible
+        group = Decodes(
+            to_device(torch.from_numpy(rows), device),
+            to_device(torch.from_numpy(starts), device),
+            to_device(slots, device),
+        )
+        return SparseContexts(chunks, group)
 
     def blocks(self, seq: SeqSlice, first: int = 0) -> np.ndarray:
         """``seq``'s blocks from its ``first`` up to the last its tokens fill once the step's are in (a copy)."""
@@ -161,6 +197,13 @@ class PagedStep:
         if key not in self._memo:
             self._memo[key] = build()
         return self._memo[key]
+
+
+def _slots(tables: np.ndarray, width: int, block_size: int) -> torch.Tensor:
+    """``[rows, width]`` the cache slots of positions ``0..width-1`` through each row of ``tables``."""
+    blocks = tables[:, : -(-width // block_size)]
+    slots = blocks[:, :, None] * block_size + np.arange(block_size)
+    return torch.from_numpy(slots.reshape(len(tables), -1)[:, :width])
 
 
 _local = threading.local()
