@@ -127,7 +127,7 @@ def test_online_stream_through_the_openai_sdk(server: LiveServer, expected: Call
                     {"type": "text", "text": PROMPT},
                 ],
             }
-        ],  # fmt: skip
+        ],
         max_tokens=4,
         temperature=0,
         stream=True,
@@ -148,7 +148,7 @@ def test_responses_input_image_by_file_id(server: LiveServer, expected: Callable
                     {"type": "input_text", "text": PROMPT},
                 ],
             }
-        ],  # fmt: skip
+        ],
         "max_output_tokens": 4,
     }
     response = server.http.post("/v1/responses", json=body)
