@@ -193,3 +193,34 @@ def test_text_only_model_refuses_images(live_server: LiveServer) -> None:
     assert response.status_code == 400, response.text
     assert response.json()["error"]["code"] == "unsupported_content"
     assert response.json()["error"]["param"] == "messages[0].content[0]"
+
+
+def test_client_and_cli_build_an_image_batch_from_a_folder(
+    server: LiveServer, expected: Callable[[int], str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A folder of pictures and one prompt: each distinct picture uploaded once, one line per file."""
+    import json
+
+    from batchgen.client import BatchGenHttpClient
+    from batchgen.client.cli import main
+
+    folder = tmp_path / "pictures"
+    folder.mkdir()
+    for name, i in (("a.png", 0), ("b.png", 1), ("same-as-a.png", 0)):
+        (folder / name).write_bytes(png_bytes(PICTURES[i]))
+    (folder / "notes.txt").write_text("not a picture")
+    with BatchGenHttpClient(server.base_url) as client:
+        before = {f.id for f in client.list_files(purpose="vision")}
+        batch = client.submit_image_batch(folder, PROMPT, model="m", max_tokens=4, poll_interval=0.05)
+        uploaded = [f for f in client.list_files(purpose="vision") if f.id not in before]
+        results = {line.custom_id: line for line in client.iter_results(batch)}
+    assert batch.status == "completed" and len(uploaded) == 2
+    assert sorted(results) == ["a.png", "b.png", "same-as-a.png"]
+    texts = {k: line.response.body.choices[0].message.content for k, line in results.items()}  # type: ignore[union-attr]
+    assert texts == {"a.png": expected(0), "b.png": expected(1), "same-as-a.png": expected(0)}
+
+    output = tmp_path / "out.jsonl"
+    argv = ["images", str(folder), "--prompt", PROMPT, "--model", "m", "--max-tokens", "4", "-o", str(output)]
+    assert main([*argv, "--base-url", server.base_url, "--poll-interval", "0.05", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["request_counts"]["completed"] == 3
+    assert len(output.read_text().splitlines()) == 3
