@@ -10,7 +10,6 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from ..callbacks import checked_url
 from .decode import MediaLimits
 from .errors import MediaError
 
@@ -44,6 +43,8 @@ class ImageSources:
                 "with --allowed-media-domains).",
                 param,
             )
+        from ..callbacks import checked_url  # httpx: not imported by --help
+
         try:
             parsed = checked_url(url, self.allowed_domains, "image", schemes=("https",))
         except ValueError as exc:
