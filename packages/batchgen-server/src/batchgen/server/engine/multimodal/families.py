@@ -10,7 +10,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 
 class Family:
@@ -38,48 +37,6 @@ class Family:
 
     def rope(self, model: Any, prompt: list[int], mm: Any) -> tuple[np.ndarray, int]:
         raise NotImplementedError
-
-
-class Mistral3(Family):
-    """Mistral 3 / Pixtral: each image its own size (``image_sizes``), padded in a batch; the vision tower crops
-    each image back to its size, so padding them to the batch's largest changes nothing."""
-
-    name = "Mistral 3"
-
-    def counts(self, out: Mapping[str, Any], num_images: int, num_placeholders: int) -> list[int]:
-        sizes = out["image_sizes"].tolist()
-        patch = self._patch * self._merge
-        return [(h // patch) * (w // patch) for h, w in sizes]
-
-    def split(self, out: Mapping[str, Any], num_images: int) -> list[dict[str, Any]]:
-        images = []
-        for i, (h, w) in enumerate(out["image_sizes"].tolist()):
-            images.append(
-                {
-                    "pixel_values": out["pixel_values"][i : i + 1, :, :h, :w],
-                    "image_sizes": out["image_sizes"][i : i + 1],
-                }
-            )
-        return images
-
-    @torch.no_grad()
-    def encode(self, model: Any, images: Sequence[Mapping[str, Any]]) -> list[torch.Tensor]:
-        height = max(image["pixel_values"].shape[-2] for image in images)
-        width = max(image["pixel_values"].shape[-1] for image in images)
-        pixels = torch.cat(
-            [
-                F.pad(
-                    image["pixel_values"],
-                    (0, width - image["pixel_values"].shape[-1], 0, height - image["pixel_values"].shape[-2]),
-                )
-                for image in images
-            ]
-        ).to(model.device, model.dtype)
-        sizes = torch.cat([image["image_sizes"] for image in images]).to(model.device)
-        return list(model.model.get_image_features(pixel_values=pixels, image_sizes=sizes).pooler_output)
-
-    _patch = 14
-    _merge = 2
 
 
 class Qwen2_5VL(Family):
@@ -121,7 +78,7 @@ class Qwen2_5VL(Family):
     _merge_size = 2
 
 
-FAMILIES: dict[str, type[Family]] = {"llava": Family, "mistral3": Mistral3, "qwen2_5_vl": Qwen2_5VL}
+FAMILIES: dict[str, type[Family]] = {"llava": Family, "qwen2_5_vl": Qwen2_5VL}
 """The families the engine drives exactly (tests/engine/test_images.py checks each against ``generate``)."""
 
 
@@ -134,6 +91,4 @@ def family_of(config: Any) -> Family | None:
     vision: Any = config.vision_config
     if isinstance(family, Qwen2_5VL):
         family._merge_size = vision.spatial_merge_size
-    if isinstance(family, Mistral3):
-        family._patch, family._merge = vision.patch_size, config.spatial_merge_size
     return family
