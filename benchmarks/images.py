@@ -119,7 +119,7 @@ def run_vllm(path: Path, images: list[Any], lines: list[Any], tokens: int) -> di
         env.pop("PYTHONPATH", None)
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600)
         if done.returncode != 0:
-            said = done.stderr.splitlines()
+            said = (done.stdout + done.stderr).splitlines()
             # The root cause where vLLM logs one (an import its model registry failed on), else its last error.
             errors = [s for s in said if "ModuleNotFoundError" in s] or [s for s in said if "Error" in s]
             return (errors[-1] if errors else said[-1]).split("]")[-1].strip()[:300]
