@@ -155,3 +155,39 @@ def hf_greedy(
     prompt = inputs["input_ids"].shape[1]
     logprobs = torch.log_softmax(torch.stack(out.logits)[:, 0].float(), dim=-1)
     return out.sequences[0, prompt:].tolist(), logprobs, inputs["input_ids"][0].tolist()
+
+
+IDEFICS3_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}:{% if message['content'] is string %}"
+    "{{ message['content'] }}{% else %}{% for content in message['content'] %}" + _IMAGE_PART + "<image>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}<end_of_utterance>\n"
+    "{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+
+
+def idefics3(path: Path) -> Path:
+    """Idefics3 (SmolVLM's family): pictures split into tiles, each tile's placeholders a run of their own."""
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3VisionConfig, LlamaConfig
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    specials = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>", "<|im_start|>"]
+    specials += [f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)]
+    tok = byte_tokenizer(specials, IDEFICS3_TEMPLATE)
+    vision = Idefics3VisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=56, patch_size=14
+    )
+    config = Idefics3Config(
+        vision_config=vision.to_dict(),
+        text_config=LlamaConfig(**TEXT, vocab_size=len(tok)).to_dict(),
+        image_token_id=tok.convert_tokens_to_ids("<image>"),
+        scale_factor=2,
+    )
+    torch.manual_seed(0)
+    model = Idefics3ForConditionalGeneration(config).float()
+    ip = Idefics3ImageProcessorPil(
+        size={"longest_edge": 112}, max_image_size={"longest_edge": 56}, do_image_splitting=True
+    )
+    return _save(path, model, tok, ip, {"processor_class": "Idefics3Processor", "image_seq_len": 4})
+
+
+BUILDERS["idefics3"] = idefics3

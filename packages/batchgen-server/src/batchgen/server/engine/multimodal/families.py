@@ -19,12 +19,14 @@ class Family:
     name = "LLaVA"
     mrope = False
 
-    def counts(self, out: Mapping[str, Any], num_images: int, num_placeholders: int) -> list[int]:
-        """How many placeholder tokens (encoder output rows) each image takes."""
-        return [num_placeholders // num_images] * num_images
+    def counts(self, out: Mapping[str, Any], num_images: int, positions: np.ndarray, processor: Any) -> list[int]:
+        """How many placeholder tokens (encoder output rows) each image takes (``positions``: the prompt's
+        placeholders)."""
+        return [len(positions) // num_images] * num_images
 
-    def split(self, out: Mapping[str, Any], num_images: int) -> list[dict[str, Any]]:
-        return [{"pixel_values": out["pixel_values"][i : i + 1]} for i in range(num_images)]
+    def split(self, out: Mapping[str, Any], counts: list[int], processor: Any) -> list[dict[str, Any]]:
+        """Each image's own pixels (``counts``: its placeholders)."""
+        return [{"pixel_values": out["pixel_values"][i : i + 1]} for i in range(len(counts))]
 
     def extras(self, out: Mapping[str, Any]) -> dict[str, Any]:
         return {}
@@ -46,16 +48,16 @@ class Qwen2_5VL(Family):
     name = "Qwen2.5-VL"
     mrope = True
 
-    def counts(self, out: Mapping[str, Any], num_images: int, num_placeholders: int) -> list[int]:
+    def counts(self, out: Mapping[str, Any], num_images: int, positions: np.ndarray, processor: Any) -> list[int]:
         merge = self._merge_size
         return [int(t * h * w) // merge**2 for t, h, w in out["image_grid_thw"].tolist()]
 
-    def split(self, out: Mapping[str, Any], num_images: int) -> list[dict[str, Any]]:
+    def split(self, out: Mapping[str, Any], counts: list[int], processor: Any) -> list[dict[str, Any]]:
         grids = out["image_grid_thw"]
         rows = np.cumsum([0, *(int(g.prod()) for g in grids)])
         return [
             {"pixel_values": out["pixel_values"][rows[i] : rows[i + 1]], "image_grid_thw": grids[i : i + 1]}
-            for i in range(num_images)
+            for i in range(len(counts))
         ]
 
     def extras(self, out: Mapping[str, Any]) -> dict[str, Any]:
@@ -78,7 +80,44 @@ class Qwen2_5VL(Family):
     _merge_size = 2
 
 
-FAMILIES: dict[str, type[Family]] = {"llava": Family, "qwen2_5_vl": Qwen2_5VL}
+class Idefics3(Family):
+    """Idefics3 (SmolVLM's family): each picture split into tiles plus a global view, each tile its run of
+    placeholders; an image's tiles end with the run after its ``<global-img>`` token."""
+
+    name = "Idefics3"
+
+    def counts(self, out: Mapping[str, Any], num_images: int, positions: np.ndarray, processor: Any) -> list[int]:
+        ids = out["input_ids"][0].numpy()
+        ends = np.flatnonzero(ids == processor.global_image_token_id) + processor.image_seq_len  # each image's last
+        return np.diff(np.searchsorted(positions, ends, side="right"), prepend=0).tolist()
+
+    def split(self, out: Mapping[str, Any], counts: list[int], processor: Any) -> list[dict[str, Any]]:
+        images, start = [], 0
+        for count in counts:
+            tiles = count // processor.image_seq_len
+            end = start + tiles
+            images.append({
+                "pixel_values": out["pixel_values"][0, start:end],
+                "pixel_attention_mask": out["pixel_attention_mask"][0, start:end],
+            })  # fmt: skip
+            start = end
+        return images
+
+    @torch.no_grad()
+    def encode(self, model: Any, images: Sequence[Mapping[str, Any]]) -> list[torch.Tensor]:
+        """Each image a batch row, its tiles padded with zero tiles (which the model drops, as it does its own
+        padding), so its output is its row."""
+        most = max(image["pixel_values"].shape[0] for image in images)
+
+        def padded(tensor: torch.Tensor) -> torch.Tensor:
+            return torch.cat([tensor, tensor.new_zeros(most - tensor.shape[0], *tensor.shape[1:])])
+
+        pixels = torch.stack([padded(image["pixel_values"]) for image in images]).to(model.device)
+        masks = torch.stack([padded(image["pixel_attention_mask"]) for image in images]).to(model.device)
+        return list(model.model.get_image_features(pixel_values=pixels, pixel_attention_mask=masks).pooler_output)
+
+
+FAMILIES: dict[str, type[Family]] = {"idefics3": Idefics3, "llava": Family, "qwen2_5_vl": Qwen2_5VL}
 """The families the engine drives exactly (tests/engine/test_images.py checks each against ``generate``)."""
 
 

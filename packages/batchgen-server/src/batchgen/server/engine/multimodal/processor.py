@@ -78,10 +78,10 @@ class ImageProcessor:
         out = self.processor(text=[text], images=images, return_tensors="pt", add_special_tokens=False)
         ids: list[int] = out["input_ids"][0].tolist()
         positions = np.flatnonzero(np.asarray(ids) == self.image_token_id)
-        counts = self.family.counts(out, len(images), len(positions))
-        if sum(counts) != len(positions):
+        counts = self.family.counts(out, len(images), positions, self.processor)
+        if sum(counts) != len(positions) or len(counts) != len(images):
             raise ValueError(f"the prompt has {len(positions)} image placeholders for {sum(counts)} encoder rows")
         splits = np.split(positions, np.cumsum(counts)[:-1])
-        pixels = self.family.split(out, len(images))
+        pixels = self.family.split(out, counts, self.processor)
         items = tuple(ImageInput(key, where, pix) for key, where, pix in zip(keys, splits, pixels, strict=True))
         return ids, MultimodalPrompt(items, self.family.extras(out))
