@@ -141,3 +141,38 @@ def test_unsupported_family_is_refused_in_one_line(tmp_path: Path) -> None:
     with pytest.raises(ModelNotSupported) as refused:
         load_model(EngineConfig(model=str(tmp_path), device="cpu"))
     assert "gemma3" in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_run_batch_reads_local_images_under_the_allowed_path(tmp_path: Path) -> None:
+    """run-batch's lines may name pictures as file:// URLs under --allowed-local-media-path, and only there."""
+    import json
+
+    from vlm_helpers import data_url, llava
+
+    from batchgen.schemas import ChatCompletion, ErrorResponse, parse_output_line
+    from batchgen.server.cli import main
+
+    path = llava(tmp_path / "llava")
+    pictures = tmp_path / "pictures"
+    pictures.mkdir()
+    (pictures / "a.png").write_bytes(png_bytes(PICTURES[0]))
+    (tmp_path / "outside.png").write_bytes(png_bytes(PICTURES[0]))
+    urls = {
+        "local": f"file://{pictures}/a.png",
+        "data": data_url(PICTURES[0]),
+        "outside": f"file://{pictures}/../outside.png",
+    }
+    source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    with source.open("w") as f:
+        for custom_id, url in urls.items():
+            content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "what is it?"}]
+            body = {"model": str(path), "messages": [{"role": "user", "content": content}], "max_tokens": 4}
+            f.write(json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body}))
+            f.write("\n")
+    argv = ["run-batch", "-i", str(source), "-o", str(output), "--model", str(path), "--no-progress"]
+    assert main([*argv, "--allowed-local-media-path", str(pictures), "--num-kv-blocks", "64"]) == 0
+    lines = {line.custom_id: line.response.body for line in map(parse_output_line, output.read_text().splitlines())}
+    local, data, outside = lines["local"], lines["data"], lines["outside"]
+    assert isinstance(local, ChatCompletion) and isinstance(data, ChatCompletion)
+    assert local.choices[0].message.content == data.choices[0].message.content
+    assert isinstance(outside, ErrorResponse) and outside.error.code == "invalid_image_url"
