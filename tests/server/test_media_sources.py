@@ -53,3 +53,23 @@ def test_data_urls_are_sized_before_decoding() -> None:
     with pytest.raises(MediaError) as refused:
         sources.url("data:image/png;base64," + "A" * 400, "p")
     assert refused.value.code == "image_too_large"
+
+
+def test_fetch_from_an_allowed_host_no_redirects_and_a_size_cap() -> None:
+    """The fetch itself (httpx's transport mocked by respx: no TLS server here): the bytes of a 200, a redirect not
+    followed, a body over the cap cut off."""
+    import respx
+    from httpx import Response
+
+    sources = ImageSources(MediaLimits(max_image_bytes=100), allowed_domains=("images.example",))
+    with respx.mock(assert_all_called=True) as mock:
+        mock.get("https://images.example/a.png").mock(return_value=Response(200, content=b"picture"))
+        mock.get("https://images.example/moved.png").mock(
+            return_value=Response(302, headers={"location": "https://evil.example/"})
+        )
+        mock.get("https://images.example/big.png").mock(return_value=Response(200, content=b"x" * 101))
+        assert sources.url("https://images.example/a.png", "p") == b"picture"
+        for url, code in (("moved.png", "image_fetch_failed"), ("big.png", "image_too_large")):
+            with pytest.raises(MediaError) as refused:
+                sources.url(f"https://images.example/{url}", "p")
+            assert refused.value.code == code

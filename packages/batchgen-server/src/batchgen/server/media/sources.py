@@ -6,6 +6,7 @@ its file id. Called where requests are prepared, in worker threads: never on the
 from __future__ import annotations
 
 import binascii
+import time
 from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
@@ -90,6 +91,7 @@ class ImageSources:
         import httpx
 
         cap = self.limits.max_image_bytes
+        deadline = time.monotonic() + self.limits.fetch_timeout_s  # httpx's timeout is per read: a slow drip too
         try:
             client = httpx.Client(follow_redirects=False, trust_env=False, timeout=self.limits.fetch_timeout_s)
             with client, client.stream("GET", url) as response:  # type: ignore[arg-type]
@@ -100,6 +102,12 @@ class ImageSources:
                 data = bytearray()
                 for chunk in response.iter_bytes():
                     data += chunk
+                    if time.monotonic() > deadline:
+                        raise MediaError(
+                            "image_fetch_failed",
+                            f"Fetching the image took over {self.limits.fetch_timeout_s:g} s.",
+                            param,
+                        )
                     if len(data) > cap:
                         raise MediaError(
                             "image_too_large", f"The image is over {cap} bytes, the most taken an image.", param
