@@ -79,7 +79,7 @@ def test_openapi_document_declares_the_upload_form_bearer_auth_and_jsonl(live_se
     form = document["paths"]["/v1/files"]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
     assert form["required"] == ["file", "purpose"]
     assert form["properties"]["file"] == {"type": "string", "format": "binary", "description": "The JSONL input file."}
-    assert form["properties"]["purpose"]["enum"] == ["batch"]
+    assert form["properties"]["purpose"]["enum"] == ["batch", "vision", "user_data"]  # images: docs/api.md, Images
     assert {"expires_after[anchor]", "expires_after[seconds]"} <= set(form["properties"])
 
     content = document["paths"]["/v1/files/{file_id}/content"]["get"]["responses"]["200"]["content"]

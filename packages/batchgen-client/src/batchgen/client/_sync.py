@@ -14,6 +14,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 import httpx
+from tqdm.auto import tqdm
 
 from batchgen.schemas import (
     BatchList,
@@ -30,7 +31,7 @@ from batchgen.schemas import (
     PoolStatus,
 )
 
-from . import _core
+from . import _core, _images
 from ._core import (
     DEFAULT_MAX_RETRIES,
     DEFAULT_TIMEOUT_S,
@@ -43,6 +44,7 @@ from ._core import (
     as_response_format,
 )
 from ._wait import BatchCallback, BatchWaiter
+from .progress import progress_wanted
 
 T = TypeVar("T")
 PageT = TypeVar("PageT", FileList, BatchList)
@@ -286,6 +288,36 @@ class BatchGenHttpClient:
         if output_path is not None and batch.output_file_id is not None:
             self.download_file(batch.output_file_id, output_path)
         return batch
+
+    def submit_image_batch(
+        self,
+        folder: str | os.PathLike[str],
+        prompt: str,
+        *,
+        model: str,
+        max_tokens: int | None = None,
+        output_path: str | os.PathLike[str] | None = None,
+        progress: bool | None = None,
+        **batch: Any,
+    ) -> BatchObject:
+        """A batch of one chat line per image in ``folder`` (PNG, JPEG, WebP, GIF), each asking ``prompt`` about
+        its picture: every distinct image uploaded once (purpose ``vision``, a bar of the uploads where ``progress``
+        says), the lines naming them by file id, ``custom_id`` the file's name. ``batch``: ``submit_batch``'s
+        arguments (``wait``, ``temperature``, ``metadata``...)."""
+        images = _images.folder_images(folder)
+        uploads = _images.distinct(images)
+        bar = tqdm(total=len(uploads), desc="uploading images", unit="img", disable=not progress_wanted(progress))
+        by_hash: dict[str, str] = {}
+        try:
+            for digest, path in uploads.items():
+                by_hash[digest] = (self.upload_file(path, purpose="vision")).id
+                bar.update(1)
+        finally:
+            bar.close()
+        file_ids = {path: by_hash[digest] for path, digest in _images.hashed(images).items()}
+        body = {} if max_tokens is None else {"max_tokens": max_tokens}
+        lines = _images.image_lines(images, file_ids, prompt, model, body)
+        return self.submit_batch(lines, output_path, progress=progress, **batch)
 
     def iter_results(self, batch: str | BatchObject, *, in_input_order: bool = False) -> Iterator[BatchOutputLine]:
         """The typed lines of a finished batch's output and error files (successes first unless ``in_input_order``)."""

@@ -211,6 +211,29 @@ def _submit(client: BatchGenHttpClient, args: argparse.Namespace, out: Output) -
     return EXIT_OK
 
 
+def _images(client: BatchGenHttpClient, args: argparse.Namespace, out: Output) -> int:
+    try:
+        batch = client.submit_image_batch(
+            args.folder,
+            args.prompt,
+            model=args.model,
+            max_tokens=args.max_tokens,
+            output_path=args.output,
+            progress=args.progress,
+            wait=args.wait,
+            poll_interval=args.poll_interval,
+            timeout=args.timeout,
+            completion_window=args.completion_window,
+            **{name: getattr(args, name) for name in GenerationDefaults.__struct_fields__},
+        )
+    except ValueError as exc:  # no such folder, no images in it
+        raise CliError(EXIT_USAGE, "usage_error", str(exc)) from None
+    out.batch(batch)
+    if args.output is not None and batch.output_file_id is not None and not out.as_json:
+        print(f"results written to {args.output}", file=sys.stderr)
+    return EXIT_OK
+
+
 def _no_file(batch: BatchObject, kind: str) -> CliError:
     """Why a batch has no output (or error) file: not yet, never ran, or nothing to put in it."""
     if batch.status not in TERMINAL_STATUSES:
@@ -253,6 +276,8 @@ def _run(client: BatchGenHttpClient, args: argparse.Namespace, out: Output) -> i
     command: str = args.command
     if command == "submit":
         return _submit(client, args, out)
+    if command == "images":
+        return _images(client, args, out)
     if command == "status":
         out.batch(client.get_batch(args.id))
         return EXIT_OK
@@ -353,6 +378,18 @@ def _parser(output: Output) -> argparse.ArgumentParser:
         "--wait", action=argparse.BooleanOptionalAction, default=True, help="wait for the batch to finish (default)"
     )
     add_generation_defaults(submit)
+
+    images = command("images", parents=[common, waiting], help="a batch asking one prompt of every image in a folder")
+    images.add_argument("folder", type=Path, help="PNG, JPEG, WebP and GIF files (each distinct one uploaded once)")
+    images.add_argument("--prompt", required=True, help="what each line asks of its image")
+    images.add_argument("--model", required=True, help="the served vision-language model")
+    images.add_argument("--max-tokens", type=int, default=None, help="most tokens each answer may have")
+    images.add_argument("-o", "--output", type=Path, help="write the output file here once the batch completes")
+    images.add_argument("--completion-window", default="24h")
+    images.add_argument(
+        "--wait", action=argparse.BooleanOptionalAction, default=True, help="wait for the batch to finish (default)"
+    )
+    add_generation_defaults(images)
 
     for name, parents, help in (
         ("status", [common], "show a batch"),

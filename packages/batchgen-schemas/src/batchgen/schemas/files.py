@@ -6,7 +6,8 @@ from typing import Literal
 
 from ._base import Wire
 
-FilePurpose = Literal["batch", "batch_output"]
+FilePurpose = Literal["batch", "batch_output", "vision", "user_data"]
+"""``vision`` and ``user_data``: an image that requests name by its id (``file`` / ``input_image`` parts)."""
 FileStatus = Literal["uploaded", "processed", "error"]
 
 

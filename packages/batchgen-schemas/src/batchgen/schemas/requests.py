@@ -52,9 +52,38 @@ class TextContentPart(Body, kw_only=True, tag_field="type", tag="text"):
     text: str
 
 
+class ImageUrl(Body, kw_only=True, forbid_unknown_fields=True):
+    url: str
+    """A ``data:image/...;base64,`` URL, or ``https://`` on a host ``--allowed-media-domains`` lists (a
+    ``file://`` path under ``--allowed-local-media-path``, in run-batch)."""
+    detail: Literal["auto", "low", "high"] | None = None
+    """OpenAI's resolution hint; the model's image processor decides the resolution here, so it changes nothing."""
+
+
+class ImageContentPart(Body, kw_only=True, tag_field="type", tag="image_url"):
+    image_url: ImageUrl
+
+
+class FileRef(Body, kw_only=True, forbid_unknown_fields=True):
+    file_id: str | None = None
+    """An image uploaded through ``POST /v1/files`` (purpose ``vision`` or ``user_data``)."""
+    file_data: str | None = None
+    """The file itself as a ``data:`` URL."""
+    filename: str | None = None
+
+
+class FileContentPart(Body, kw_only=True, tag_field="type", tag="file"):
+    """OpenAI's ``file`` part: here an image, by the ``file_id`` of an upload (one picture, many lines)."""
+
+    file: FileRef
+
+
+ContentPart = TextContentPart | ImageContentPart | FileContentPart
+
+
 class ChatMessage(Body, kw_only=True):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     """An assistant's calls of ``tools``, as OpenAI returns them."""
@@ -67,7 +96,11 @@ class ChatMessage(Body, kw_only=True):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextContentPart))
+
+    @property
+    def has_images(self) -> bool:
+        return isinstance(self.content, list) and any(not isinstance(part, TextContentPart) for part in self.content)
 
 
 class JsonSchemaFormat(Body, kw_only=True, forbid_unknown_fields=True):

@@ -35,11 +35,15 @@ from .requests import (
 
 
 class InputContent(Body, kw_only=True, forbid_unknown_fields=True):
-    """A text part of an input message: ``input_text`` (``output_text`` in an assistant's, as responses return it;
-    ``refusal`` too)."""
+    """A part of an input message: ``input_text`` (``output_text`` in an assistant's, as responses return it;
+    ``refusal`` too), or ``input_image`` by ``image_url`` (a data URL, an allowed https URL) or ``file_id`` (an
+    uploaded image)."""
 
-    type: Literal["input_text", "output_text", "refusal"]
+    type: Literal["input_text", "output_text", "refusal", "input_image"]
     text: str | None = None
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: Literal["auto", "low", "high"] | None = None
     refusal: str | None = None
     annotations: list[Any] | None = None
     logprobs: list[Any] | None = None
@@ -408,6 +412,8 @@ def _messages(item: InputItem, where: str, last: dict[str, Any] | None) -> list[
             raise ResponseInputProblem(f"{where}.role", "a message needs a role.")
         if item.content is None:
             raise ResponseInputProblem(f"{where}.content", "a message needs content.")
+        if isinstance(item.content, list) and any(part.type == "input_image" for part in item.content):
+            return [{"role": item.role, "content": _chat_parts(item.content, f"{where}.content")}]
         return [{"role": item.role, "content": item.text()}]
     if item.type == "function_call":
         if item.call_id is None or item.name is None or item.arguments is None:
@@ -422,6 +428,24 @@ def _messages(item: InputItem, where: str, last: dict[str, Any] | None) -> list[
             raise ResponseInputProblem(where, "a function_call_output item needs call_id and output.")
         return [{"role": "tool", "tool_call_id": item.call_id, "content": item.text()}]
     return []  # reasoning: chat templates leave past thinking out
+
+
+def _chat_parts(parts: list[InputContent], where: str) -> list[dict[str, Any]]:
+    """A message with images, as chat content parts: ``input_image`` as ``image_url`` (a URL) or ``file`` (an
+    upload's id), the text parts as text."""
+    chat: list[dict[str, Any]] = []
+    for index, part in enumerate(parts):
+        if part.type != "input_image":
+            chat.append({"type": "text", "text": part.text or part.refusal or ""})
+        elif (part.image_url is None) == (part.file_id is None):
+            raise ResponseInputProblem(
+                f"{where}[{index}]", "an input_image needs exactly one of image_url and file_id."
+            )
+        elif part.image_url is not None:
+            chat.append({"type": "image_url", "image_url": {"url": part.image_url, "detail": part.detail}})
+        else:
+            chat.append({"type": "file", "file": {"file_id": part.file_id}})
+    return chat
 
 
 def _response_format(form: TextFormat) -> dict[str, Any]:

@@ -37,6 +37,7 @@ from .batches.stores import DatabaseStore
 from .callbacks import CallbackNotifier
 from .console import console_assets, console_page
 from .engines import load_engine, replica_states, window_for
+from .media.files import UploadedImages
 from .observability.logs import log_activity
 from .observability.metrics import Metrics, ServerState
 from .security.auth import ApiKeyAuthMiddleware
@@ -74,6 +75,7 @@ def create_app(settings: Settings, engine: EngineClient | None = None) -> Litest
             serving = await asyncio.to_thread(
                 OpenAIServing.for_engine, engine, settings.engine, settings.serving, settings.max_line_sequences
             )
+            serving.preparer.images.sources.files = UploadedImages(db, blobs)  # images named by file id
             metrics: Metrics | None = None
 
             def on_finished(batch: BatchObject) -> None:

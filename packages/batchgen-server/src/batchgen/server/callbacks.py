@@ -59,18 +59,30 @@ def check_callback_url(url: str, allowed_hosts: Collection[str]) -> httpx.URL:
             "(the operator enables them for chosen hosts with BATCHGEN_CALLBACK_ALLOWED_HOSTS)."
         )
     try:
+        return checked_url(url, allowed_hosts, "callback")
+    except ValueError as exc:
+        raise CallbackUrlError(str(exc)) from None
+
+
+def checked_url(
+    url: str, allowed_hosts: Collection[str], what: str, schemes: tuple[str, ...] = ("http", "https")
+) -> httpx.URL:
+    """The SSRF guard (completion callbacks, fetched images): ``url`` parsed once, by httpx, in one of ``schemes``,
+    with no credentials, naming an allowed host exactly (no DNS lookup decides anything); that parsed URL is what
+    gets requested. ``ValueError`` says why not (``what``: the URL's use, in the message)."""
+    try:
         parsed = httpx.URL(url)
     except (httpx.InvalidURL, TypeError) as exc:
-        raise CallbackUrlError(f"The callback URL is not a valid URL: {exc}.") from None
-    if parsed.scheme not in ("http", "https"):
-        raise CallbackUrlError(f"The callback URL must be http or https, not {parsed.scheme or 'relative'!r}.")
+        raise ValueError(f"The {what} URL is not a valid URL: {exc}.") from None
+    if parsed.scheme not in schemes:
+        raise ValueError(f"The {what} URL must be {' or '.join(schemes)}, not {parsed.scheme or 'relative'!r}.")
     if parsed.userinfo:
-        raise CallbackUrlError("The callback URL must not carry credentials (user:password@).")
+        raise ValueError(f"The {what} URL must not carry credentials (user:password@).")
     if parsed.port is not None and not 1 <= parsed.port <= 65535:
-        raise CallbackUrlError(f"The callback URL's port must be from 1 to 65535, not {parsed.port}.")
+        raise ValueError(f"The {what} URL's port must be from 1 to 65535, not {parsed.port}.")
     host = _normalize_host(parsed.host)
     if not host or host not in {_normalize_host(allowed) for allowed in allowed_hosts}:
-        raise CallbackUrlError(f"The callback host {parsed.host!r} is not on this server's list of allowed hosts.")
+        raise ValueError(f"The {what} host {parsed.host!r} is not on this server's list of allowed hosts.")
     return parsed
 
 

@@ -28,7 +28,10 @@ from batchgen.schemas import FileDeleted, FileList, FileObject
 from batchgen.schemas.batches import MAX_EXPIRY_S, MIN_EXPIRY_S
 
 from ..ids import new_file_id
+from ..media import MediaError, decode_image
+from ..media.files import IMAGE_PURPOSES
 from ..security.limits import is_valid_id
+from ..serving.images import media_of
 from ..storage.blobs import ContentCorrupt, UploadWriter
 from .deps import ServerContext, ensure_admitting, now
 from .errors import ERROR_RESPONSES, APIError, invalid, not_found
@@ -54,7 +57,7 @@ class UploadOperation(Operation):
                 "file": Schema(
                     type=OpenAPIType.STRING, format=OpenAPIFormat.BINARY, description="The JSONL input file."
                 ),
-                "purpose": Schema(type=OpenAPIType.STRING, enum=["batch"]),
+                "purpose": Schema(type=OpenAPIType.STRING, enum=["batch", "vision", "user_data"]),
                 "expires_after[anchor]": Schema(
                     type=OpenAPIType.STRING,
                     enum=["created_at"],
@@ -228,11 +231,16 @@ async def _store_upload(request: Request[Any, Any, Any], context: ServerContext,
             raise invalid("Missing required parameter: 'file'.", param="file", code="missing_required_parameter")
         if purpose is None:
             raise invalid("Missing required parameter: 'purpose'.", param="purpose", code="missing_required_parameter")
-        if purpose != "batch":
-            raise invalid(f"Invalid purpose {purpose!r}: only 'batch' files can be uploaded.", param="purpose")
+        if purpose not in ("batch", *IMAGE_PURPOSES):
+            raise invalid(
+                f"Invalid purpose {purpose!r}: upload 'batch' files, or images as 'vision' or 'user_data'.",
+                param="purpose",
+            )
         created_at = now()
         expires_at = _expires_at(form.fields, created_at)
-        if form.check_error is not None:
+        if purpose != "batch":  # an image, which requests name by its id: it must read as one (its header)
+            await asyncio.to_thread(_check_image, writer, context)
+        elif form.check_error is not None:
             error = form.check_error
             where = f"line {error.line}: " if error.line is not None else ""
             raise APIError(422, f"Invalid input file, {where}{error.message}", code=error.code, param="file")
@@ -242,12 +250,12 @@ async def _store_upload(request: Request[Any, Any, Any], context: ServerContext,
             bytes=writer.size,
             created_at=created_at,
             filename=form.filename,
-            purpose="batch",
+            purpose=purpose,  # type: ignore[arg-type]  # one of FilePurpose's, checked above
             status="processed",
             expires_at=expires_at,
             checksum=writer.checksum,
         )
-        work = {"line_count": form.checker.requests, "sequences": form.checker.sequences}
+        work = {"line_count": form.checker.requests, "sequences": form.checker.sequences} if purpose == "batch" else {}
         await asyncio.to_thread(commit_file, context, writer, file, owner, work)
     except BaseException:
         if writer is not None:
@@ -267,6 +275,17 @@ def commit_file(
     except BaseException:
         context.blobs.delete(file.id)
         raise
+
+
+def _check_image(writer: UploadWriter, context: ServerContext) -> None:
+    """An image upload decodes within the limits requests' images have; else a 400 naming ``file``."""
+    limits = media_of(context.settings.serving).limits
+    if writer.size > limits.max_image_bytes:
+        raise invalid(f"The image is over {limits.max_image_bytes} bytes.", param="file", code="image_too_large")
+    try:
+        decode_image(writer.written(), "file", limits)
+    except MediaError as exc:
+        raise invalid(exc.message, param="file", code=exc.code) from None
 
 
 def _expired(file: FileObject) -> bool:

@@ -31,6 +31,8 @@ from batchgen.schemas.validation import request_problem
 
 from ..engine import EngineResult
 from ..ids import new_request_id
+from ..media.files import files_of
+from ..security.auth import DEFAULT_TENANT
 from ..serving import BatchDefaults, PreparedRequest, RequestRejected, failed
 from ..serving.answers import ResponseBody
 from ..serving.response_stream import ResponseStream
@@ -80,19 +82,22 @@ class OnlineController(Controller):
         return response
 
 
-async def prepare(context: ServerContext, body: RequestBody, request_id: str, *, online: bool) -> PreparedRequest:
+async def prepare(
+    context: ServerContext, body: RequestBody, request_id: str, *, online: bool, owner: str = DEFAULT_TENANT
+) -> PreparedRequest:
     """``body`` checked as a batch line is checked, and made ready to run; an ``APIError`` names what is wrong."""
     if (problem := request_problem(body)) is not None:
         name, detail = problem
         raise APIError(400, f"Invalid '{name}': {detail}", code="invalid_request", param=name)
     try:  # tokenizing a long prompt takes a while: not on the event loop
-        return await asyncio.to_thread(
-            context.serving.prepare,
-            body,
-            request_id=request_id,
-            defaults=NO_DEFAULTS,
-            online=online,
-        )
+        with files_of(owner):  # the images its parts name by file id: the caller's own (copied into the thread)
+            return await asyncio.to_thread(
+                context.serving.prepare,
+                body,
+                request_id=request_id,
+                defaults=NO_DEFAULTS,
+                online=online,
+            )
     except RequestRejected as exc:
         raise APIError(exc.status_code, exc.message, code=exc.code, param=exc.param) from None
 
@@ -100,7 +105,7 @@ async def prepare(context: ServerContext, body: RequestBody, request_id: str, *,
 async def serve(context: ServerContext, request: Request[Any, Any, Any], body: RequestBody) -> ResponseBody | Stream:
     """Answer ``body`` now: whole, or as server-sent events with ``stream: true``."""
     request_id = new_request_id()
-    prepared = await prepare(context, body, request_id, online=True)
+    prepared = await prepare(context, body, request_id, online=True, owner=request.user)
     call = context.online.start(prepared.requests)  # a stream's place too is taken now, before its first byte
     if not isinstance(body, EmbeddingRequest) and body.stream:
         stream: StreamedResponse | ResponseStream

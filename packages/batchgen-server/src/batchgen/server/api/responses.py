@@ -107,7 +107,7 @@ def _batch_id(response_id: str) -> str | None:
 async def _store(body: ResponseRequest, context: ServerContext, owner: str) -> Response:
     """Check ``body`` as an online request is checked (a bad one is refused now, not failed later), then store it
     as a one-line batch and admit it: once this answers, the response runs, whatever happens to the server."""
-    await prepare(context, body, new_request_id(), online=False)
+    await prepare(context, body, new_request_id(), online=False, owner=owner)
     batch_id = new_batch_id()
     response_id = _PREFIX + batch_id.removeprefix(_BATCH_PREFIX)
     created_at = now()

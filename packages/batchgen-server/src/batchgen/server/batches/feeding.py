@@ -155,7 +155,7 @@ class Feeder:
         batch.in_window[request_id] = entry
         self._hold(entry, work)
         done = partial(self._tokenized, entry)
-        self.tokenizer.put(line.body, request_id=request_id, defaults=batch.defaults, done=done)
+        self.tokenizer.put(line.body, request_id=request_id, defaults=batch.defaults, done=done, owner=batch.owner)
         return True
 
     def _tokenized(self, entry: Entry, outcome: Outcome) -> None:

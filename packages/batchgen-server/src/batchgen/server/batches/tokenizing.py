@@ -16,6 +16,7 @@ from functools import partial
 
 from batchgen.schemas import RequestBody
 
+from ..media.files import files_of
 from ..serving import BatchDefaults, OpenAIServing, PreparedRequest
 
 Outcome = PreparedRequest | Exception
@@ -29,6 +30,8 @@ class _Job:
     request_id: str
     defaults: BatchDefaults
     done: Callable[[Outcome], None]
+    owner: str
+    """The batch's tenant: the uploaded images its lines may name."""
 
 
 class Tokenizer:
@@ -56,15 +59,17 @@ class Tokenizer:
         request_id: str,
         defaults: BatchDefaults,
         done: Callable[[Outcome], None],
+        owner: str = "",
     ) -> None:
         """Tokenize ``body``; ``done`` runs on the loop's thread with the outcome."""
-        self._jobs.put(_Job(body, request_id, defaults, done))
+        self._jobs.put(_Job(body, request_id, defaults, done, owner))
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None and not self._stopping:
             outcome: Outcome
             try:
-                outcome = self.serving.prepare(job.body, request_id=job.request_id, defaults=job.defaults)
+                with files_of(job.owner):
+                    outcome = self.serving.prepare(job.body, request_id=job.request_id, defaults=job.defaults)
             except Exception as exc:  # the loop decides: the line's error, or a storage fault that pauses its batch
                 outcome = exc
             self._post(partial(job.done, outcome))

@@ -154,5 +154,9 @@ class BlockManager:
             i = len(hashes)
             # The first block's parent is the LoRA adapter's salt (0: the base): adapters never share blocks.
             parent = hashes[-1] if hashes else seq.state.salt
-            hashes.append(hash((parent, *seq.token_ids[i * bs : (i + 1) * bs])))
+            tokens = seq.token_ids[i * bs : (i + 1) * bs]
+            mm = seq.state.request.multimodal
+            # A block with image placeholders is keyed by the images too: the same tokens, another picture.
+            keys = () if mm is None else mm.block_keys(i * bs, (i + 1) * bs)
+            hashes.append(hash((parent, *tokens, *keys)))
         return hashes[:count]

@@ -138,6 +138,11 @@ class EngineConfig:
         "LoRA adapters to serve, each name=path (a PEFT adapter's directory) or vLLM's JSON "
         '\'{"name": ..., "path": ..., "base_model_name": ...}\'; a request\'s model names one',
     )
+    encoder_cache_mib: int = setting(
+        256,
+        "memory for a vision-language model's encoder outputs, kept by image content hash so the same picture in "
+        "many requests is encoded once (0: none kept)",
+    )
     max_loras: int = setting(1, "most LoRA adapters in one step (their slots on the device)")
     max_lora_rank: int = setting(16, "highest LoRA rank served (an adapter above it is refused)")
     max_cpu_loras: int | None = setting(

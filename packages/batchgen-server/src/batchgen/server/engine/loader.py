@@ -11,6 +11,7 @@ from transformers import (
     AutoConfig,
     AutoModel,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoTokenizer,
     GenerationConfig,
     PretrainedConfig,
@@ -22,6 +23,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_N
 from .config import EngineConfig
 from .demo_model import demo_model_dir
 from .errors import ModelLoadError
+from .multimodal.processor import driven_family, is_vision_language
 from .quantization import check, in_flight, kv_cache_dtype, method_of
 
 GENERATION_DEFAULTS = {
@@ -70,7 +72,10 @@ def load_model(config: EngineConfig) -> tuple[PreTrainedModel, PreTrainedTokeniz
     ):
         kwargs["quantization_config"] = quantize
     check(kwargs.get("quantization_config") or getattr(model_config, "quantization_config", None), device)
-    model_class = AutoModel if is_encoder_only(model_config) else AutoModelForCausalLM
+    model_class: Any = AutoModel if is_encoder_only(model_config) else AutoModelForCausalLM
+    if is_vision_language(model_config):  # refused in one line if the engine does not drive its family
+        driven_family(model_config, model_config.model_type)
+        model_class = AutoModelForImageTextToText
     try:
         model = model_class.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as exc:
@@ -82,7 +87,7 @@ def load_model(config: EngineConfig) -> tuple[PreTrainedModel, PreTrainedTokeniz
         raise ModelLoadError(_why_not_quantized(method, exc)) from exc
     tokenizer = load_tokenizer(config)
     if config.device_map is None:
-        model = model.to(config.resolved_device())  # type: ignore[arg-type]  # transformers types to() oddly
+        model = model.to(config.resolved_device())
     model.eval()
     return model, tokenizer
 

@@ -39,6 +39,7 @@ from .kv_cache import KVCache, LayerShape
 from .launched import Launched
 from .loader import input_embeddings
 from .lora import LoRASlots, build_slots, detach
+from .multimodal.vision_step import StepInputs, VisionStep, attention_for, vision_step_for
 from .prompt_logprobs import PromptLogprobs
 from .quantization import kv_cache_dtype
 from .reach import compression
@@ -103,10 +104,13 @@ class ModelRunner:
             if interval % self.block_size:
                 raise ModelLoadError("--state-checkpoint-interval must be a multiple of --block-size")
             self.states = States(state_layers, sizes, self.block_size, interval)
+        self.vision: VisionStep | None = vision_step_for(model, config.encoder_cache_mib * 2**20)
+        """A vision-language model's vision step (``multimodal/``): its steps may run on embeddings."""
         big = model.num_parameters() >= EAGER_BELOW_PARAMETERS
         self.compiled = not config.enforce_eager and big and not self.sparse
-        # No decode graphs with state layers yet: their mixers run per call from Python lists of rows and slots.
-        graphs = uses_graphs(self.compiled, self.device, config) and self.states is None
+        # No decode graphs with state layers yet: their mixers run per call from Python lists of rows and slots. Nor
+        # for vision-language models: graphs replay a decode's token ids and plain positions, M-RoPE's are not those.
+        graphs = uses_graphs(self.compiled, self.device, config) and self.states is None and self.vision is None
         # With graphs, one more block than the block manager hands out: the scratch block of padding rows.
         self.cache = KVCache(shapes, self.num_blocks + graphs, self.block_size, probe.indexers)
         self.inputs = InputBuffers(config.max_num_batched_tokens, self.block_size, self.device)
@@ -156,7 +160,7 @@ class ModelRunner:
     @torch.no_grad()
     def _probe_forward(self, probe: LayerProbe) -> None:
         ids = torch.arange(8, device=self.device).unsqueeze(0)
-        self.model.set_attn_implementation(PROBE_NAME)
+        self.model.set_attn_implementation(attention_for(self.model, PROBE_NAME))
         try:
             with active(probe), torch.compiler.set_stance("force_eager"):  # layers another engine compiled
                 self.model(input_ids=ids, position_ids=ids, use_cache=False, logits_to_keep=1, **self._masks)
@@ -167,7 +171,7 @@ class ModelRunner:
         except Exception as exc:  # a layer that cannot run this way (e.g. one that needs a mask): one line
             raise refused(self.architecture, "its forward failed in the engine's layer probe", exc) from None
         finally:  # never left on the model (other engines may share it)
-            self.model.set_attn_implementation(ATTENTION_NAME)
+            self.model.set_attn_implementation(attention_for(self.model, ATTENTION_NAME))
 
     def _state_layers(self, probe: LayerProbe) -> list[StateLayer]:
         """The layers that keep state across a sequence's tokens (``state/discovery.py``), found by a second probe
@@ -242,7 +246,8 @@ class ModelRunner:
         masks = None
         if step.matchers:  # the constrained rows' masks are filled while the forward runs
             masks = MaskFill(self.grammars, step.matchers, np.array(step.owners, dtype=np.int64), self.device)
-        output = self.forward(step.packed, step.sample_rows, step.want_hidden)
+        extra = self.vision.inputs(scheduled, step.packed.input_ids) if self.vision is not None else None
+        output = self.forward(step.packed, step.sample_rows, step.want_hidden, extra)
         launched = step.launched
         launched.hidden = output.hidden
         if step.spans:
@@ -257,7 +262,9 @@ class ModelRunner:
         return launched
 
     @torch.no_grad()
-    def forward(self, packed: PackedInputs, sample_rows: list[int], want_hidden: bool) -> StepOutput:
+    def forward(
+        self, packed: PackedInputs, sample_rows: list[int], want_hidden: bool, extra: StepInputs | None = None
+    ) -> StepOutput:
         """Run the packed step in one forward; logits at ``sample_rows`` only; the last hidden state of every token if
         ``want_hidden`` (embeddings).
 
@@ -267,7 +274,7 @@ class ModelRunner:
         fails, and that path is off for good; if the eager forward fails too, the fault is the inputs', and the
         engine's own fault isolation deals with it."""
         graphs = self.graphs
-        eager = lambda: self._eager_forward(packed, sample_rows, want_hidden)  # noqa: E731
+        eager = lambda: self._eager_forward(packed, sample_rows, want_hidden, extra)  # noqa: E731
         # A graph returns every row's logits: only for steps where every row is sampled (not a 1-token prefill chunk).
         if (
             graphs is not None
@@ -279,8 +286,8 @@ class ModelRunner:
         ):
             return self.graph_path.run(lambda: StepOutput(None, graphs.run(packed)), eager)
         if self.fast is not None:
-            return self.fast.paths[0].run(lambda: self._forward(packed, sample_rows, want_hidden), eager)
-        return self._forward(packed, sample_rows, want_hidden)
+            return self.fast.paths[0].run(lambda: self._forward(packed, sample_rows, want_hidden, extra), eager)
+        return self._forward(packed, sample_rows, want_hidden, extra)
 
     def _eager_from_now_on(self, reason: str) -> None:
         """The compiled forward failed where the eager one served: the model's own forwards, eager attention."""
@@ -291,15 +298,18 @@ class ModelRunner:
             path.switch_off(f"with the compiled forward ({reason})")
         self.backend = self.eager_backend
 
-    def _eager_forward(self, packed: PackedInputs, sample_rows: list[int], want_hidden: bool) -> StepOutput:
+    def _eager_forward(
+        self, packed: PackedInputs, sample_rows: list[int], want_hidden: bool, extra: StepInputs | None
+    ) -> StepOutput:
         with torch.compiler.set_stance("force_eager"), self.fast.off() if self.fast else nullcontext():
-            return self._forward(packed, sample_rows, want_hidden, self.eager_backend)
+            return self._forward(packed, sample_rows, want_hidden, extra, self.eager_backend)
 
     def _forward(
         self,
         packed: PackedInputs,
         sample_rows: list[int],
         want_hidden: bool,
+        extra: StepInputs | None = None,
         backend: AttentionBackend | None = None,
     ) -> StepOutput:
         step = PagedStep(
@@ -320,13 +330,15 @@ class ModelRunner:
         handle = self.model.base_model.register_forward_hook(keep_hidden) if want_hidden else None
         try:
             with active(step):
-                out = self.model(
-                    input_ids=packed.input_ids.unsqueeze(0),
-                    position_ids=packed.positions.unsqueeze(0),
-                    use_cache=False,
-                    logits_to_keep=keep,
-                    **self._masks,
-                )
+                # A vision-language step with images runs on embeddings (their rows in place: ``multimodal/``).
+                tokens: dict[str, torch.Tensor] = {"input_ids": packed.input_ids.unsqueeze(0)}
+                positions = packed.positions.unsqueeze(0)
+                if extra is not None:
+                    if extra.embeds is not None:
+                        tokens = {"inputs_embeds": extra.embeds}
+                    if extra.positions is not None:
+                        positions = extra.positions
+                out = self.model(**tokens, position_ids=positions, use_cache=False, logits_to_keep=keep, **self._masks)
         finally:
             if handle is not None:
                 handle.remove()

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     from .adapters import LoRARequest
+    from .multimodal.prompt import MultimodalPrompt
 
 logger = logging.getLogger("batchgen.server.engine")
 
@@ -101,6 +102,8 @@ class EngineRequest:
     """Report each step's new tokens as they come (results with ``finished`` false) before the final result."""
     lora: LoRARequest | None = None
     """The LoRA adapter it runs with (``None``: the base model)."""
+    multimodal: MultimodalPrompt | None = None
+    """Its prompt's images (``multimodal/prompt.py``): their placeholders are among ``prompt_token_ids``."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,6 +25,7 @@ import torch
 from .attention import ATTENTION_NAME
 from .errors import ModelNotSupported, refused
 from .loader import input_embeddings
+from .multimodal.vision_step import attention_for
 from .quantization import method_of
 from .reach import mechanisms
 from .request import EngineRequest, EngineResult, SamplingParams
@@ -169,12 +170,12 @@ def _compare(engine: LLMEngine, result: EngineResult, prompt: list[int], tol: fl
 @torch.no_grad()
 def _reference_logprobs(engine: LLMEngine, tokens: list[int]) -> torch.Tensor:
     model = engine.runner.model
-    model.set_attn_implementation("eager")
+    model.set_attn_implementation(attention_for(model, "eager"))
     try:
         ids = torch.tensor([tokens], device=engine.runner.device)
         fast = engine.runner.fast
         with fast.off() if fast is not None else nullcontext():  # the compiled layers, packed linears are not it
             logits = model(input_ids=ids, use_cache=False).logits[0].float()
     finally:
-        model.set_attn_implementation(ATTENTION_NAME)
+        model.set_attn_implementation(attention_for(model, ATTENTION_NAME))
     return torch.log_softmax(logits, dim=-1)

@@ -19,7 +19,7 @@ import jinja2.nodes
 import jinja2.parser
 import msgspec
 
-from batchgen.schemas import ChatCompletionRequest, ChatMessage
+from batchgen.schemas import ChatCompletionRequest, ChatMessage, TextContentPart
 
 from .errors import RequestRejected
 
@@ -165,6 +165,11 @@ def _message(message: ChatMessage) -> dict[str, Any]:
     """The message as chat templates read it: text content, and tool calls' arguments as objects (OpenAI sends them
     as JSON text; templates such as Qwen's and Llama's render them with ``tojson``)."""
     rendered: dict[str, Any] = {"role": message.role, "content": message.text()}
+    if message.has_images:  # parts, as processors' templates read them: an image marker where each picture goes
+        rendered["content"] = [
+            {"type": "text", "text": part.text} if isinstance(part, TextContentPart) else {"type": "image"}
+            for part in message.content or ()
+        ]
     if message.name is not None:
         rendered["name"] = message.name
     if message.tool_call_id is not None:

@@ -27,6 +27,30 @@ class ServingConfig:
         "prompt_logprobs, echo with logprobs); a request over it is refused (400 too_many_logprobs), as its answer "
         "would be tens of megabytes",
     )
+    allowed_media_domains: tuple[str, ...] = setting(
+        (),
+        "hosts image URLs may be fetched from over https, exact names, repeat for several (vLLM's flag); none: only "
+        "data: URLs and uploaded images (file ids)",
+    )
+    allowed_local_media_path: str | None = setting(
+        None, "a folder whose images run-batch lines may name as file:// URLs (vLLM's flag); none: no local files"
+    )
+    limit_mm_per_prompt: str = setting(
+        '{"image": 8}', "most images one prompt may hold, as vLLM's JSON ('{\"image\": 4}') or a number"
+    )
+    max_image_bytes: int = setting(20 * 2**20, "largest image taken, in bytes (a data URL's decoded bytes)")
+    max_image_pixels: int = setting(
+        40_000_000, "most pixels (width x height, read from the header before decoding) an image may have"
+    )
+    media_fetch_timeout_s: float = setting(10.0, "longest an image URL's fetch may take")
+
+    @property
+    def max_images(self) -> int:
+        """Images one prompt may hold (``--limit-mm-per-prompt``)."""
+        import json
+
+        value = json.loads(self.limit_mm_per_prompt)
+        return int(value.get("image", 0) if isinstance(value, dict) else value)
 
     def __post_init__(self) -> None:
         from .parsers import reasoning_parser, tool_call_parser
@@ -37,3 +61,9 @@ class ServingConfig:
             tool_call_parser(self.tool_call_parser)
         if self.reasoning_parser is not None:
             reasoning_parser(self.reasoning_parser)
+        try:
+            self.max_images  # noqa: B018 (parsed once here, so a bad value is a usage error at start)
+        except (ValueError, TypeError, AttributeError):
+            raise ValueError(
+                f"--limit-mm-per-prompt {self.limit_mm_per_prompt!r}: give a number or JSON such as '{{\"image\": 4}}'"
+            ) from None

@@ -13,6 +13,7 @@ from ..engine.adapters import Adapters, ServedNames
 from ..engine.request import EngineResult, Task
 from .answers import Answers, ResponseBody
 from .config import ServingConfig
+from .images import ImagePrompter, image_processor_for, media_of
 from .logprobs import LogprobFormatter
 from .preparing import PreparedRequest, RequestPreparer
 from .sampling import BatchDefaults
@@ -36,6 +37,7 @@ class OpenAIServing:
         generation_defaults: Mapping[str, Any] | None = None,
         config: ServingConfig = ServingConfig(),  # noqa: B008 (frozen)
         adapters: Adapters | None = None,
+        images: ImagePrompter | None = None,
     ) -> None:
         self.model_names = model_names
         """The names requests may use for the model, its id first (``--served-model-name``)."""
@@ -51,6 +53,7 @@ class OpenAIServing:
             max_sequences=max_sequences,
             generation_defaults=dict(generation_defaults or {}),
             config=config,
+            images=images,
         )
         self.logprobs = LogprobFormatter(tokenizer)
         self.answers = Answers(tokenizer, self.logprobs)
@@ -77,6 +80,7 @@ class OpenAIServing:
             load_generation_defaults(config),
             serving,
             Adapters.of(config) if config.enable_lora else None,
+            ImagePrompter(image_processor_for(config, engine.tokenizer), media_of(serving)),
         )
 
     def prepare(

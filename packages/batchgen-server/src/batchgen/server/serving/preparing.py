@@ -25,6 +25,7 @@ from ..ids import engine_request_id
 from .chat_template import render_chat
 from .config import ServingConfig
 from .errors import RequestRejected
+from .images import ImagePrompter, media_of
 from .messages import MessagePlan, MessagePlanner
 from .prompts import PromptTokenizer
 from .sampling import BatchDefaults, first_set, sampling_params
@@ -62,8 +63,11 @@ class RequestPreparer:
         max_sequences: int,
         generation_defaults: Mapping[str, Any],
         config: ServingConfig,
+        images: ImagePrompter | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.images = images or ImagePrompter(None, media_of(config))
+        """A chat's image parts: through the model's processor, or refused by a text-only model."""
         self.served_names = served_names
         self.vocab_size = vocab_size
         """The model's: the token ids a request may name are ``0`` to ``vocab_size - 1`` (``vocabulary_problem``)."""
@@ -143,10 +147,16 @@ class RequestPreparer:
             )
         params = sampling_params(runs_as, defaults, self.generation_defaults, self._added_tokens)
         plan = None
+        multimodal = None
         if isinstance(runs_as, ChatCompletionRequest):
+            parts = self.images.check(runs_as, self.model_name)
             text = render_chat(self.tokenizer, runs_as, self.model_name)
             prompt_param = "messages"
-            prompts = [self.prompts.tokenize(text, prompt_param, first_set(runs_as.add_special_tokens, False))]
+            if parts:  # the processor expands each image's marker to its placeholders
+                ids, multimodal = self.images.prompt(text, parts)
+                prompts = [ids]
+            else:
+                prompts = [self.prompts.tokenize(text, prompt_param, first_set(runs_as.add_special_tokens, False))]
             plan = self.planner.plan(runs_as, prompts[0])
             if plan.parses:
                 params = dataclasses.replace(
@@ -167,6 +177,7 @@ class RequestPreparer:
                 interactive=online,
                 stream=online and bool(runs_as.stream),
                 lora=lora,
+                multimodal=multimodal,
             )
             for i, ids in enumerate(prompts)
         ]

@@ -123,6 +123,11 @@ class UploadWriter:
     def checksum(self) -> str:
         return f"sha256:{self._sha256.hexdigest()}"
 
+    def written(self) -> bytes:
+        """What was written so far (an uploaded image, checked before it is committed)."""
+        self._file.flush()
+        return self._tmp_path.read_bytes()
+
     def commit(self, file_id: str) -> None:
         self._file.flush()
         os.fsync(self._file.fileno())

@@ -1,0 +1,133 @@
+"""What each vision-language family's vision tower reads and gives, as the model's own ``forward`` does it: a
+prompt's processor output split into each image's pixels and placeholder positions (``split``), a batch of images
+(from any requests) through the model's own ``get_image_features`` (``encode``), and for M-RoPE models the prompt's
+3-D positions from the model's own ``get_rope_index`` (``rope``). A family not listed here is refused at load."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+
+class Family:
+    """LLaVA's shape, which most follow: one ``pixel_values`` row per image, every image the same number of
+    placeholder tokens."""
+
+    name = "LLaVA"
+    mrope = False
+
+    def counts(self, out: Mapping[str, Any], num_images: int, positions: np.ndarray, processor: Any) -> list[int]:
+        """How many placeholder tokens (encoder output rows) each image takes (``positions``: the prompt's
+        placeholders)."""
+        return [len(positions) // num_images] * num_images
+
+    def split(self, out: Mapping[str, Any], counts: list[int], processor: Any) -> list[dict[str, Any]]:
+        """Each image's own pixels (``counts``: its placeholders)."""
+        return [{"pixel_values": out["pixel_values"][i : i + 1]} for i in range(len(counts))]
+
+    def extras(self, out: Mapping[str, Any]) -> dict[str, Any]:
+        return {}
+
+    @torch.no_grad()
+    def encode(self, model: Any, images: Sequence[Mapping[str, Any]]) -> list[torch.Tensor]:
+        """One ``[rows, hidden]`` tensor per image: the rows its placeholders take, as the model computes them."""
+        pixels = torch.cat([image["pixel_values"] for image in images]).to(model.device, model.dtype)
+        return list(model.model.get_image_features(pixel_values=pixels).pooler_output)
+
+    def rope(self, model: Any, prompt: list[int], mm: Any) -> tuple[np.ndarray, int]:
+        raise NotImplementedError
+
+
+class Qwen2_5VL(Family):
+    """Qwen2.5-VL: dynamic resolution (each image its grid of patches, all images' patches in one sequence through
+    the vision tower) and M-RoPE positions."""
+
+    name = "Qwen2.5-VL"
+    mrope = True
+
+    def counts(self, out: Mapping[str, Any], num_images: int, positions: np.ndarray, processor: Any) -> list[int]:
+        merge = self._merge_size
+        return [int(t * h * w) // merge**2 for t, h, w in out["image_grid_thw"].tolist()]
+
+    def split(self, out: Mapping[str, Any], counts: list[int], processor: Any) -> list[dict[str, Any]]:
+        grids = out["image_grid_thw"]
+        rows = np.cumsum([0, *(int(g.prod()) for g in grids)])
+        return [
+            {"pixel_values": out["pixel_values"][rows[i] : rows[i + 1]], "image_grid_thw": grids[i : i + 1]}
+            for i in range(len(counts))
+        ]
+
+    def extras(self, out: Mapping[str, Any]) -> dict[str, Any]:
+        return {"mm_token_type_ids": out["mm_token_type_ids"]}
+
+    @torch.no_grad()
+    def encode(self, model: Any, images: Sequence[Mapping[str, Any]]) -> list[torch.Tensor]:
+        pixels = torch.cat([image["pixel_values"] for image in images]).to(model.device)
+        grids = torch.cat([image["image_grid_thw"] for image in images]).to(model.device)
+        return list(model.model.get_image_features(pixels, grids).pooler_output)
+
+    @torch.no_grad()
+    def rope(self, model: Any, prompt: list[int], mm: Any) -> tuple[np.ndarray, int]:
+        grids = torch.cat([image.pixels["image_grid_thw"] for image in mm.images])
+        positions, delta = model.model.get_rope_index(
+            torch.tensor([prompt]), mm.extras["mm_token_type_ids"], image_grid_thw=grids
+        )
+        return positions[:, 0].cpu().numpy(), int(delta.reshape(-1)[0])
+
+    _merge_size = 2
+
+
+class Idefics3(Family):
+    """Idefics3 (SmolVLM's family): each picture split into tiles plus a global view, each tile its run of
+    placeholders; an image's tiles end with the run after its ``<global-img>`` token."""
+
+    name = "Idefics3"
+
+    def counts(self, out: Mapping[str, Any], num_images: int, positions: np.ndarray, processor: Any) -> list[int]:
+        ids = out["input_ids"][0].numpy()
+        ends = np.flatnonzero(ids == processor.global_image_token_id) + processor.image_seq_len  # each image's last
+        return np.diff(np.searchsorted(positions, ends, side="right"), prepend=0).tolist()
+
+    def split(self, out: Mapping[str, Any], counts: list[int], processor: Any) -> list[dict[str, Any]]:
+        images, start = [], 0
+        for count in counts:
+            tiles = count // processor.image_seq_len
+            end = start + tiles
+            images.append({
+                "pixel_values": out["pixel_values"][0, start:end],
+                "pixel_attention_mask": out["pixel_attention_mask"][0, start:end],
+            })  # fmt: skip
+            start = end
+        return images
+
+    @torch.no_grad()
+    def encode(self, model: Any, images: Sequence[Mapping[str, Any]]) -> list[torch.Tensor]:
+        """Each image a batch row, its tiles padded with zero tiles (which the model drops, as it does its own
+        padding), so its output is its row."""
+        most = max(image["pixel_values"].shape[0] for image in images)
+
+        def padded(tensor: torch.Tensor) -> torch.Tensor:
+            return torch.cat([tensor, tensor.new_zeros(most - tensor.shape[0], *tensor.shape[1:])])
+
+        pixels = torch.stack([padded(image["pixel_values"]) for image in images]).to(model.device)
+        masks = torch.stack([padded(image["pixel_attention_mask"]) for image in images]).to(model.device)
+        return list(model.model.get_image_features(pixel_values=pixels, pixel_attention_mask=masks).pooler_output)
+
+
+FAMILIES: dict[str, type[Family]] = {"idefics3": Idefics3, "llava": Family, "qwen2_5_vl": Qwen2_5VL}
+"""The families the engine drives exactly (tests/engine/test_images.py checks each against ``generate``)."""
+
+
+def family_of(config: Any) -> Family | None:
+    """The family of a vision-language model's config (``None``: not one the engine drives)."""
+    cls = FAMILIES.get(config.model_type)
+    if cls is None:
+        return None
+    family = cls()
+    vision: Any = config.vision_config
+    if isinstance(family, Qwen2_5VL):
+        family._merge_size = vision.spatial_merge_size
+    return family

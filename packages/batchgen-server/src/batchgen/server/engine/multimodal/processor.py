@@ -1,0 +1,87 @@
+"""A vision-language model's processor for images only, without torchvision: its image processor (Pillow backend),
+its tokenizer and chat template, and the processor class's own expansion of image placeholders (``__call__``), with
+no video processor (``AutoProcessor.from_pretrained`` loads one for Qwen2/2.5/3-VL, SmolVLM, Gemma 4... and the
+video processors need torchvision). ``prompt_inputs`` turns a rendered prompt and its pictures into the token ids
+and the ``MultimodalPrompt`` an engine request carries."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer, PretrainedConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+from transformers.models.auto.processing_auto import (  # type: ignore[attr-defined]
+    PROCESSOR_MAPPING_NAMES,
+    processor_class_from_name,
+)
+
+from ..errors import ModelNotSupported
+from .families import FAMILIES, Family, family_of
+from .prompt import ImageInput, MultimodalPrompt
+
+IMAGE_ONLY_ATTRIBUTES = ("image_processor", "tokenizer")
+
+
+def is_vision_language(config: PretrainedConfig) -> bool:
+    """A model that reads images: an image-text-to-text family with a vision tower."""
+    return config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES and hasattr(config, "vision_config")
+
+
+def driven_family(config: PretrainedConfig, architecture: str) -> Family:
+    """The family of a vision-language model the engine drives exactly; ``ModelNotSupported`` (one line) for
+    another."""
+    family = family_of(config)
+    if family is None:
+        raise ModelNotSupported(
+            architecture,
+            f"the engine does not drive {config.model_type!r} vision-language models exactly yet (it drives "
+            f"{', '.join(sorted(FAMILIES))})",
+        )
+    return family
+
+
+def _image_only(cls: type) -> type:
+    """``cls`` accepting ``None`` for every sub-processor but the image processor and the tokenizer."""
+
+    class ImageOnly(cls):  # type: ignore[misc]
+        def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
+            if argument is None and argument_name not in IMAGE_ONLY_ATTRIBUTES:
+                return None
+            return super().check_argument_for_proper_class(argument_name, argument)
+
+    ImageOnly.__name__ = ImageOnly.__qualname__ = f"ImageOnly{cls.__name__}"
+    return ImageOnly
+
+
+class ImageProcessor:
+    """What a served vision-language model makes prompts with: its processor (images only) and its family."""
+
+    def __init__(self, path: str, tokenizer: Any, trust_remote_code: bool = False) -> None:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        self.family = driven_family(config, config.model_type)
+        cls = processor_class_from_name(PROCESSOR_MAPPING_NAMES[config.model_type])
+        processor_dict, kwargs = cls.get_processor_dict(path)
+        try:
+            image_processor = AutoImageProcessor.from_pretrained(path, backend="pil")  # type: ignore[no-untyped-call]
+        except (ImportError, ValueError):
+            image_processor = AutoImageProcessor.from_pretrained(path)  # type: ignore[no-untyped-call]
+        pieces = {"image_processor": image_processor, "tokenizer": tokenizer or AutoTokenizer.from_pretrained(path)}
+        args = [pieces.get(name) for name in cls.get_attributes()]
+        image_only: Any = _image_only(cls)
+        self.processor: Any = image_only.from_args_and_dict(args, processor_dict, **kwargs)
+        self.image_token_id: int = config.image_token_id
+
+    def prompt_inputs(self, text: str, images: list[Any], keys: list[bytes]) -> tuple[list[int], MultimodalPrompt]:
+        """The token ids of ``text`` (a rendered chat with one image marker per picture) with each marker expanded
+        to its image's placeholders, and the images as the engine request carries them."""
+        out = self.processor(text=[text], images=images, return_tensors="pt", add_special_tokens=False)
+        ids: list[int] = out["input_ids"][0].tolist()
+        positions = np.flatnonzero(np.asarray(ids) == self.image_token_id)
+        counts = self.family.counts(out, len(images), positions, self.processor)
+        if sum(counts) != len(positions) or len(counts) != len(images):
+            raise ValueError(f"the prompt has {len(positions)} image placeholders for {sum(counts)} encoder rows")
+        splits = np.split(positions, np.cumsum(counts)[:-1])
+        pixels = self.family.split(out, counts, self.processor)
+        items = tuple(ImageInput(key, where, pix) for key, where, pix in zip(keys, splits, pixels, strict=True))
+        return ids, MultimodalPrompt(items, self.family.extras(out))

@@ -1,0 +1,133 @@
+"""The vision step of an engine step: the images whose placeholders the step's prefill chunks reach are encoded
+first, in one batch through the vision tower (those not in the encoder cache), and their rows put in place of the
+placeholder tokens' embeddings; the language model then runs on those embeddings (``inputs_embeds``), with M-RoPE
+models' 3-D positions. A chunk may start or end inside an image's placeholders: it takes just those rows."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .encoder_cache import EncoderCache
+from .families import Family
+from .prompt import ImageInput, MultimodalPrompt
+
+
+def attention_for(model: Any, name: str) -> str | dict[str, Any]:
+    """``name`` for the language model's attention only: a vision tower keeps its own (it attends over an image's
+    patches, never the paged cache)."""
+    config = model.config
+    sub = [key for key in getattr(config, "sub_configs", {}) if key != "text_config" and getattr(config, key, None)]
+    if not sub:
+        return name
+    return {"": name, "text_config": name, **{key: getattr(config, key)._attn_implementation for key in sub}}
+
+
+@dataclass(frozen=True, slots=True)
+class StepInputs:
+    embeds: torch.Tensor | None
+    """``[1, tokens, hidden]``: the packed row's embeddings, image rows in place; ``None``: the step has none."""
+    positions: torch.Tensor | None
+    """``[3, 1, tokens]`` M-RoPE positions; ``None``: the packed row's own."""
+
+
+class VisionStep:
+    def __init__(self, model: Any, family: Family, cache_bytes: int) -> None:
+        self.model = model
+        self.family = family
+        self.cache = EncoderCache(cache_bytes)
+        self.encoded_images = 0
+        """Images run through the vision tower so far (the encoder cache's misses that were encoded)."""
+
+    def inputs(self, scheduled: Sequence[Any], input_ids: torch.Tensor) -> StepInputs:
+        """What the step's forward takes besides its token ids (``scheduled``: the ``ScheduledSeq``s, in the packed
+        row's order)."""
+        wanted: list[tuple[int, int, int, ImageInput]] = []  # (packed row of the chunk, its start, tokens, image)
+        positions: list[np.ndarray] | None = [] if self.family.mrope else None
+        any_mm = False
+        row = 0
+        for item in scheduled:
+            seq, n = item.seq, item.num_tokens
+            start = seq.num_computed_tokens
+            mm: MultimodalPrompt | None = seq.state.request.multimodal
+            if mm is not None:
+                any_mm = True
+                for image in mm.images:
+                    if image.first < start + n and image.last >= start:
+                        wanted.append((row, start, n, image))
+            if positions is not None:
+                positions.append(self._positions(seq, mm, start, n))
+            row += n
+        if not any_mm:
+            return StepInputs(None, None)
+        embeds = None
+        if wanted:
+            embeds = self.model.get_input_embeddings()(input_ids.unsqueeze(0))
+            rows, features = self._rows(wanted, input_ids.device)
+            embeds[0].index_copy_(0, rows, features.to(embeds.dtype))
+        mrope = None
+        if positions is not None:
+            mrope = torch.from_numpy(np.concatenate(positions, axis=1)).unsqueeze(1).to(input_ids.device)
+        return StepInputs(embeds, mrope)
+
+    def _rows(
+        self, wanted: list[tuple[int, int, int, ImageInput]], device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The packed rows of the step's image placeholders, and their encoder rows."""
+        features = self._encode([image for *_, image in wanted])
+        rows: list[np.ndarray] = []
+        chosen: list[torch.Tensor] = []
+        for row, start, n, image in wanted:
+            where = image.placeholders
+            inside = np.flatnonzero((where >= start) & (where < start + n))  # this chunk's placeholders only
+            rows.append(where[inside] - start + row)
+            chosen.append(features[image.key][torch.from_numpy(inside)])
+        return torch.from_numpy(np.concatenate(rows)).to(device), torch.cat(chosen)
+
+    def _encode(self, images: list[ImageInput]) -> dict[bytes, torch.Tensor]:
+        """Every image's encoder output: from the cache, or the missing ones in one batch through the tower."""
+        found: dict[bytes, torch.Tensor] = {}
+        missing: dict[bytes, ImageInput] = {}
+        for image in images:
+            if image.key in found or image.key in missing:
+                continue
+            cached = self.cache.get(image.key)
+            if cached is None:
+                missing[image.key] = image
+            else:
+                found[image.key] = cached
+        if missing:
+            outputs = self.family.encode(self.model, [image.pixels for image in missing.values()])
+            self.encoded_images += len(missing)
+            for key, output in zip(missing, outputs, strict=True):
+                found[key] = output
+                self.cache.put(key, output)
+        return found
+
+    def _positions(self, seq: Any, mm: MultimodalPrompt | None, start: int, n: int) -> np.ndarray:
+        """``[3, n]`` M-RoPE positions of the sequence's tokens ``start`` to ``start + n``."""
+        span = np.arange(start, start + n)
+        if mm is None:
+            return np.broadcast_to(span, (3, n))
+        if mm.mrope is None:
+            mm.mrope, mm.mrope_delta = self.family.rope(self.model, seq.state.request.prompt_token_ids, mm)
+        prompt = mm.mrope.shape[1]
+        if start + n <= prompt:
+            return mm.mrope[:, start : start + n]
+        out = np.broadcast_to(span + mm.mrope_delta, (3, n)).copy()
+        if start < prompt:
+            out[:, : prompt - start] = mm.mrope[:, start:]
+        return out
+
+
+def vision_step_for(model: Any, cache_bytes: int) -> VisionStep | None:
+    """The vision step of a vision-language model (``None`` for a text model)."""
+    from .processor import driven_family, is_vision_language
+
+    if not is_vision_language(model.config):
+        return None
+    return VisionStep(model, driven_family(model.config, type(model).__name__), cache_bytes)

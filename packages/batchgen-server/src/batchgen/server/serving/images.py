@@ -1,0 +1,120 @@
+"""A chat's images made ready: each image part's bytes fetched (``media.ImageSources``), checked and decoded
+within the limits, then the rendered prompt and its pictures through the model's processor: the token ids with each
+image's placeholders, and the ``MultimodalPrompt`` the engine request carries. Every refusal names its part
+(``messages[0].content[1]``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from batchgen.schemas import ChatCompletionRequest, FileContentPart, ImageContentPart
+
+from ..media import ImageSources, MediaError, MediaLimits, decode_image, image_hash
+from .errors import RequestRejected
+
+if TYPE_CHECKING:
+    from ..engine.multimodal.processor import ImageProcessor
+    from ..engine.multimodal.prompt import MultimodalPrompt
+
+
+def image_parts(body: ChatCompletionRequest) -> list[tuple[str, ImageContentPart | FileContentPart]]:
+    """The image parts of a chat, in prompt order, each with its field's name."""
+    parts: list[tuple[str, ImageContentPart | FileContentPart]] = []
+    for m, message in enumerate(body.messages):
+        if isinstance(message.content, list):
+            for p, part in enumerate(message.content):
+                if isinstance(part, ImageContentPart | FileContentPart):
+                    parts.append((f"messages[{m}].content[{p}]", part))
+    return parts
+
+
+class ImagePrompter:
+    def __init__(self, processor: ImageProcessor | None, sources: ImageSources) -> None:
+        self.processor = processor
+        """The served model's (``None``: a text-only model, which refuses image parts)."""
+        self.sources = sources
+
+    @property
+    def limits(self) -> MediaLimits:
+        return self.sources.limits
+
+    def check(self, body: ChatCompletionRequest, model: str) -> list[tuple[str, ImageContentPart | FileContentPart]]:
+        """The chat's image parts, once the served model and the limits take them."""
+        parts = image_parts(body)
+        if parts and self.processor is None:
+            raise RequestRejected(
+                "unsupported_content",
+                f"model {model!r} reads text only: it cannot take an image part",
+                parts[0][0],
+            )
+        if len(parts) > self.limits.max_images:
+            raise RequestRejected(
+                "too_many_images",
+                f"The prompt has {len(parts)} images; this server takes at most {self.limits.max_images} a prompt "
+                "(--limit-mm-per-prompt).",
+                parts[self.limits.max_images][0],
+            )
+        return parts
+
+    def prompt(
+        self, text: str, parts: list[tuple[str, ImageContentPart | FileContentPart]]
+    ) -> tuple[list[int], MultimodalPrompt]:
+        """``text`` (the chat rendered, one image marker per part) as token ids with its pictures."""
+        assert self.processor is not None
+        pictures, keys = [], []
+        for param, part in parts:
+            try:
+                data, field = self._bytes(param, part)
+                keys.append(image_hash(data))
+                pictures.append(decode_image(data, field, self.limits))
+            except MediaError as exc:
+                raise RequestRejected(exc.code, exc.message, exc.param) from None
+        try:
+            return self.processor.prompt_inputs(text, pictures, keys)
+        except (ValueError, TypeError) as exc:  # the processor's own refusals (a picture too small for it...)
+            raise RequestRejected(
+                "invalid_image", f"The model's processor refused the images: {exc}", "messages"
+            ) from None
+
+    def _bytes(self, param: str, part: ImageContentPart | FileContentPart) -> tuple[bytes, str]:
+        """The part's bytes, and the field that gave them (what a refusal names)."""
+        if isinstance(part, ImageContentPart):
+            field = f"{param}.image_url.url"
+            return self.sources.url(part.image_url.url, field), field
+        ref = part.file
+        if ref.file_id is not None:
+            field = f"{param}.file.file_id"
+            return self.sources.file(ref.file_id, field), field
+        if ref.file_data is not None:
+            data, field = ref.file_data, f"{param}.file.file_data"
+            if not data.startswith("data:"):  # OpenAI's file_data may be the base64 alone
+                data = "data:image/unknown;base64," + data
+            return self.sources.url(data, field), field
+        raise MediaError("invalid_value", "A file part needs a file_id or file_data.", f"{param}.file")
+
+
+def media_of(config: Any, files: Any = None) -> ImageSources:
+    """The image sources a ``ServingConfig`` allows (``files``: uploads by id, the server's)."""
+    limits = MediaLimits(
+        max_images=config.max_images,
+        max_image_bytes=config.max_image_bytes,
+        max_image_pixels=config.max_image_pixels,
+        fetch_timeout_s=config.media_fetch_timeout_s,
+    )
+    return ImageSources(limits, config.allowed_media_domains, config.allowed_local_media_path, files)
+
+
+def image_processor_for(config: Any, tokenizer: Any) -> ImageProcessor | None:
+    """The processor of a served vision-language model (``EngineConfig``); ``None`` for a text model."""
+    from transformers import AutoConfig
+
+    from ..engine.loader import resolve_model_path
+    from ..engine.multimodal.processor import ImageProcessor, is_vision_language
+
+    path = resolve_model_path(config.model)
+    model_config = AutoConfig.from_pretrained(
+        path, revision=config.revision, trust_remote_code=config.trust_remote_code
+    )
+    if not is_vision_language(model_config):
+        return None
+    return ImageProcessor(path, tokenizer, config.trust_remote_code)

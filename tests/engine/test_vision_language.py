@@ -1,0 +1,209 @@
+"""Images through the engine, against transformers' own ``generate`` on the same pictures (float32): greedy tokens
+identical, logprobs within 1e-4, for each family the engine drives, with the prompt's chunks cutting through the
+images' placeholders, the encoder cache on and off, preemption, n > 1 and the prefix cache (two pictures behind
+the same placeholder tokens never share KV)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForImageTextToText
+from vlm_helpers import BUILDERS, hf_greedy, image, png_bytes
+
+from batchgen.server.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams
+from batchgen.server.engine.errors import ModelNotSupported
+from batchgen.server.engine.loader import load_model
+from batchgen.server.engine.multimodal.processor import ImageProcessor
+from batchgen.server.engine.self_check import check_engine
+from batchgen.server.media import image_hash
+
+NEW_TOKENS = 6
+PICTURES = [image(70, 50, 1), image(40, 100, 2), image(60, 60, 3), image(60, 60, 4)]
+"""The last two: the same size (the same placeholder tokens), other pixels."""
+CONVERSATIONS = [
+    [{"type": "text", "text": "look "}, {"type": "image"}, {"type": "text", "text": " and "}, {"type": "image"}],
+    [{"type": "image"}, {"type": "text", "text": "what is it?"}],
+]
+IMAGES_OF = [[0, 1], [2]]
+
+
+class Family:
+    def __init__(self, name: str, path: Path) -> None:
+        self.path = path
+        self.model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+        self.hf = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+        """The reference: a copy of its own (the engine's attention is set on ``model``)."""
+        self.processor = ImageProcessor(str(path), None)
+        self.reference: dict[int, tuple[list[int], torch.Tensor, list[int]]] = {}
+
+    def expected(self, index: int) -> tuple[list[int], torch.Tensor, list[int]]:
+        if index not in self.reference:
+            messages = [{"role": "user", "content": CONVERSATIONS[index]}]
+            pictures = [PICTURES[i] for i in IMAGES_OF[index]]
+            self.reference[index] = hf_greedy(self.hf, self.processor.processor, messages, pictures, NEW_TOKENS)
+        return self.reference[index]
+
+    def request(self, index: int, request_id: str, pictures: list[int] | None = None, **params: Any) -> EngineRequest:
+        messages = [{"role": "user", "content": CONVERSATIONS[index]}]
+        text = self.processor.processor.apply_chat_template(messages, add_generation_prompt=True)
+        chosen = [PICTURES[i] for i in (pictures or IMAGES_OF[index])]
+        keys = [image_hash(png_bytes(p)) for p in chosen]
+        ids, mm = self.processor.prompt_inputs(text, chosen, keys)
+        sampling = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=True, **params)
+        return EngineRequest(request_id, ids, sampling, multimodal=mm)
+
+    def engine(self, **overrides: Any) -> LLMEngine:
+        config = EngineConfig(model=str(self.path), dtype="float32", device="cpu", **{"num_kv_blocks": 64, **overrides})
+        return LLMEngine(self.model, self.processor.processor.tokenizer, config, self.path.name)
+
+
+@pytest.fixture(scope="module", params=sorted(BUILDERS))
+def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Family:
+    return Family(request.param, BUILDERS[request.param](tmp_path_factory.mktemp(request.param)))
+
+
+def _run(engine: LLMEngine, requests: list[EngineRequest]) -> dict[str, Any]:
+    for request in requests:
+        engine.add_request(request)
+    results = {}
+    while engine.has_unfinished_requests():
+        results.update((r.request_id, r) for r in engine.step())
+    return results
+
+
+def _same(family: Family, result: Any, index: int) -> None:
+    assert result.error is None, result.error
+    tokens, logprobs, _ = family.expected(index)
+    for output in result.outputs:
+        assert output.token_ids == tokens
+        for lp, expected in zip(output.logprobs, logprobs, strict=True):
+            assert abs(lp.logprob - expected[lp.token_id].item()) < 1e-4
+
+
+@pytest.mark.parametrize("chunk", [2048, 7])
+def test_greedy_matches_generate(family: Family, chunk: int) -> None:
+    """Whole prompts, then chunks of 7 tokens that start and end inside the images' placeholders."""
+    engine = family.engine(max_num_batched_tokens=chunk, enable_prefix_caching=False)
+    if chunk == 2048:
+        check_engine(engine)  # the text self-check passes on the vision-language model
+    requests = [family.request(i, f"r{i}") for i in range(len(CONVERSATIONS))]
+    results = _run(engine, requests)
+    for i in range(len(CONVERSATIONS)):
+        _same(family, results[f"r{i}"], i)
+    vision = engine.runner.vision
+    assert vision is not None and vision.encoded_images == 3  # each picture once, whatever the chunks
+
+
+def test_encoder_cache_off_preemption_and_n(family: Family) -> None:
+    """No encoder cache, a KV cache so small that sequences are preempted and recomputed, n = 2 forks."""
+    order = [1, 1, 0, 1]
+    requests = [family.request(c, f"r{i}", n=2 if c == 0 else 1) for i, c in enumerate(order)]
+    short, longest = (len(family.request(c, "x").prompt_token_ids) for c in (1, 0))
+    # Two short prompts fit, not their outputs too: running sequences are preempted; the longest fits alone.
+    blocks = max(-(-(longest + NEW_TOKENS) // 4), 2 * -(-short // 4) + 1)
+    engine = family.engine(encoder_cache_mib=0, num_kv_blocks=blocks, block_size=4, enable_prefix_caching=False)
+    results = _run(engine, requests)
+    for i, c in enumerate(order):
+        _same(family, results[f"r{i}"], c)
+    assert len(results["r2"].outputs) == 2
+    assert engine.stats().preemptions > 0
+    assert engine.runner.vision is not None and engine.runner.vision.cache.bytes == 0
+
+
+def test_prefix_cache_keys_include_the_images(family: Family) -> None:
+    """The same conversation with another picture has the same token ids: it must not reuse the first's KV, and the
+    same picture again must."""
+    engine = family.engine(block_size=4)
+    first = _run(engine, [family.request(1, "a")])["a"]
+    other = family.request(1, "b", pictures=[3])
+    assert other.prompt_token_ids == family.request(1, "x").prompt_token_ids
+    second = _run(engine, [other])["b"]
+    third = _run(engine, [family.request(1, "c")])["c"]
+    _same(family, first, 1)
+    _same(family, third, 1)
+    placeholders = family.request(1, "y").multimodal.images[0].first
+    assert second.cached_tokens <= placeholders  # at most the text before the picture
+    assert third.cached_tokens > placeholders
+    assert (
+        second.outputs[0].token_ids != first.outputs[0].token_ids
+        or second.outputs[0].logprobs != first.outputs[0].logprobs
+    )
+
+
+def test_unsupported_family_is_refused_in_one_line(tmp_path: Path) -> None:
+    from transformers import Gemma3Config
+
+    config = Gemma3Config()
+    config.save_pretrained(tmp_path)
+    with pytest.raises(ModelNotSupported) as refused:
+        load_model(EngineConfig(model=str(tmp_path), device="cpu"))
+    assert "gemma3" in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_run_batch_reads_local_images_under_the_allowed_path(tmp_path: Path) -> None:
+    """run-batch's lines may name pictures as file:// URLs under --allowed-local-media-path, and only there."""
+    import json
+
+    from vlm_helpers import data_url, llava
+
+    from batchgen.schemas import ChatCompletion, ErrorResponse, parse_output_line
+    from batchgen.server.cli import main
+
+    path = llava(tmp_path / "llava")
+    pictures = tmp_path / "pictures"
+    pictures.mkdir()
+    (pictures / "a.png").write_bytes(png_bytes(PICTURES[0]))
+    (tmp_path / "outside.png").write_bytes(png_bytes(PICTURES[0]))
+    urls = {
+        "local": f"file://{pictures}/a.png",
+        "data": data_url(PICTURES[0]),
+        "outside": f"file://{pictures}/../outside.png",
+    }
+    source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    with source.open("w") as f:
+        for custom_id, url in urls.items():
+            content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "what is it?"}]
+            body = {"model": str(path), "messages": [{"role": "user", "content": content}], "max_tokens": 4}
+            f.write(json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body}))
+            f.write("\n")
+    argv = ["run-batch", "-i", str(source), "-o", str(output), "--model", str(path), "--no-progress"]
+    assert main([*argv, "--allowed-local-media-path", str(pictures), "--num-kv-blocks", "64"]) == 0
+    lines = {line.custom_id: line.response.body for line in map(parse_output_line, output.read_text().splitlines())}
+    local, data, outside = lines["local"], lines["data"], lines["outside"]
+    assert isinstance(local, ChatCompletion) and isinstance(data, ChatCompletion)
+    assert local.choices[0].message.content == data.choices[0].message.content
+    assert isinstance(outside, ErrorResponse) and outside.error.code == "invalid_image_url"
+
+
+def test_lora_on_the_language_model_with_images(tmp_path: Path) -> None:
+    """A LoRA adapter on LLaVA's language model, with a picture in the prompt: the engine's greedy tokens are peft's
+    ``generate`` on the same picture."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from vlm_helpers import llava
+
+    from batchgen.server.engine.adapters import Adapters
+
+    family = Family("llava", llava(tmp_path / "llava"))
+    torch.manual_seed(7)
+    spec = LoraConfig(r=4, lora_alpha=8, target_modules=r".*language_model.*\.(q_proj|v_proj)", init_lora_weights=False)
+    peft_model = get_peft_model(AutoModelForImageTextToText.from_pretrained(family.path, dtype=torch.float32), spec)
+    with torch.no_grad():
+        for key, param in peft_model.named_parameters():
+            if "lora_" in key:
+                param.normal_(0, 0.5 if "lora_A" in key else 0.2)
+    peft_model.save_pretrained(tmp_path / "adapter")
+    reference = PeftModel.from_pretrained(
+        AutoModelForImageTextToText.from_pretrained(family.path, dtype=torch.float32), tmp_path / "adapter"
+    ).eval()
+    messages = [{"role": "user", "content": CONVERSATIONS[1]}]
+    tokens, _, _ = hf_greedy(reference, family.processor.processor, messages, [PICTURES[2]], NEW_TOKENS)
+    engine = family.engine(enable_lora=True, lora_modules=(f"a={tmp_path / 'adapter'}",), max_lora_rank=8)
+    request = family.request(1, "lora")
+    request.lora = Adapters.of(engine.config).get("a")
+    base = family.request(1, "base")
+    results = _run(engine, [request, base])
+    assert results["lora"].outputs[0].token_ids == tokens
+    assert results["base"].outputs[0].token_ids == family.expected(1)[0] != tokens

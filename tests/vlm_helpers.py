@@ -1,0 +1,193 @@
+"""Tiny random vision-language models built in code, with real processors (Pillow image processors, a byte-level
+tokenizer carrying the family's special tokens, a chat template rendering image parts as the real one does),
+saved to a directory and loaded back through ``from_pretrained``; test images; transformers' own greedy ``generate``
+on a conversation with images, the reference the engine must match."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+TEXT = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+}
+
+_IMAGE_PART = "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+QWEN_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}{% else %}{% for content in message['content'] %}"
+    + _IMAGE_PART
+    + "<|vision_start|><|image_pad|><|vision_end|>{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+QWEN_SPECIALS = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+LLAVA_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'].upper() }}: {% if message['content'] is string %}"
+    "{{ message['content'] }}{% else %}{% for content in message['content'] %}"
+    + _IMAGE_PART
+    + "<image>\n{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+
+
+def byte_tokenizer(specials: list[str], chat_template: str) -> Any:
+    """Every byte one token (ids 0-255, as the demo model's), bos/eos/pad, then ``specials`` as special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from batchgen.server.engine.demo_model import BOS, EOS, PAD, _bytes_to_unicode
+
+    byte_to_char = _bytes_to_unicode()
+    tokenizer = Tokenizer(models.BPE(vocab={byte_to_char[b]: b for b in range(256)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token=BOS, eos_token=EOS, pad_token=PAD, model_max_length=4096
+    )
+    tok.add_special_tokens({"additional_special_tokens": specials}, replace_extra_special_tokens=False)
+    tok.chat_template = chat_template
+    return tok
+
+
+def _save(path: Path, model: Any, tokenizer: Any, image_processor: Any, processor: dict[str, Any]) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    with torch.no_grad():  # clear margins for greedy decoding
+        model.get_output_embeddings().weight.mul_(8.0)
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    image_processor.save_pretrained(path)
+    (path / "processor_config.json").write_text(json.dumps(processor))
+    (path / "chat_template.jinja").write_text(tokenizer.chat_template)
+    return path
+
+
+def qwen2_5_vl(path: Path) -> Path:
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tok = byte_tokenizer(QWEN_SPECIALS, QWEN_TEMPLATE)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    config = Qwen2_5_VLConfig(
+        text_config={**TEXT, "vocab_size": len(tok), "rope_parameters": rope},
+        vision_config={
+            "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+            "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56,
+            "fullatt_block_indexes": [1],
+        },
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen2_5_VLForConditionalGeneration(config).float()
+    pixels = {"shortest_edge": 28 * 28 * 4, "longest_edge": 28 * 28 * 16}
+    ip = Qwen2VLImageProcessorPil(size=pixels, patch_size=14, merge_size=2, temporal_patch_size=2)
+    return _save(path, model, tok, ip, {"processor_class": "Qwen2_5_VLProcessor"})
+
+
+def llava(path: Path) -> Path:
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    tok = byte_tokenizer(["<image>"], LLAVA_TEMPLATE)
+    vision = CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=56, patch_size=14
+    )
+    config = LlavaConfig(
+        vision_config=vision,
+        text_config=LlamaConfig(**TEXT, vocab_size=len(tok)),
+        image_token_index=tok.convert_tokens_to_ids("<image>"),
+        vision_feature_layer=-1,
+    )
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(config).float()
+    ip = CLIPImageProcessorPil(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56})
+    processor = {
+        "processor_class": "LlavaProcessor", "patch_size": 14, "vision_feature_select_strategy": "default",
+        "num_additional_image_tokens": 1, "image_token": "<image>",
+    }  # fmt: skip
+    return _save(path, model, tok, ip, processor)
+
+
+BUILDERS = {"llava": llava, "qwen2_5_vl": qwen2_5_vl}
+
+
+def image(width: int, height: int, seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def png_bytes(picture: Image.Image, format: str = "PNG") -> bytes:
+    out = io.BytesIO()
+    picture.save(out, format=format)
+    return out.getvalue()
+
+
+def data_url(picture: Image.Image, format: str = "PNG") -> str:
+    import base64
+
+    return f"data:image/{format.lower()};base64," + base64.b64encode(png_bytes(picture, format)).decode()
+
+
+@torch.no_grad()
+def hf_greedy(
+    model: Any, processor: Any, messages: list[dict[str, Any]], images: list[Any], new_tokens: int
+) -> tuple[list[int], torch.Tensor, list[int]]:
+    """``generate(do_sample=False)`` on the conversation: its tokens, each step's log-softmax, the prompt's ids."""
+    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    inputs = processor(text=[text], images=images, return_tensors="pt", add_special_tokens=False)
+    out = model.generate(
+        **inputs, max_new_tokens=new_tokens, do_sample=False, output_logits=True, return_dict_in_generate=True,
+        pad_token_id=0, eos_token_id=None,
+    )  # fmt: skip
+    prompt = inputs["input_ids"].shape[1]
+    logprobs = torch.log_softmax(torch.stack(out.logits)[:, 0].float(), dim=-1)
+    return out.sequences[0, prompt:].tolist(), logprobs, inputs["input_ids"][0].tolist()
+
+
+IDEFICS3_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}:{% if message['content'] is string %}"
+    "{{ message['content'] }}{% else %}{% for content in message['content'] %}" + _IMAGE_PART + "<image>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}<end_of_utterance>\n"
+    "{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+
+
+def idefics3(path: Path) -> Path:
+    """Idefics3 (SmolVLM's family): pictures split into tiles, each tile's placeholders a run of their own."""
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3VisionConfig, LlamaConfig
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    specials = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>", "<|im_start|>"]
+    specials += [f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)]
+    tok = byte_tokenizer(specials, IDEFICS3_TEMPLATE)
+    vision = Idefics3VisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=56, patch_size=14
+    )
+    config = Idefics3Config(
+        vision_config=vision.to_dict(),
+        text_config=LlamaConfig(**TEXT, vocab_size=len(tok)).to_dict(),
+        image_token_id=tok.convert_tokens_to_ids("<image>"),
+        scale_factor=2,
+    )
+    torch.manual_seed(0)
+    model = Idefics3ForConditionalGeneration(config).float()
+    ip = Idefics3ImageProcessorPil(
+        size={"longest_edge": 112}, max_image_size={"longest_edge": 56}, do_image_splitting=True
+    )
+    return _save(path, model, tok, ip, {"processor_class": "Idefics3Processor", "image_seq_len": 4})
+
+
+BUILDERS["idefics3"] = idefics3
