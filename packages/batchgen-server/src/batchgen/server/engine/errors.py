@@ -14,3 +14,9 @@ class ModelNotSupported(ModelLoadError):
         super().__init__(f"batchgen cannot serve {architecture} models: {reason}")
         self.architecture = architecture
         self.reason = reason
+
+
+class GroupFailed(RuntimeError):
+    """A rank of a tensor-parallel group died, hung past the collective timeout, or failed within a forward that
+    every rank runs: the ranks are no longer in step, so the whole group is started again (the engine worker's
+    restart), not one request failed."""

@@ -21,6 +21,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_N
 
 from .config import EngineConfig
 from .demo_model import demo_model_dir
+from .distributed.plan import shard_kwargs
 from .errors import ModelLoadError
 from .quantization import check, in_flight, kv_cache_dtype, method_of
 
@@ -71,6 +72,8 @@ def load_model(config: EngineConfig) -> tuple[PreTrainedModel, PreTrainedTokeniz
         kwargs["quantization_config"] = quantize
     check(kwargs.get("quantization_config") or getattr(model_config, "quantization_config", None), device)
     model_class = AutoModel if is_encoder_only(model_config) else AutoModelForCausalLM
+    if config.tensor_parallel_size > 1:  # this rank's shard alone (engine/distributed/)
+        kwargs.update(shard_kwargs(config, model_config))
     try:
         model = model_class.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as exc:
@@ -81,7 +84,7 @@ def load_model(config: EngineConfig) -> tuple[PreTrainedModel, PreTrainedTokeniz
             raise
         raise ModelLoadError(_why_not_quantized(method, exc)) from exc
     tokenizer = load_tokenizer(config)
-    if config.device_map is None:
+    if config.device_map is None and config.tensor_parallel_size == 1:  # a shard is loaded where it runs
         model = model.to(config.resolved_device())  # type: ignore[arg-type]  # transformers types to() oddly
     model.eval()
     return model, tokenizer
