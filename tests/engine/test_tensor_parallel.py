@@ -11,13 +11,35 @@ from typing import Any
 
 import pytest
 import torch
-from test_architectures import Reference, _build, _check
+from test_architectures import ARCHITECTURES, Reference, _build, _check
 
 from batchgen.server.engine import EngineConfig, LLMEngine, build_engine
 from batchgen.server.engine.demo_model import build_tokenizer
 from batchgen.server.engine.errors import ModelLoadError, ModelNotSupported
 
 FAULTS = Path(__file__).resolve().parents[1] / "faults"
+
+DEEPSEEK_V3 = {
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    "num_key_value_heads": 4,
+    "first_k_dense_replace": 1,
+    "n_group": 1,
+    "topk_group": 1,
+}
+"""MLA (a compressed KV projection, split by the ``mla_kv_a_proj`` rule), a dense first layer, then routed experts."""
+SPLIT_ARCHITECTURES = {
+    "qwen3_moe": ARCHITECTURES["qwen3_moe"],  # experts split by their inner width
+    "gemma3_text": ARCHITECTURES["gemma3_text"],  # sliding windows, soft-capping
+    "gpt_oss": ARCHITECTURES["gpt_oss"],  # sinks, split with their heads
+    "deepseek_v3": DEEPSEEK_V3,
+}
 
 
 @pytest.fixture(scope="module")
@@ -81,3 +103,16 @@ def test_a_rank_that_cannot_start_is_one_line(split: LLMEngine, llama: Path, mon
         build_engine(_config(llama))
     assert str(failed.value) == "rank 1 of 2 could not start: injected: out of memory on rank 1"
     assert not torch.distributed.is_initialized()  # the driver left the group: another can start
+
+
+@pytest.mark.slow  # a group each: about 6-12 s apiece on two shared cores
+@pytest.mark.parametrize("model_type", sorted(SPLIT_ARCHITECTURES))
+def test_other_architectures_split_two_ways(model_type: str, tmp_path: Path) -> None:
+    # After the module's group has stopped (the test above): one group per process at a time.
+    path = _build(model_type, SPLIT_ARCHITECTURES[model_type], build_tokenizer(), tmp_path)
+    engine = build_engine(_config(path))
+    assert isinstance(engine, LLMEngine) and engine.runner.group is not None
+    try:
+        _check(engine, Reference(path))
+    finally:
+        engine.runner.group.stop()
