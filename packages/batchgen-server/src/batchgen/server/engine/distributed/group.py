@@ -35,6 +35,8 @@ logger = logging.getLogger(__name__)
 
 REPORT_WAIT_S = 3.0
 """How long a failed start waits for the ranks' own account of why."""
+NAME_THE_DEAD_S = 1.0
+"""How long a failed collective waits to see which rank exited (none: a rank hung, or the driver failed)."""
 
 
 class RankGroup:
@@ -132,13 +134,18 @@ class RankGroup:
         if isinstance(exc, GroupFailed):
             return exc
         self._failed = True
-        gone = [
+        deadline = time.monotonic() + NAME_THE_DEAD_S  # a peer's socket closes a moment before its exit is seen
+        while not (gone := self._gone()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        why = "; ".join(gone) if gone else one_line(exc)
+        return GroupFailed(f"the tensor-parallel group of {self.size} ranks failed: {why}")
+
+    def _gone(self) -> list[str]:
+        return [
             f"rank {rank} exited ({_exit(process.returncode)})"
             for rank, process in enumerate(self.processes, start=1)
             if process.poll() is not None
         ]
-        why = "; ".join(gone) if gone else one_line(exc)
-        return GroupFailed(f"the tensor-parallel group of {self.size} ranks failed: {why}")
 
     def restarted(self, grammars: GrammarCompiler) -> ModelRunner:
         logger.warning("restarting the tensor-parallel group of %d ranks", self.size)
