@@ -93,8 +93,8 @@ def serve_rank(config: EngineConfig, rank: int, world: int, address: str, report
     report.close()
     try:
         _serve(runner, channel)
-    except Exception:
-        logger.exception("rank %d failed; the group is restarted", rank)
+    except Exception as exc:  # the driver went, or a collective failed: the driver restarts the group
+        logger.warning("rank %d leaves the group: %s", rank, one_line(exc))
         sys.exit(1)
 
 
