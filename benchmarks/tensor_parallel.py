@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -133,6 +134,37 @@ def child(model: str, tp: int, threads: int, seqs: int, tokens: int, fast: bool)
     }
 
 
+def vllm_row(python: Path, model: Path, args: argparse.Namespace, reference: object) -> dict[str, object] | None:
+    """vLLM's CPU build on the same model and workload at TP=2 (``vllm_peer.py``, its mp backend), or ``None`` with
+    why on stderr."""
+    workload = [[[(i * 7 + j) % 256 for j in range(16)], args.tokens] for i in range(args.seqs)]
+    with tempfile.TemporaryDirectory() as tmp:
+        workload_path, out_path = Path(tmp) / "workload.json", Path(tmp) / "out.json"
+        workload_path.write_text(json.dumps(workload))
+        command = [str(python), str(Path(__file__).with_name("vllm_peer.py")), str(model), str(workload_path)]
+        command += [str(out_path), "--threads", "1", "--eager", "--tensor-parallel-size", "2", "--kv-cache-gib", "1"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+        env.pop("PYTHONPATH", None)  # vLLM's own packages only
+        try:
+            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.vllm_timeout)
+        except subprocess.TimeoutExpired:
+            print(f"vLLM at TP=2 did not finish within {args.vllm_timeout} s", file=sys.stderr)
+            return None
+        if done.returncode:
+            print(f"vLLM at TP=2 failed:\n{done.stderr[-3000:]}", file=sys.stderr)
+            return None
+        result = json.loads(out_path.read_text())
+    tokens = result["tokens"]
+    return {
+        "weights": 0,
+        "rss": {},
+        "rate": sum(map(len, tokens)) / result["wall"],
+        "reduce_share": 0.0,
+        "outputs": tokens,
+        "same": tokens == reference,
+    }
+
+
 def _rss(pid: str) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -146,6 +178,8 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--fast", action="store_true", help="a last row: 1 rank, 2 threads, its fast paths on")
+    parser.add_argument("--vllm", default="/work/vllm-venv/bin/python", help="vLLM's interpreter ('' to skip)")
+    parser.add_argument("--vllm-timeout", type=int, default=900)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -174,6 +208,8 @@ def main() -> None:
             reference = reference or result["outputs"]
             result["same"] = result["outputs"] == reference
             rows.append((name, result))
+        if args.vllm and Path(args.vllm).exists():
+            rows.append(("vLLM CPU, TP=2, 1 thread per rank", vllm_row(Path(args.vllm), path, args, reference)))
     base = next((r["rate"] for _, r in rows if r), 1.0)
     print(
         "| configuration | weight MiB per rank | RSS MiB per process | generated tok/wall-s | vs TP=1 x 1 "
@@ -184,10 +220,11 @@ def main() -> None:
         if r is None:
             print(f"| {name} | - | - | failed | - | - | - |")
             continue
-        rss = ", ".join(f"{who} {value / 2**20:.0f}" for who, value in r["rss"].items())
+        rss = ", ".join(f"{who} {value / 2**20:.0f}" for who, value in r["rss"].items()) or "-"
+        weights = f"{r['weights'] / 2**20:.0f}" if r["weights"] else "-"
         share = f"{100 * r['reduce_share']:.0f}%" if r["reduce_share"] else "-"
         print(
-            f"| {name} | {r['weights'] / 2**20:.0f} | {rss} | {r['rate']:.2f} | {r['rate'] / base:.2f}x | {share} | "
+            f"| {name} | {weights} | {rss} | {r['rate']:.2f} | {r['rate'] / base:.2f}x | {share} | "
             f"{'identical' if r['same'] else 'DIFFERENT'} |"
         )
 

@@ -35,11 +35,14 @@ DEEPSEEK_V3 = {
 }
 """MLA (a compressed KV projection, split by the ``mla_kv_a_proj`` rule), a dense first layer, then routed experts."""
 SPLIT_ARCHITECTURES = {
-    "qwen3_moe": ARCHITECTURES["qwen3_moe"],  # experts split by their inner width
-    "gemma3_text": ARCHITECTURES["gemma3_text"],  # sliding windows, soft-capping
-    "gpt_oss": ARCHITECTURES["gpt_oss"],  # sinks, split with their heads
+    "qwen3_moe": ARCHITECTURES["qwen3_moe"],
+    "gemma3_text": ARCHITECTURES["gemma3_text"],
+    "gpt_oss": ARCHITECTURES["gpt_oss"],
     "deepseek_v3": DEEPSEEK_V3,
 }
+EXPERT_PARALLEL = {"qwen3_moe": False, "gemma3_text": False, "gpt_oss": True, "deepseek_v3": True}
+"""Qwen3-MoE's experts split by their inner width; Gemma 3's windows and soft-caps; gpt-oss's sinks split with their
+heads and its experts spread over the ranks (``--enable-expert-parallel``), as DeepSeek-V3's beside MLA."""
 
 
 @pytest.fixture(scope="module")
@@ -88,9 +91,15 @@ def test_a_model_that_cannot_be_split_is_refused_in_one_line(llama: Path) -> Non
     assert "\n" not in message
 
 
+def test_expert_parallel_needs_an_moe_model(llama: Path) -> None:
+    with pytest.raises(ModelNotSupported, match="declares no expert-parallel plan"):
+        build_engine(_config(llama, enable_expert_parallel=True))
+
+
 def test_flags_that_do_not_go_with_it() -> None:
     assert "LoRA" in (EngineConfig(tensor_parallel_size=2, enable_lora=True).usage_problem() or "")
     assert "give 1" in (EngineConfig(tensor_parallel_size=0).usage_problem() or "")
+    assert "needs --tensor-parallel-size" in (EngineConfig(enable_expert_parallel=True).usage_problem() or "")
 
 
 def test_a_rank_that_cannot_start_is_one_line(split: LLMEngine, llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -110,8 +119,11 @@ def test_a_rank_that_cannot_start_is_one_line(split: LLMEngine, llama: Path, mon
 def test_other_architectures_split_two_ways(model_type: str, tmp_path: Path) -> None:
     # After the module's group has stopped (the test above): one group per process at a time.
     path = _build(model_type, SPLIT_ARCHITECTURES[model_type], build_tokenizer(), tmp_path)
-    engine = build_engine(_config(path))
+    engine = build_engine(_config(path, enable_expert_parallel=EXPERT_PARALLEL[model_type]))
     assert isinstance(engine, LLMEngine) and engine.runner.group is not None
+    if EXPERT_PARALLEL[model_type]:  # whole experts, half of them each
+        experts = engine.runner.model.model.layers[1].mlp.experts.gate_up_proj
+        assert experts.to_local().shape[0] == 2
     try:
         _check(engine, Reference(path))
     finally:

@@ -140,6 +140,11 @@ class EngineConfig:
         "layer's heads and of the KV cache; gloo on CPU, NCCL on CUDA (docs/scaling.md)",
         flags=("--tensor-parallel-size", "-tp"),
     )
+    enable_expert_parallel: bool = setting(
+        False,
+        "with --tensor-parallel-size: an MoE model's experts spread over the ranks (each holds whole experts, 1/N of "
+        "them) instead of each expert split N ways; attention stays split by heads (vLLM's flag)",
+    )
     distributed_timeout_s: float = setting(
         30.0,
         "with --tensor-parallel-size: longest a rank waits for the others in a collective (and for the group to "
@@ -175,7 +180,11 @@ class EngineConfig:
         """What ``--tensor-parallel-size`` cannot go with yet (the model's own split is checked as it loads)."""
         size = self.tensor_parallel_size
         if size == 1:
-            return None
+            return (
+                "--enable-expert-parallel needs --tensor-parallel-size 2 or more"
+                if self.enable_expert_parallel
+                else None
+            )
         if self.enable_lora:
             return f"--tensor-parallel-size {size} with --enable-lora: LoRA slots are not split across ranks yet"
         if self.device_map is not None:

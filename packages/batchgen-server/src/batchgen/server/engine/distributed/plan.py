@@ -19,15 +19,27 @@ def split_counts(model_config: Any) -> dict[str, int]:
     return {"attention heads": heads, "KV heads": int(kv_heads)}
 
 
-def split_problem(model_config: Any, size: int) -> str | None:
-    """Why this model cannot be split ``size`` ways (one line, naming the sizes that would work), or ``None``."""
+EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
+"""Where an MoE config says how many routed experts each layer has."""
+
+
+def split_problem(model_config: Any, size: int, experts: bool = False) -> str | None:
+    """Why this model cannot be split ``size`` ways (one line, naming the sizes that would work), or ``None``;
+    ``experts``: with its experts spread over the ranks (expert parallelism)."""
     text = model_config.get_text_config()
+    if experts and not getattr(text, "base_model_ep_plan", None):
+        return (
+            "it declares no expert-parallel plan (base_model_ep_plan: not an MoE model transformers can spread); "
+            "drop --enable-expert-parallel"
+        )
     if getattr(model_config, "is_encoder_decoder", False) or not getattr(text, "base_model_tp_plan", None):
         return (
             f"it cannot be split over {size} ranks: its config declares no tensor-parallel plan "
             "(base_model_tp_plan); serve it with --tensor-parallel-size 1"
         )
     counts = split_counts(model_config)
+    if experts:
+        counts["experts"] = next(int(getattr(text, name)) for name in EXPERT_COUNTS if getattr(text, name, None))
     uneven = [f"{count} {what}" for what, count in counts.items() if count % size]
     if not uneven:
         return None
@@ -46,10 +58,13 @@ def shard_kwargs(config: EngineConfig, model_config: Any) -> dict[str, Any]:
 
     from ..errors import ModelNotSupported
 
-    if problem := split_problem(model_config, config.tensor_parallel_size):
+    size, experts = config.tensor_parallel_size, config.enable_expert_parallel
+    if problem := split_problem(model_config, size, experts):
         architecture = next(iter(getattr(model_config, "architectures", None) or []), model_config.model_type)
         raise ModelNotSupported(architecture, problem)
-    return {"distributed_config": DistributedConfig(tp_size=config.tensor_parallel_size)}
+    # Expert parallelism: the experts' own plan on a mesh as wide as the heads' (each rank runs its experts on the
+    # tokens every rank shares, and the outputs are summed: transformers' all-reduce implementation).
+    return {"distributed_config": DistributedConfig(tp_size=size, ep_size=size if experts else None)}
 
 
 def check_split(config: EngineConfig, path: str) -> None:
