@@ -89,6 +89,12 @@ class LLMEngine:
         self._step = None
         self._in_flight = None
 
+    def idle_fault(self) -> Exception | None:
+        """Between steps: a rank of its tensor-parallel group that exited meanwhile, as the failure the worker restarts
+        the engine for (so ``/health`` says so at once, and the group is back before the next request)."""
+        group = self.runner.group
+        return group.failed(RuntimeError("a rank exited")) if group is not None and group.broken else None
+
     def _fresh_cache(self) -> BlockManager:
         return BlockManager(self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
 
