@@ -1,8 +1,8 @@
 """``--tensor-parallel-size 2`` over the real API: a batch served by a model split over two ranks; a rank killed
 (SIGKILL, as the OOM killer would) while the batch runs is noticed at once (its peer's collective fails, no
 timeout waited for), ``/health`` says the engine restarts and why, ``/metrics`` counts the restart, the group starts
-again, and every line of the batch is answered exactly once, none failed. A rank killed while the engine is idle is noticed within a second or two, and
-the group is back before the next request."""
+again, and every line of the batch is answered exactly once, none failed. A rank killed while the engine is idle is
+noticed within a second or two, and the group is back before the next request."""
 
 from __future__ import annotations
 
