@@ -37,6 +37,7 @@ def main() -> None:
     parser.add_argument("--max-lora-rank", type=int, default=16)
     parser.add_argument("--quantization", default=None, help="vLLM's in-flight quantization (bitsandbytes...)")
     parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks, one process each (mp backend)")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if args.device == "cpu":
@@ -71,6 +72,11 @@ def main() -> None:
         structured_outputs_config={"backend": args.structured_backend},
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
+        **(
+            {"tensor_parallel_size": args.tensor_parallel_size, "distributed_executor_backend": "mp"}
+            if args.tensor_parallel_size > 1
+            else {}
+        ),
     )
     prompts = [TokensPrompt(prompt_token_ids=item[0]) for item in workload]
     params = [

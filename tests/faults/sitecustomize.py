@@ -10,12 +10,18 @@ import os
 from typing import Any
 
 _MARKER = os.environ.get("BATCHGEN_TEST_CRASH_MARKER")
+_FAIL_RANK = os.environ.get("BATCHGEN_TEST_FAIL_RANK")
+"""A tensor-parallel rank that cannot start: the rank of that number (its ``RANK``) fails as it loads the model."""
 LLAMA = "transformers.models.llama.modeling_llama"
 
 
 def patch(module: object) -> None:
     import signal
 
+    if _FAIL_RANK and os.environ.get("RANK") == _FAIL_RANK:
+        raise MemoryError(f"injected: out of memory on rank {_FAIL_RANK}")
+    if not _MARKER:
+        return
     marker = [int(token) for token in (_MARKER or "").split(",")]
     model: Any = module.LlamaModel  # type: ignore[attr-defined]
     forward = model.forward
@@ -30,7 +36,7 @@ def patch(module: object) -> None:
     model.forward = crashing
 
 
-if _MARKER:
+if _MARKER or _FAIL_RANK:
     import importlib.abc
     import importlib.machinery
     import sys

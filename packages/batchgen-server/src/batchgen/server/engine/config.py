@@ -154,6 +154,23 @@ class EngineConfig:
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)",
     )
 
+    tensor_parallel_size: int = setting(
+        1,
+        "ranks the model is split over, one process each on this node (vLLM's flag): each holds its share of every "
+        "layer's heads and of the KV cache; gloo on CPU, NCCL on CUDA (docs/scaling.md)",
+        flags=("--tensor-parallel-size", "-tp"),
+    )
+    enable_expert_parallel: bool = setting(
+        False,
+        "with --tensor-parallel-size: an MoE model's experts spread over the ranks (each holds whole experts, 1/N of "
+        "them) instead of each expert split N ways; attention stays split by heads (vLLM's flag)",
+    )
+    distributed_timeout_s: float = setting(
+        30.0,
+        "with --tensor-parallel-size: longest a rank waits for the others in a collective (and for the group to "
+        "start) before the group is declared dead and restarted",
+    )
+
     @property
     def served_model_names(self) -> tuple[str, ...]:
         """The names requests may use for the model, its id first."""
@@ -175,6 +192,25 @@ class EngineConfig:
             return f"--quantization {self.quantization!r}: use {', '.join(QUANTIZATION_METHODS)}"
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             return f"--kv-cache-dtype {self.kv_cache_dtype!r}: use {', '.join(KV_CACHE_DTYPES)}"
+        if self.tensor_parallel_size < 1:
+            return f"--tensor-parallel-size {self.tensor_parallel_size}: give 1 (one process) or more"
+        return self._tensor_parallel_problem()
+
+    def _tensor_parallel_problem(self) -> str | None:
+        """What ``--tensor-parallel-size`` cannot go with yet (the model's own split is checked as it loads)."""
+        size = self.tensor_parallel_size
+        if size == 1:
+            return (
+                "--enable-expert-parallel needs --tensor-parallel-size 2 or more"
+                if self.enable_expert_parallel
+                else None
+            )
+        if self.enable_lora:
+            return f"--tensor-parallel-size {size} with --enable-lora: LoRA slots are not split across ranks yet"
+        if self.device_map is not None:
+            return f"--tensor-parallel-size {size} with --device-map: give one or the other"
+        if self.quantization is not None:
+            return f"--tensor-parallel-size {size} with --quantization: quantized shards are not served yet"
         return None
 
     def uses_async_scheduling(self, device: torch.device) -> bool:

@@ -17,12 +17,12 @@ from .adapters import AdapterRefused, Adapters
 from .block_manager import BlockManager
 from .capacity import UNDECLARED_CONTEXT
 from .config import EngineConfig
-from .errors import ModelLoadError
+from .errors import GroupFailed, ModelLoadError
 from .grammar import compiler_for
 from .interface import EngineStats
 from .launched import Launched
 from .lora import LoRASlots
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, StepMirror
 from .output_processor import OutputProcessor
 from .request import EngineError, EngineRequest, EngineResult, GrammarError, Task, admission_error
 from .scheduler import Scheduler
@@ -33,7 +33,15 @@ from .sequence import RequestState, Sequence, Status
 class LLMEngine:
     tasks: frozenset[Task] = frozenset({"generate", "embed"})
 
-    def __init__(self, model: PreTrainedModel, tokenizer: Any, config: EngineConfig, model_name: str) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: Any,
+        config: EngineConfig,
+        model_name: str,
+        group: StepMirror | None = None,
+    ) -> None:
+        """``group``: the other ranks of a tensor-parallel group, whose driver this engine is (``distributed/``)."""
         config.apply_torch_threads()
         self.config = config
         self.tokenizer = tokenizer
@@ -41,7 +49,7 @@ class LLMEngine:
         self.vocab_size: int = model.config.get_text_config().vocab_size
         """Token ids a request may name (prompt, stop tokens, logit bias): rows of the embedding and of the logits."""
         self.grammars = compiler_for(tokenizer, self.vocab_size, config.grammar_timeout_s)
-        self.runner = ModelRunner(model, config, self.grammars)
+        self.runner = ModelRunner(model, config, self.grammars, group)
         self.async_scheduling = config.uses_async_scheduling(self.runner.device)
         model_limit = config.max_model_len or getattr(model.config.get_text_config(), "max_position_embeddings", None)
         if model_limit is None and not self.runner.cache.k:  # no attention: its state does not grow with the context
@@ -77,13 +85,22 @@ class LLMEngine:
 
     def reset(self) -> None:
         """Forget every request and start from an empty cache (the weights and the cache tensors stay): how the
-        worker recovers from a step that failed in a way it could not pin on a request."""
+        worker recovers from a step that failed in a way it could not pin on a request. A tensor-parallel group that
+        failed is started again whole, every rank's shard loaded again."""
+        if (group := self.runner.group) is not None and group.broken:
+            self.runner = group.restarted(self.grammars)
         self.scheduler.reset(self._fresh_cache())
         self.runner.reset()
         self._requests.clear()
         self._ready = []
         self._step = None
         self._in_flight = None
+
+    def idle_fault(self) -> Exception | None:
+        """Between steps: a rank of its tensor-parallel group that exited meanwhile, as the failure the worker restarts
+        the engine for (so ``/health`` says so at once, and the group is back before the next request)."""
+        group = self.runner.group
+        return group.failed(RuntimeError("a rank exited")) if group is not None and group.broken else None
 
     def _fresh_cache(self) -> BlockManager:
         states = self.runner.states.slots if self.runner.states is not None else None
@@ -226,6 +243,8 @@ class LLMEngine:
         else settle that step first, and run this one again from there, one step at a time."""
         try:
             return self._start(scheduled)
+        except GroupFailed:
+            raise  # no request's fault: the worker starts the group again
         except Exception as exc:
             if self._in_flight is None:
                 self._isolate(scheduled, exc, finished)

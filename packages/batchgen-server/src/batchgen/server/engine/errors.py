@@ -41,3 +41,9 @@ def refused(architecture: str, what: str, exc: BaseException) -> ModelLoadError:
         return exc
     logger.debug("%s: %s", architecture, what, exc_info=exc)  # the traceback, for whoever debugs it
     return ModelNotSupported(architecture, f"{what}: {one_line(exc)}")
+
+
+class GroupFailed(RuntimeError):
+    """A rank of a tensor-parallel group died, hung past the collective timeout, or failed within a forward that
+    every rank runs: the ranks are no longer in step, so the whole group is started again (the engine worker's
+    restart), not one request failed."""

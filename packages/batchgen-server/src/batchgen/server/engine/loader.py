@@ -22,6 +22,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_N
 
 from .config import EngineConfig
 from .demo_model import demo_model_dir
+from .distributed.plan import shard_kwargs
 from .errors import ModelLoadError
 from .multimodal.processor import driven_family, is_vision_language
 from .quantization import check, in_flight, kv_cache_dtype, method_of
@@ -76,6 +77,8 @@ def load_model(config: EngineConfig) -> tuple[PreTrainedModel, PreTrainedTokeniz
     if is_vision_language(model_config):  # refused in one line if the engine does not drive its family
         driven_family(model_config, model_config.model_type)
         model_class = AutoModelForImageTextToText
+    if config.tensor_parallel_size > 1:  # this rank's shard alone (engine/distributed/)
+        kwargs.update(shard_kwargs(config, model_config))
     try:
         model = model_class.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as exc:
@@ -86,8 +89,8 @@ def load_model(config: EngineConfig) -> tuple[PreTrainedModel, PreTrainedTokeniz
             raise
         raise ModelLoadError(_why_not_quantized(method, exc)) from exc
     tokenizer = load_tokenizer(config)
-    if config.device_map is None:
-        model = model.to(config.resolved_device())
+    if config.device_map is None and config.tensor_parallel_size == 1:  # a shard is loaded where it runs
+        model = model.to(config.resolved_device())  # type: ignore[arg-type]  # transformers types to() oddly
     model.eval()
     return model, tokenizer
 

@@ -8,7 +8,7 @@ import dataclasses
 import inspect
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -30,6 +30,7 @@ from .batch_state import BatchState
 from .capacity import cache_sizes
 from .config import EngineConfig
 from .cuda_graphs import CudaGraph, DecodeGraphs
+from .distributed.collectives import smallest_across_ranks
 from .errors import ModelLoadError, ModelNotSupported, refused
 from .fast_forward import FastForward
 from .fast_paths import FastPath
@@ -58,6 +59,28 @@ def uses_graphs(compiled: bool, device: torch.device, config: EngineConfig) -> b
     return compiled and device.type == "cuda" and config.device_map is None
 
 
+class StepMirror(Protocol):
+    """The driver's side of a tensor-parallel group (``distributed/group.py``): every forward the driver runs, the
+    other ranks run too, on their shards."""
+
+    @property
+    def broken(self) -> bool:
+        """A rank died or a mirrored forward failed: the group must be started again (``restarted``)."""
+        ...
+
+    def send_step(self, packed: PackedInputs, sample_rows: list[int], want_hidden: bool) -> None: ...
+
+    def send_reference(self, tokens: torch.Tensor) -> None: ...
+
+    def failed(self, exc: BaseException) -> Exception:
+        """The group is broken by ``exc`` (raised within a mirrored forward): the ``GroupFailed`` to raise."""
+        ...
+
+    def restarted(self, grammars: GrammarCompiler) -> ModelRunner:
+        """Every rank started again, its shard loaded: the driver's new runner."""
+        ...
+
+
 @dataclass(slots=True)
 class StepOutput:
     hidden: torch.Tensor | None
@@ -68,7 +91,14 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: PreTrainedModel, config: EngineConfig, grammars: GrammarCompiler) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        config: EngineConfig,
+        grammars: GrammarCompiler,
+        group: StepMirror | None = None,
+    ) -> None:
+        """``group``: on the driver of a tensor-parallel group, the other ranks, which run every forward with it."""
         # No autograd, whatever thread steps the engine (grad mode is per thread). With trainable weights, the
         # in-place K/V writes made the cache tensors part of an autograd graph that grew by every step's saved
         # activations and was never freed: RSS grew by gigabytes per few thousand requests.
@@ -106,8 +136,13 @@ class ModelRunner:
             self.states = States(state_layers, sizes, self.block_size, interval)
         self.vision: VisionStep | None = vision_step_for(model, config.encoder_cache_mib * 2**20)
         """A vision-language model's vision step (``multimodal/``): its steps may run on embeddings."""
+        self.group = group
+        distributed = config.tensor_parallel_size > 1
+        if distributed:  # each rank holds its heads' share of the same blocks: as many as the fullest rank has room for
+            self.num_blocks = smallest_across_ranks(self.num_blocks, self.device)
+        # A split model runs eagerly: its collectives sit between the layers' ops, and every rank must run alike.
         big = model.num_parameters() >= EAGER_BELOW_PARAMETERS
-        self.compiled = not config.enforce_eager and big and not self.sparse
+        self.compiled = not config.enforce_eager and big and not self.sparse and not distributed
         # No decode graphs with state layers yet: their mixers run per call from Python lists of rows and slots. Nor
         # for vision-language models: graphs replay a decode's token ids and plain positions, M-RoPE's are not those.
         graphs = uses_graphs(self.compiled, self.device, config) and self.states is None and self.vision is None
@@ -273,6 +308,12 @@ class ModelRunner:
         graphs and the compiled forward are fast paths (``fast_paths.py``): the eager forward serves where one
         fails, and that path is off for good; if the eager forward fails too, the fault is the inputs', and the
         engine's own fault isolation deals with it."""
+        if self.group is not None:  # every rank runs it; any failure leaves the ranks out of step
+            try:
+                self.group.send_step(packed, sample_rows, want_hidden)
+                return self._forward(packed, sample_rows, want_hidden)
+            except Exception as exc:
+                raise self.group.failed(exc) from exc
         graphs = self.graphs
         eager = lambda: self._eager_forward(packed, sample_rows, want_hidden, extra)  # noqa: E731
         # A graph returns every row's logits: only for steps where every row is sampled (not a 1-token prefill chunk).

@@ -33,6 +33,7 @@ from .request import EngineRequest, EngineResult, SamplingParams
 if TYPE_CHECKING:
     from .adapters import LoRARequest
     from .engine import LLMEngine
+    from .model_runner import ModelRunner
 
 NEW_TOKENS = 4
 TOP = 5
@@ -167,15 +168,27 @@ def _compare(engine: LLMEngine, result: EngineResult, prompt: list[int], tol: fl
         )
 
 
-@torch.no_grad()
 def _reference_logprobs(engine: LLMEngine, tokens: list[int]) -> torch.Tensor:
-    model = engine.runner.model
+    runner = engine.runner
+    ids = torch.tensor([tokens], device=runner.device)
+    if runner.group is None:
+        return torch.log_softmax(reference_logits(runner, ids), dim=-1)
+    try:  # a split model: every rank runs its forward
+        runner.group.send_reference(ids)
+        return torch.log_softmax(reference_logits(runner, ids), dim=-1)
+    except Exception as exc:
+        raise runner.group.failed(exc) from exc
+
+
+@torch.no_grad()
+def reference_logits(runner: ModelRunner, ids: torch.Tensor) -> torch.Tensor:
+    """The model's own forward over ``ids`` (``[1, tokens]``), with transformers' eager attention: float32 logits."""
+    model = runner.model
     model.set_attn_implementation(attention_for(model, "eager"))
     try:
-        ids = torch.tensor([tokens], device=engine.runner.device)
-        fast = engine.runner.fast
+        fast = runner.fast
         with fast.off() if fast is not None else nullcontext():  # the compiled layers, packed linears are not it
-            logits = model(input_ids=ids, use_cache=False).logits[0].float()
+            logits: torch.Tensor = model(input_ids=ids, use_cache=False).logits[0].float()
     finally:
         model.set_attn_implementation(attention_for(model, ATTENTION_NAME))
-    return torch.log_softmax(logits, dim=-1)
+    return logits

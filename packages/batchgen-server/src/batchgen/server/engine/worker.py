@@ -24,6 +24,8 @@ logger = logging.getLogger(__name__)
 MAX_RESTARTS = 5
 """More engine failures than this within ``RESTART_WINDOW_S`` mean the device itself is broken: the worker stops."""
 RESTART_WINDOW_S = 60.0
+IDLE_CHECK_S = 1.0
+"""How often an idle worker asks its engine whether something it runs on failed meanwhile (a tensor-parallel rank)."""
 
 
 class EngineWorker:
@@ -127,16 +129,24 @@ class EngineWorker:
 
     def _loop(self) -> None:
         while True:
+            fault = None
             with self._cond:
                 while not (self._stopping or self._pending or self._aborts or self._prepared) and not (
                     self.engine.has_unfinished_requests() or self._probation
                 ):
-                    self._cond.wait()
+                    self._cond.wait(IDLE_CHECK_S)
+                    if (fault := _idle_fault(self.engine)) is not None:
+                        break
                 if self._stopping:
                     return
-                pending, self._pending = self._pending, []
-                aborts, self._aborts = self._aborts, []
-                self._prepared = False
+                if fault is None:
+                    pending, self._pending = self._pending, []
+                    aborts, self._aborts = self._aborts, []
+                    self._prepared = False
+            if fault is not None:  # restarted now, not at the next request
+                if not self._restart(fault):
+                    return
+                continue
             try:
                 self._apply(pending, aborts)
                 results = self.engine.step()
@@ -252,6 +262,12 @@ class EngineWorker:
         )
         error = EngineError("server_error", message)
         return EngineResult(request.request_id, len(request.prompt_token_ids), error=error)
+
+
+def _idle_fault(engine: SteppingEngine) -> Exception | None:
+    """What an idle engine found failed under it (``LLMEngine.idle_fault``: a rank of its group exited), if anything."""
+    check = getattr(engine, "idle_fault", None)
+    return check() if check is not None else None
 
 
 def _call(callback: Callable[[], None], what: str) -> None:

@@ -1,0 +1,191 @@
+"""The driver's side of a tensor-parallel group: the worker ranks started (one process each, ``rank.py``), every
+forward the driver runs sent to them first (``channel.py``), and the group declared dead when a rank dies or a
+mirrored forward fails, then started again whole (the engine worker's restart: ``LLMEngine.reset``)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pickle
+import select
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import IO, Any
+
+import torch
+import torch.distributed as dist
+from transformers import PreTrainedModel
+
+from ..config import EngineConfig
+from ..errors import GroupFailed, ModelLoadError
+from ..grammar import GrammarCompiler
+from ..inputs import PackedInputs
+from ..loader import resolve_model_path
+from ..model_runner import ModelRunner
+from .channel import Channel
+from .plan import check_split
+from .rank import START_TIMEOUT_S, join, one_line
+
+logger = logging.getLogger(__name__)
+
+REPORT_WAIT_S = 3.0
+"""How long a failed start waits for the ranks' own account of why."""
+NAME_THE_DEAD_S = 1.0
+"""How long a failed collective waits to see which rank exited (none: a rank hung, or the driver failed)."""
+
+
+class RankGroup:
+    """The driver (rank 0, this process) and its worker ranks. ``StepMirror`` for the driver's ``ModelRunner``."""
+
+    def __init__(self, config: EngineConfig, address: str) -> None:
+        self.config = config
+        self.size = config.tensor_parallel_size
+        self.address = address
+        self.processes: list[subprocess.Popen[bytes]] = []
+        self.reports: list[IO[bytes]] = []
+        self.channel: Channel | None = None
+        self._failed = False
+
+    @classmethod
+    def start(cls, config: EngineConfig) -> tuple[RankGroup, PreTrainedModel, Any]:
+        """Start the worker ranks, join them as rank 0 and load this rank's shard: the group, the driver's shard and
+        the tokenizer. ``ModelLoadError`` in one line if any rank cannot start (the others are stopped)."""
+        check_split(config, resolve_model_path(config.model))
+        if dist.is_initialized():
+            raise ModelLoadError("--tensor-parallel-size: this process drives a group already (one per process)")
+        group = cls(config, f"127.0.0.1:{_free_port()}")
+        with group.starting():
+            for rank in range(1, group.size):
+                group._spawn(rank)
+            _, model, tokenizer, group.channel = join(config, 0, group.size, group.address, group._await_ranks)
+        return group, model, tokenizer
+
+    def _spawn(self, rank: int) -> None:
+        """A worker rank in a fresh interpreter (no threads, CUDA state or ``__main__`` of this process's)."""
+        read, write = os.pipe()
+        environment = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in sys.path if path)}
+        command = [sys.executable, "-m", __package__ + ".rank", str(rank), str(self.size), self.address, str(write)]
+        process = subprocess.Popen(command, stdin=subprocess.PIPE, pass_fds=(write,), env=environment)
+        os.close(write)
+        self.processes.append(process)
+        self.reports.append(os.fdopen(read, "rb"))
+        assert process.stdin is not None
+        with process.stdin:
+            pickle.dump(self.config, process.stdin)
+
+    def _await_ranks(self, store: Any) -> None:
+        """Until every worker rank has joined; raises as soon as one has exited instead."""
+        keys = [f"joined/{rank}" for rank in range(1, self.size)]
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not store.check(keys):
+            if any(process.poll() is not None for process in self.processes):
+                raise RuntimeError("a rank exited before it joined")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the ranks did not meet within {START_TIMEOUT_S:.0f} s")
+            time.sleep(0.05)
+
+    @contextmanager
+    def starting(self) -> Iterator[None]:
+        """Whatever fails in here (the driver's start, the runner's first collectives, the self-check) stops the
+        group; the error says which rank could not start and why, in one line."""
+        try:
+            yield
+        except BaseException as exc:
+            why = self._why_not_started(exc)
+            self.stop()
+            if isinstance(exc, ModelLoadError) and why is None:
+                raise
+            raise ModelLoadError(why or f"the tensor-parallel group could not start: {one_line(exc)}") from exc
+
+    def _why_not_started(self, exc: BaseException) -> str | None:
+        deadline = time.monotonic() + REPORT_WAIT_S
+        for rank, report in enumerate(self.reports, start=1):
+            with contextlib.suppress(OSError, ValueError):
+                ready, _, _ = select.select([report], [], [], max(0.0, deadline - time.monotonic()))
+                if ready and (line := report.readline().decode(errors="replace").strip()):
+                    return f"rank {rank} of {self.size} could not start: {line}"
+        for rank, process in enumerate(self.processes, start=1):
+            if process.poll() is not None:
+                return f"rank {rank} of {self.size} could not start: it exited with {_exit(process.returncode)}"
+        return None
+
+    # ---- StepMirror ------------------------------------------------------------------------------------------------
+
+    @property
+    def broken(self) -> bool:
+        return self._failed or any(process.poll() is not None for process in self.processes)
+
+    def send_step(self, packed: PackedInputs, sample_rows: list[int], want_hidden: bool) -> None:
+        assert self.channel is not None
+        if self.broken:
+            raise self.failed(RuntimeError("a rank is gone"))
+        self.channel.send_step(packed, sample_rows, want_hidden)
+
+    def send_reference(self, tokens: torch.Tensor) -> None:
+        assert self.channel is not None
+        self.channel.send_reference(tokens)
+
+    def failed(self, exc: BaseException) -> GroupFailed:
+        if isinstance(exc, GroupFailed):
+            return exc
+        self._failed = True
+        deadline = time.monotonic() + NAME_THE_DEAD_S  # a peer's socket closes a moment before its exit is seen
+        while not (gone := self._gone()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        why = "; ".join(gone) if gone else one_line(exc)
+        return GroupFailed(f"the tensor-parallel group of {self.size} ranks failed: {why}")
+
+    def _gone(self) -> list[str]:
+        return [
+            f"rank {rank} exited ({_exit(process.returncode)})"
+            for rank, process in enumerate(self.processes, start=1)
+            if process.poll() is not None
+        ]
+
+    def restarted(self, grammars: GrammarCompiler) -> ModelRunner:
+        logger.warning("restarting the tensor-parallel group of %d ranks", self.size)
+        self.stop()
+        began = time.monotonic()
+        group, model, _ = RankGroup.start(self.config)
+        with group.starting():
+            runner = ModelRunner(model, self.config, grammars, group)
+        logger.warning("the tensor-parallel group is back after %.1f s", time.monotonic() - began)
+        return runner
+
+    # ---- the end ---------------------------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Stop every worker rank (asked first if the group still works, killed if it does not go) and leave the
+        process group, so another can start."""
+        if self.channel is not None and not self.broken:
+            with contextlib.suppress(Exception):
+                self.channel.send_stop()
+        for process in self.processes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=1.0 if not self._failed else 0.2)  # nothing of a rank's to keep
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        for report in self.reports:
+            report.close()
+        self._failed = True
+        self.channel = None
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+
+
+def _exit(code: int | None) -> str:
+    return f"signal {-code}" if code is not None and code < 0 else f"code {code}"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
