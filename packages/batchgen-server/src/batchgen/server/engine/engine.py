@@ -23,6 +23,7 @@ from .launched import Launched
 from .lora import LoRASlots
 from .model_runner import ModelRunner
 from .output_processor import OutputProcessor
+from .pooling import Pooler
 from .request import EngineError, EngineRequest, EngineResult, GrammarError, Task, admission_error
 from .scheduler import Scheduler
 from .scheduler_output import ScheduledSeq
@@ -32,15 +33,27 @@ from .sequence import RequestState, Sequence, Status
 class LLMEngine:
     tasks: frozenset[Task] = frozenset({"generate", "embed"})
 
-    def __init__(self, model: PreTrainedModel, tokenizer: Any, config: EngineConfig, model_name: str) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: Any,
+        config: EngineConfig,
+        model_name: str,
+        pooler: Pooler = Pooler(),  # noqa: B008 (frozen)
+        pooling_only: bool = False,
+    ) -> None:
+        """``pooler``: how an ``embed`` request's prompt is pooled; ``pooling_only``: the model (an embedding model,
+        a classifier, a reranker) only pools, through its base model's forward (``ModelRunner``), never generates."""
         config.apply_torch_threads()
+        if pooling_only:
+            self.tasks = frozenset({"embed"})
         self.config = config
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.vocab_size: int = model.config.get_text_config().vocab_size
         """Token ids a request may name (prompt, stop tokens, logit bias): rows of the embedding and of the logits."""
         self.grammars = compiler_for(tokenizer, self.vocab_size, config.grammar_timeout_s)
-        self.runner = ModelRunner(model, config, self.grammars)
+        self.runner = ModelRunner(model, config, self.grammars, pooling_only)
         self.async_scheduling = config.uses_async_scheduling(self.runner.device)
         model_limit = config.max_model_len or getattr(model.config.get_text_config(), "max_position_embeddings", None)
         if model_limit is None:
@@ -51,9 +64,14 @@ class LLMEngine:
         self._requests: dict[str, RequestState] = {}
         self.lora: LoRASlots | None = self.runner.lora
         self.scheduler = Scheduler(
-            self._fresh_cache(), config.max_num_seqs, config.max_num_batched_tokens, self.runner.copy_block, self.lora
+            self._fresh_cache(),
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.runner.copy_block,
+            self.lora,
+            pooled_from_last=pooler.mode == "last",
         )
-        self.outputs = OutputProcessor(tokenizer, self.scheduler, self._requests)
+        self.outputs = OutputProcessor(tokenizer, self.scheduler, self._requests, pooler)
         self._ready: list[EngineResult] = []
         self._step: list[ScheduledSeq] | None = None
         """What the step being run holds (its requests are the suspects if it fails); ``None`` between steps and while
@@ -107,6 +125,10 @@ class LLMEngine:
                 error = EngineError("invalid_grammar", f"The grammar cannot be used: {exc}")
         if error is None and request.lora is not None:
             error = self._adapter_error(request)
+        if error is None and request.task not in self.tasks:
+            error = EngineError(
+                "unsupported_endpoint", f"Model {self.model_name!r} is a pooling model: it generates no text."
+            )
         if error is not None:
             self._ready.append(EngineResult(request.request_id, prompt_len, error=error))
             return

@@ -1,16 +1,20 @@
 """The engine a model calls for: ``LLMEngine`` for a causal LM, checked against the model's own forward
-(``self_check.py``), or ``EncoderEngine`` for a BERT-style encoder."""
+(``self_check.py``), or for a decoder served as a pooling model (an embedding model, a classifier, a reranker:
+``pooling_spec.py``); ``EncoderEngine`` for a BERT-style encoder or cross-encoder."""
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from .adapters import Adapters
 from .config import EngineConfig
 from .encoder_engine import EncoderEngine
 from .engine import LLMEngine
 from .fast_paths import describe
-from .loader import is_encoder_only, load_model
+from .loader import load_model
+from .pooling import pooler_for
+from .pooling_spec import PoolingSpec, spec_of
 from .self_check import check_engine
 
 logger = logging.getLogger(__name__)
@@ -20,12 +24,26 @@ def build_engine(config: EngineConfig) -> LLMEngine | EncoderEngine:
     """Load ``config.model`` and its engine (``ModelLoadError`` in one line if it cannot be served)."""
     if config.enable_lora:
         Adapters.of(config)  # an adapter that cannot be served is refused before the model loads
-    model, tokenizer = load_model(config)
+    try:
+        spec = spec_of(config)
+    except (OSError, ValueError):
+        load_model(config)  # says in one line why it cannot be loaded
+        raise
+    model, tokenizer = load_model(config, model_class(spec))
     name = config.served_model_names[0]
-    if is_encoder_only(model.config):
-        return EncoderEngine(model, tokenizer, config, name)
-    engine = LLMEngine(model, tokenizer, config, name)
-    if config.self_check:  # it runs the first steps, so it compiles what they need before the first request
+    if spec.encoder:
+        return EncoderEngine(model, tokenizer, config, name, spec)
+    engine = LLMEngine(model, tokenizer, config, name, pooler_for(spec, model, tokenizer), spec.pooling_only)
+    if config.self_check and not spec.pooling_only:  # it runs the first steps, so it compiles what they need first
         check_engine(engine)
-    logger.info("%s: fast paths: %s", name, describe(engine.runner.paths))
+    logger.info("%s: served as %s; fast paths: %s", name, spec.kind, describe(engine.runner.paths))
     return engine
+
+
+def model_class(spec: PoolingSpec) -> Any:
+    """The auto class a model served as ``spec`` loads with: no LM head where none is used."""
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    if spec.kind in ("classify", "reward"):
+        return AutoModelForSequenceClassification
+    return AutoModel if spec.kind == "embed" else AutoModelForCausalLM

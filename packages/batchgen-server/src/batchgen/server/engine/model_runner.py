@@ -61,14 +61,19 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: PreTrainedModel, config: EngineConfig, grammars: GrammarCompiler) -> None:
+    def __init__(
+        self, model: PreTrainedModel, config: EngineConfig, grammars: GrammarCompiler, pooling_only: bool = False
+    ) -> None:
         # No autograd, whatever thread steps the engine (grad mode is per thread). With trainable weights, the
         # in-place K/V writes made the cache tensors part of an autograd graph that grew by every step's saved
         # activations and was never freed: RSS grew by gigabytes per few thousand requests.
         model.requires_grad_(False)
         self.model = model
         self.architecture = type(model).__name__
-        if "logits_to_keep" not in inspect.signature(model.forward).parameters:
+        self.pooling_only = pooling_only
+        """Every step only pools: the base model's forward (no LM or classifier head: the pooler applies one on the
+        pooled rows), which any ``*Model``, ``*ForCausalLM`` or ``*ForSequenceClassification`` has."""
+        if not pooling_only and "logits_to_keep" not in inspect.signature(model.forward).parameters:
             raise ModelNotSupported(self.architecture, "its forward takes no `logits_to_keep`")
         self.device: torch.device = input_embeddings(model).device
         self.block_size = config.block_size
@@ -77,7 +82,7 @@ class ModelRunner:
         self.block_bytes = KVCache.block_bytes(shapes, self.block_size)
         self.num_blocks = config.num_kv_blocks or self._blocks_that_fit(config)
         self.compiled = not config.enforce_eager and model.num_parameters() >= EAGER_BELOW_PARAMETERS
-        graphs = uses_graphs(self.compiled, self.device, config)
+        graphs = uses_graphs(self.compiled, self.device, config) and not pooling_only
         # With graphs, one more block than the block manager hands out: the scratch block of padding rows.
         self.cache = KVCache(shapes, self.num_blocks + graphs, self.block_size)
         self.inputs = InputBuffers(config.max_num_batched_tokens, self.block_size, self.device)
@@ -122,7 +127,10 @@ class ModelRunner:
         self.model.set_attn_implementation(PROBE_NAME)
         try:
             with active(probe), torch.compiler.set_stance("force_eager"):  # layers another engine compiled
-                self.model(input_ids=ids, position_ids=ids, use_cache=False, logits_to_keep=1)
+                if self.pooling_only:
+                    self.model.base_model(input_ids=ids, position_ids=ids, use_cache=False)
+                else:
+                    self.model(input_ids=ids, position_ids=ids, use_cache=False, logits_to_keep=1)
         except AttentionRefused as exc:
             raise ModelNotSupported(self.architecture, str(exc)) from None
         finally:  # never left on the model (other engines may share it)
@@ -248,6 +256,8 @@ class ModelRunner:
         step = PagedStep(
             self.cache, backend or self.backend, packed.seqs, packed.block_tables, packed.slots, self.device
         )
+        if self.pooling_only:
+            return self._pool_forward(step, packed)
         every_row = len(sample_rows) == packed.input_ids.shape[0]
         keep = 0 if every_row else indices(sample_rows, self.device)  # 0: all
         hidden: list[torch.Tensor] = []
@@ -272,3 +282,14 @@ class ModelRunner:
         if step.layers_attended != len(self.cache.k):
             raise RuntimeError(f"the forward ran {step.layers_attended} attention layers, not {len(self.cache.k)}")
         return StepOutput(hidden[0][0] if hidden else None, out.logits[0])
+
+    def _pool_forward(self, step: PagedStep, packed: PackedInputs) -> StepOutput:
+        """The base model alone: every packed token's last hidden state, no logits."""
+        with active(step):
+            out = self.model.base_model(
+                input_ids=packed.input_ids.unsqueeze(0), position_ids=packed.positions.unsqueeze(0), use_cache=False
+            )
+        if step.layers_attended != len(self.cache.k):
+            raise RuntimeError(f"the forward ran {step.layers_attended} attention layers, not {len(self.cache.k)}")
+        hidden = out.last_hidden_state[0]
+        return StepOutput(hidden, hidden.new_empty((0, self.vocab_size)))

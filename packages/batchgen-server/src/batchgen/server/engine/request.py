@@ -15,6 +15,8 @@ logger = logging.getLogger("batchgen.server.engine")
 
 FinishReason = Literal["stop", "length"]
 Task = Literal["generate", "embed"]
+"""``embed``: the prompt pooled into one vector by the model's pooler (an embedding, a classifier's logits, a
+reranker's score: ``pooling.py``)."""
 
 
 GREEDY_BELOW = 1e-5
@@ -101,6 +103,8 @@ class EngineRequest:
     """Report each step's new tokens as they come (results with ``finished`` false) before the final result."""
     lora: LoRARequest | None = None
     """The LoRA adapter it runs with (``None``: the base model)."""
+    token_type_ids: list[int] | None = None
+    """A BERT-style cross-encoder's pair: each prompt token's segment (0: the query, 1: the document)."""
 
 
 @dataclass(frozen=True, slots=True)
