@@ -151,7 +151,9 @@ def _read_st(path: str, revision: str | None) -> dict[str, Any] | None:
         raise ModelNotSupported(
             "SentenceTransformer", f"its modules.json has {other[0]!r} (batchgen runs {', '.join(ST_MODULES)})"
         )
-    transformer: dict[str, Any] = next((module for module, name in zip(modules, names, strict=True) if name == "Transformer"), {})
+    transformer: dict[str, Any] = next(
+        (module for module, name in zip(modules, names, strict=True) if name == "Transformer"), {}
+    )
     prefix = f"{transformer.get('path') or ''}/".lstrip("/")
     if "message" in ((_json(path, f"{prefix}sentence_bert_config.json", revision) or {}).get("modality_config") or {}):
         raise ModelNotSupported(
