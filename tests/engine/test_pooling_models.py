@@ -5,11 +5,13 @@ Qwen3-Reranker-shaped causal LM scored by its "yes"/"no" logits)."""
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 from pooling_helpers import (
@@ -20,8 +22,17 @@ from pooling_helpers import (
 )
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
+from batchgen.schemas import (
+    ClassificationRequest,
+    ClassificationResponse,
+    ErrorResponse,
+    RerankResponse,
+    parse_output_line,
+)
+from batchgen.server.cli import main
 from batchgen.server.engine import EngineConfig, EngineRequest, build_engine
 from batchgen.server.engine.errors import ModelNotSupported
+from batchgen.server.serving import BatchDefaults, OpenAIServing
 
 TOLERANCE = 1e-5
 TEXTS = ["the cat sat on the mat", "a", "big red house and a blue tree " * 4, "dog ran far"]
@@ -83,6 +94,17 @@ def test_decoder_classifiers_equal_transformers(
         reference = [model(torch.tensor([ids])).logits[0] for ids in prompts]
     engine = _engine(path, task=task)
     _close([result.embedding for result in _pool(engine, prompts, run_to_completion)], torch.stack(reference))
+    if task == "reward":
+        return
+    # /classify's answer: id2label of the best class, softmax probabilities.
+    serving = OpenAIServing.for_engine(engine, engine.config)
+    body = msgspec.convert({"model": str(path), "input": TEXTS}, ClassificationRequest)
+    prepared = serving.prepare(body, request_id="r", defaults=BatchDefaults())
+    answer = serving.response_body(prepared, list(run_to_completion(engine, prepared.requests).values()))
+    assert isinstance(answer, ClassificationResponse)
+    for item, logits in zip(answer.data, reference, strict=True):
+        assert item.label == labels[int(logits.argmax())] and item.num_classes == 3
+        assert max(abs(a - b) for a, b in zip(item.probs, logits.softmax(-1).tolist(), strict=True)) < TOLERANCE
 
 
 def test_yes_no_reranker_equals_its_recipe(tmp_path: Path, run_to_completion: Callable[..., Any]) -> None:
@@ -119,6 +141,28 @@ def test_cross_encoders_equal_sentence_transformers(
     results = run_to_completion(engine, requests)
     scores = [torch.sigmoid(torch.tensor(results[f"r{i}"].embedding)) for i in range(len(pairs))]
     _close([score.tolist() for score in scores], reference.unsqueeze(-1))
+    if kind != "bert":
+        return
+    # run-batch: rerank and score lines, answered as the online endpoints answer them.
+    source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    bodies = [{"query": "the cat", "documents": [d for _, d in pairs]}, {"query": "x", "documents": ["a", "the " * 200]}]
+    source.write_text(
+        "".join(
+            json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/rerank", "body": {"model": "m", **body}})
+            + "\n"
+            for i, body in enumerate(bodies)
+        )
+    )
+    flags = ["--model", str(path), "--served-model-name", "m", "--device", "cpu", "--no-progress"]
+    assert main(["run-batch", "-i", str(source), "-o", str(output), *flags]) == 0
+    lines = {line.custom_id: line for line in map(parse_output_line, output.read_text().splitlines())}
+    ranked = lines["c0"].response.body
+    want = CrossEncoder(str(path), device="cpu").predict([("the cat", d) for _, d in pairs]).tolist()
+    assert isinstance(ranked, RerankResponse)
+    assert [r.index for r in ranked.results] == sorted(range(len(pairs)), key=lambda i: -want[i])
+    assert max(abs(r.relevance_score - want[r.index]) for r in ranked.results) < TOLERANCE
+    refused = lines["c1"].response.body
+    assert isinstance(refused, ErrorResponse) and refused.error.param == "documents[1]"
 
 
 def test_refusals_name_the_task(tmp_path: Path) -> None:

@@ -56,6 +56,16 @@ ENDPOINT_NAMES = {
 }
 
 
+KINDS = {
+    "generate": "a generation model",
+    "embed": "an embedding model",
+    "classify": "a classifier",
+    "reward": "a reward model",
+    "yes_no": "a reranker",
+}
+"""How a refusal names what a model is."""
+
+
 class PoolingServing:
     def __init__(self, tokenizer: Any, spec: PoolingSpec, prompts: PromptTokenizer) -> None:
         self.tokenizer = tokenizer
@@ -70,10 +80,9 @@ class PoolingServing:
         spec, name = self.spec, ENDPOINT_NAMES[type(body)]
         if name in spec.endpoints:
             return
-        what = "a generation model" if spec.kind == "generate" else f"a {spec.kind.replace('_', '/')} model"
         raise RequestRejected(
             "unsupported_endpoint",
-            f"model {model!r} is {what}: it serves {', '.join(spec.endpoints)}, not {name} (docs/api.md, Pooling "
+            f"model {model!r} is {KINDS[spec.kind]}: it serves {', '.join(spec.endpoints)}, not {name} (docs/api.md, Pooling "
             "models, says which models serve what)",
         )
 

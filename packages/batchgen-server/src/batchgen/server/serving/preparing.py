@@ -28,7 +28,7 @@ from .chat_template import render_chat
 from .config import ServingConfig
 from .errors import RequestRejected
 from .messages import MessagePlan, MessagePlanner
-from .pooling import PoolingServing
+from .pooling import KINDS, PoolingServing
 from .prompts import PromptTokenizer
 from .sampling import BatchDefaults, first_set, sampling_params
 from .scoring import prompt_logprob_entries
@@ -150,7 +150,7 @@ class RequestPreparer:
             url = "/v1/chat/completions" if isinstance(runs_as, ChatCompletionRequest) else "/v1/completions"
             raise RequestRejected(
                 "unsupported_endpoint",
-                f"model {self.model_name!r} is a pooling model: it serves {', '.join(self.pooling.spec.endpoints)}, "
+                f"model {self.model_name!r} is {KINDS[self.pooling.spec.kind]}: it serves {', '.join(self.pooling.spec.endpoints)}, "
                 f"not {url}",
             )
         params = sampling_params(runs_as, defaults, self.generation_defaults, self._added_tokens)
