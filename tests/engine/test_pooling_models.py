@@ -145,7 +145,10 @@ def test_cross_encoders_equal_sentence_transformers(
         return
     # run-batch: rerank and score lines, answered as the online endpoints answer them.
     source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    bodies = [{"query": "the cat", "documents": [d for _, d in pairs]}, {"query": "x", "documents": ["a", "the " * 200]}]
+    bodies = [
+        {"query": "the cat", "documents": [d for _, d in pairs]},
+        {"query": "x", "documents": ["a", "the " * 200]},
+    ]
     source.write_text(
         "".join(
             json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/rerank", "body": {"model": "m", **body}})
