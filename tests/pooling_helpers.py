@@ -5,6 +5,7 @@ models on decoders, decoder classifiers and reward models, a Qwen3-Reranker-shap
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -49,20 +50,34 @@ def _decoder_config(kind: str, tokenizer: Any, **extra: Any) -> Any:
 def build_st_embedding(
     path: Path, kind: str = "qwen3", pooling: str = "lasttoken", normalize: bool = True, prompts: Any = None
 ) -> Path:
-    """A sentence-transformers embedding model on a tiny decoder (Qwen3-Embedding's shape: last token, normalized)."""
-    from sentence_transformers import SentenceTransformer
-    from sentence_transformers.models import Normalize, Pooling, Transformer
+    """A sentence-transformers embedding model on a tiny decoder, in the files Qwen3-Embedding ships (written as
+    sentence-transformers 3-5 wrote them: legacy module types and ``pooling_mode_*`` keys; sentence-transformers 6
+    loads them, tests/engine/test_pooling_models.py checks against it)."""
     from transformers import AutoModel
 
     tokenizer = decoder_tokenizer()
     torch.manual_seed(3)
-    base = path / "hf"
-    AutoModel.from_config(_decoder_config(kind, tokenizer)).save_pretrained(base)
-    tokenizer.save_pretrained(base)
-    modules = [Transformer(str(base)), Pooling(SIZES["hidden_size"], pooling_mode=pooling)]
-    model = SentenceTransformer(modules=[*modules, *([Normalize()] if normalize else [])], prompts=prompts)
-    model.save(str(path / "st"))
-    return path / "st"
+    AutoModel.from_config(_decoder_config(kind, tokenizer)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    modules = [("", "Transformer"), ("1_Pooling", "Pooling"), *([("2_Normalize", "Normalize")] if normalize else [])]
+    entries = [
+        {"idx": i, "name": str(i), "path": where, "type": f"sentence_transformers.models.{name}"}
+        for i, (where, name) in enumerate(modules)
+    ]
+    (path / "modules.json").write_text(json.dumps(entries))
+    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 256, "do_lower_case": False}))
+    modes = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean", "pooling_mode_lasttoken": "lasttoken"}
+    settings = {
+        "word_embedding_dimension": SIZES["hidden_size"],
+        **{key: mode == pooling for key, mode in modes.items()},
+    }
+    (path / "1_Pooling").mkdir()
+    (path / "1_Pooling" / "config.json").write_text(json.dumps({**settings, "include_prompt": True}))
+    if normalize:
+        (path / "2_Normalize").mkdir()
+    st_config = {"prompts": prompts or {}, "default_prompt_name": None, "similarity_fn_name": "cosine"}
+    (path / "config_sentence_transformers.json").write_text(json.dumps(st_config))
+    return path
 
 
 def build_decoder_classifier(path: Path, kind: str, labels: list[str]) -> Path:

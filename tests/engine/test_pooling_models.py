@@ -25,6 +25,8 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from batchgen.schemas import (
     ClassificationRequest,
     ClassificationResponse,
+    EmbeddingList,
+    EmbeddingRequest,
     ErrorResponse,
     RerankResponse,
     parse_output_line,
@@ -50,6 +52,10 @@ def _pool(engine: Any, prompts: list[list[int]], run: Callable[..., Any], **fiel
     return [results[f"r{i}"] for i in range(len(prompts))]
 
 
+def _in_order(results: dict[str, Any], requests: list[EngineRequest]) -> list[Any]:
+    return [results[request.request_id] for request in requests]
+
+
 def _close(got: list[list[float]], want: Any) -> None:
     assert torch.tensor(got).shape == torch.as_tensor(want).shape
     assert (torch.tensor(got) - torch.as_tensor(want).float()).abs().max().item() < TOLERANCE
@@ -61,22 +67,33 @@ def test_decoder_embeddings_equal_sentence_transformers(
 ) -> None:
     from sentence_transformers import SentenceTransformer
 
-    path = build_st_embedding(tmp_path, kind, pooling, normalize)
-    reference = SentenceTransformer(str(path), device="cpu").encode(TEXTS, convert_to_tensor=True)
+    path = build_st_embedding(tmp_path, kind, pooling, normalize, prompts={"query": "Q: ", "document": ""})
+    st = SentenceTransformer(str(path), device="cpu")
+    reference = st.encode(TEXTS, convert_to_tensor=True)
     tokenizer = AutoTokenizer.from_pretrained(path)
     prompts = [tokenizer.encode(text) for text in TEXTS]
     engine = _engine(path, runner="pooling")  # chunked: the long text's prefill takes several steps
     assert engine.tasks == {"embed"} and not hasattr(engine.runner.model, "lm_head")
     _close([result.embedding for result in _pool(engine, prompts, run_to_completion)], reference)
+    # /v1/embeddings with a prompt (encode's prompt_name) and a Matryoshka cut (truncate_dim, normalized again).
+    serving = OpenAIServing.for_engine(engine, engine.config)
+    body = msgspec.convert(
+        {"model": str(path), "input": TEXTS, "prompt_name": "query", "dimensions": 16}, EmbeddingRequest
+    )
+    prepared = serving.prepare(body, request_id="e", defaults=BatchDefaults())
+    answer = serving.response_body(prepared, _in_order(run_to_completion(engine, prepared.requests), prepared.requests))
+    assert isinstance(answer, EmbeddingList)
+    want = st.encode(
+        TEXTS, prompt_name="query", truncate_dim=16, normalize_embeddings=normalize, convert_to_tensor=True
+    )
+    _close([item.embedding for item in answer.data], want)
     if pooling != "lasttoken":
         return
     # A shared prefix is read from the cache for last-token pooling, and the vectors stay exact.
     shared = [prompts[2] + prompt for prompt in prompts]
     again = _pool(engine, shared, run_to_completion)
     assert sum(result.cached_tokens for result in again) >= 3 * 16
-    reference = SentenceTransformer(str(path), device="cpu").encode(
-        [TEXTS[2] + text for text in TEXTS], convert_to_tensor=True
-    )
+    reference = st.encode([TEXTS[2] + text for text in TEXTS], convert_to_tensor=True)
     _close([result.embedding for result in again], reference)
 
 
@@ -100,7 +117,7 @@ def test_decoder_classifiers_equal_transformers(
     serving = OpenAIServing.for_engine(engine, engine.config)
     body = msgspec.convert({"model": str(path), "input": TEXTS}, ClassificationRequest)
     prepared = serving.prepare(body, request_id="r", defaults=BatchDefaults())
-    answer = serving.response_body(prepared, list(run_to_completion(engine, prepared.requests).values()))
+    answer = serving.response_body(prepared, _in_order(run_to_completion(engine, prepared.requests), prepared.requests))
     assert isinstance(answer, ClassificationResponse)
     for item, logits in zip(answer.data, reference, strict=True):
         assert item.label == labels[int(logits.argmax())] and item.num_classes == 3

@@ -1,6 +1,7 @@
 """The pooling endpoints on real servers over HTTP, one per model kind: a Qwen3-Reranker-shaped decoder
 (``--task score``), a BERT cross-encoder and a sentence-transformers decoder embedding model (``--runner pooling``).
-Scores and vectors equal their libraries' own (``CrossEncoder``, ``SentenceTransformer``, transformers) within 1e-5;
+Scores and vectors equal the models' own forward within 1e-5 (their libraries' wrappers are checked in
+tests/engine/test_pooling_models.py);
 a rerank's order is the scores' order; the same bodies run as batch lines; bad input is a 400 naming its field."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pytest
 import torch
 from pooling_helpers import build_cross_encoder, build_st_embedding, build_yes_no_reranker
 from server_helpers import LiveServer, ServerProcess
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from batchgen.schemas import MAX_POOLING_INPUTS
 from batchgen.server.engine.pooling_spec import (
@@ -143,11 +144,13 @@ def test_rerank_and_score_as_batch_lines(reranker: tuple[LiveServer, Path]) -> N
     assert max(abs(item["score"] - w) for item, w in zip(outputs["/v1/score"]["data"], want, strict=True)) < TOLERANCE
 
 
-def test_cross_encoder_equals_sentence_transformers(cross_encoder: tuple[LiveServer, Path]) -> None:
-    from sentence_transformers import CrossEncoder
-
+def test_cross_encoder_scores_and_ranks(cross_encoder: tuple[LiveServer, Path]) -> None:
+    """The model's own forward on the pair (CrossEncoder's sigmoid of it: tests/engine/test_pooling_models.py)."""
     server, path = cross_encoder
-    want = CrossEncoder(str(path), device="cpu").predict([(QUERY, d) for d in DOCUMENTS]).tolist()
+    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    with torch.no_grad():
+        want = [torch.sigmoid(model(**tokenizer(QUERY, d, return_tensors="pt")).logits[0, 0]).item() for d in DOCUMENTS]
     scored = _post(server, "/v1/score", {"text_1": QUERY, "text_2": DOCUMENTS})
     assert max(abs(item["score"] - w) for item, w in zip(scored["data"], want, strict=True)) < TOLERANCE
     ranked = _post(server, "/v1/rerank", {"query": QUERY, "documents": DOCUMENTS})
@@ -158,20 +161,24 @@ def test_cross_encoder_equals_sentence_transformers(cross_encoder: tuple[LiveSer
     assert classified["data"][0]["num_classes"] == 1 and len(classified["data"][0]["probs"]) == 1
 
 
-def test_decoder_embeddings_equal_sentence_transformers(embedder: tuple[LiveServer, Path]) -> None:
-    from sentence_transformers import SentenceTransformer
-
+def test_decoder_embeddings_pool_the_last_token(embedder: tuple[LiveServer, Path]) -> None:
+    """The model's last hidden state at the last token, normalized (SentenceTransformer's own vectors, prompts and
+    Matryoshka cut: tests/engine/test_pooling_models.py)."""
     server, path = embedder
-    model = SentenceTransformer(str(path), device="cpu")
+    model = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+
+    def vector(text: str) -> torch.Tensor:
+        with torch.no_grad():
+            hidden = model(torch.tensor([tokenizer.encode(text)])).last_hidden_state[0, -1]
+        return torch.nn.functional.normalize(hidden, dim=-1)
+
     plain = _post(server, "/v1/embeddings", {"input": DOCUMENTS})
-    want = model.encode(DOCUMENTS, convert_to_tensor=True)
     got = torch.tensor([item["embedding"] for item in plain["data"]])
-    assert (got - want).abs().max().item() < TOLERANCE
-    queries = _post(server, "/v1/embeddings", {"input": [QUERY], "prompt_name": "query", "dimensions": 16})
-    want = model.encode(
-        [QUERY], prompt_name="query", truncate_dim=16, normalize_embeddings=True, convert_to_tensor=True
-    )
-    assert (torch.tensor(queries["data"][0]["embedding"]) - want[0]).abs().max().item() < TOLERANCE
+    assert (got - torch.stack([vector(d) for d in DOCUMENTS])).abs().max().item() < TOLERANCE
+    query = _post(server, "/v1/embeddings", {"input": [QUERY], "prompt_name": "query", "dimensions": 16})
+    want = torch.nn.functional.normalize(vector(f"Instruct: find it\nQuery: {QUERY}")[:16], dim=-1)
+    assert (torch.tensor(query["data"][0]["embedding"]) - want).abs().max().item() < TOLERANCE
     pooled = _post(server, "/pooling", {"input": DOCUMENTS[0]})
     assert pooled["data"][0]["object"] == "pooling"
     assert (torch.tensor(pooled["data"][0]["data"]) - got[0]).abs().max().item() < TOLERANCE
