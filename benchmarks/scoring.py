@@ -179,7 +179,10 @@ def timed_run(pid: int, model_args: str, task: str, tasks_dir: Path) -> tuple[di
 class VllmServer:
     """``vllm serve`` in vLLM's own virtualenv, on a free port, until stopped."""
 
-    def __init__(self, python: Path, model_dir: Path, args: argparse.Namespace, log: Path) -> None:
+    def __init__(
+        self, python: Path, model_dir: Path, args: argparse.Namespace, log: Path, extra: tuple[str, ...] = ()
+    ) -> None:
+        """``extra``: more ``vllm serve`` flags (``--runner pooling``...)."""
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "VLLM_CPU_KVCACHE_SPACE": "2"}
@@ -187,7 +190,7 @@ class VllmServer:
         env.pop("PYTHONPATH", None)
         command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
         command += ["--served-model-name", SERVED_NAME, "--port", str(self.port), "--dtype", "float32"]
-        command += ["--max-num-batched-tokens", str(args.max_num_batched_tokens), "--max-model-len", "4096"]
+        command += ["--max-num-batched-tokens", str(args.max_num_batched_tokens), "--max-model-len", "4096", *extra]
         self._log = log.open("wb")
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 900

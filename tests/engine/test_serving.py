@@ -220,7 +220,12 @@ PROMPTS = {
     "/v1/completions": {"prompt": "x"},
     "/v1/embeddings": {"input": "x"},
     "/v1/responses": {"input": "x"},
+    **{key: {"text_1": "x", "text_2": "y"} for key in ["/v1/score", "/score"]},
+    **{key: {"query": "x", "documents": ["y"]} for key in ["/v1/rerank", "/rerank", "/v2/rerank"]},
+    "/classify": {"input": "x"},
+    "/pooling": {"input": "x"},
 }
+GENERATION_URLS = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"]
 
 
 def _refused(serving: OpenAIServing, url: str, body: dict[str, Any]) -> RequestRejected:
@@ -259,7 +264,7 @@ def test_no_op_values_are_accepted(tokenizer: Any, url: str, body: dict[str, Any
 
 def test_a_model_it_does_not_serve_is_not_found(tokenizer: Any) -> None:
     serving = OpenAIServing(tokenizer, ("demo", "alias"), 2048, len(tokenizer))
-    for url in PROMPTS:
+    for url in GENERATION_URLS:
         error = _refused(serving, url, {"model": "gpt-4o"})
         assert (error.code, error.param, error.status_code) == ("model_not_found", "model", 404)
         assert error.message == "The model 'gpt-4o' does not exist: this server serves 'demo' or 'alias'."
@@ -430,7 +435,7 @@ def test_tool_calls_and_results_a_template_would_drop_are_refused(tokenizer: Any
     assert serving.prepare(_line("/v1/chat/completions", {"messages": with_result}).body, **ARGS).requests
 
 
-@pytest.mark.parametrize("url", list(PROMPTS))
+@pytest.mark.parametrize("url", GENERATION_URLS)
 def test_a_text_too_long_for_the_context_is_refused_before_it_is_tokenized(tokenizer: Any, url: str) -> None:
     encoded = 0
 

@@ -25,6 +25,27 @@ from .errors import ErrorDetail, ErrorResponse
 from .files import FileDeleted, FileList, FileObject, FilePurpose, FileStatus
 from .health import HealthStatus, KVCacheCapacity, PoolStatus, ReplicaState, ReplicaStatus
 from .models import ModelList, ModelObject
+from .pooling import (
+    MAX_POOLING_INPUTS,
+    ClassificationData,
+    ClassificationRequest,
+    ClassificationResponse,
+    PoolingBody,
+    PoolingData,
+    PoolingRequest,
+    PoolingResponse,
+    PoolingResponseBody,
+    PoolingUsage,
+    RerankDocument,
+    RerankRequest,
+    RerankResponse,
+    RerankResult,
+    RerankUsage,
+    ScoreData,
+    ScoreRequest,
+    ScoreResponse,
+    pairs_of,
+)
 from .requests import (
     ChatCompletionRequest,
     ChatMessage,
@@ -101,6 +122,25 @@ from .responses_api import (
 )
 
 __all__ = [
+    "MAX_POOLING_INPUTS",
+    "ClassificationData",
+    "ClassificationRequest",
+    "ClassificationResponse",
+    "PoolingBody",
+    "PoolingData",
+    "PoolingRequest",
+    "PoolingResponse",
+    "PoolingResponseBody",
+    "PoolingUsage",
+    "RerankDocument",
+    "RerankRequest",
+    "RerankResponse",
+    "RerankResult",
+    "RerankUsage",
+    "ScoreData",
+    "ScoreRequest",
+    "ScoreResponse",
+    "pairs_of",
     "FunctionCallItem",
     "FunctionTool",
     "FunctionToolChoice",

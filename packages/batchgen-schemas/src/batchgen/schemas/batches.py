@@ -19,7 +19,19 @@ TERMINAL_STATUSES: frozenset[str] = frozenset({"failed", "completed", "expired",
 ACTIVE_STATUSES: tuple[str, ...] = tuple(status for status in STATUSES if status not in TERMINAL_STATUSES)
 """Unfinished: the server's batch loop owns the batch, and picks it up again after a restart."""
 
-BatchEndpoint = Literal["/v1/responses", "/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
+BatchEndpoint = Literal[
+    "/v1/responses",
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/score",
+    "/v1/rerank",
+    "/v2/rerank",
+    "/rerank",
+    "/score",
+    "/classify",
+    "/pooling",
+]
 ENDPOINTS: tuple[str, ...] = typing.get_args(BatchEndpoint)
 
 Metadata = dict[str, str]

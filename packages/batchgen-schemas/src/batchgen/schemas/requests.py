@@ -299,6 +299,10 @@ class EmbeddingRequest(RequestFields, kw_only=True):
     input: Prompt
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, msgspec.Meta(ge=1, le=INT32_MAX)] | None = None
+    """Matryoshka: the first ``dimensions`` values (normalized again where the model normalizes)."""
+    prompt_name: str | None = None
+    """batchgen's: the instruction prefix the model's sentence-transformers config names so (``query``...), put
+    before each input, as ``SentenceTransformer.encode(prompt_name=...)`` does (default: its default prompt)."""
     normalize: Unsupported = None
     embed_dtype: Unsupported = None
     additional_data: Unsupported = None

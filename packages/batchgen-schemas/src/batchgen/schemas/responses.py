@@ -8,6 +8,7 @@ import msgspec
 
 from ._base import Wire
 from .errors import ErrorResponse
+from .pooling import PoolingResponseBody, decode_pooling_body
 from .responses_api import Response
 
 FinishReason = Literal["stop", "length", "tool_calls"]
@@ -145,7 +146,7 @@ class EmbeddingList(Wire, kw_only=True, tag_field="object", tag="list"):
     usage: EmbeddingUsage
 
 
-ResponseBody = ChatCompletion | TextCompletion | EmbeddingList | Response | ErrorResponse
+ResponseBody = ChatCompletion | TextCompletion | EmbeddingList | Response | ErrorResponse | PoolingResponseBody
 
 
 class FunctionCallDelta(Wire, kw_only=True, omit_defaults=True):
@@ -248,12 +249,20 @@ _ERROR_BODY = msgspec.json.Decoder(ErrorResponse)
 _RAW_LINE = msgspec.json.Decoder(_RawOutputLine)
 
 
+def _success_body(body: Any) -> Any:
+    """A 200 body: by its ``object`` tag, else (a pooling endpoint's ``list``) by its shape."""
+    try:
+        return _SUCCESS_BODIES.decode(body)
+    except msgspec.ValidationError:
+        return decode_pooling_body(body)
+
+
 def parse_output_line(line: bytes | str) -> BatchOutputLine:
     """Decode one output/error file line; the body type is chosen by its ``object`` tag or its ``error`` key."""
     raw = _RAW_LINE.decode(line)
     response = None
     if raw.response is not None:
         body: Any = raw.response.body
-        decoded = _ERROR_BODY.decode(body) if raw.response.status_code >= 400 else _SUCCESS_BODIES.decode(body)
+        decoded = _ERROR_BODY.decode(body) if raw.response.status_code >= 400 else _success_body(body)
         response = BatchResponse(status_code=raw.response.status_code, request_id=raw.response.request_id, body=decoded)
     return BatchOutputLine(id=raw.id, custom_id=raw.custom_id, response=response, error=raw.error)

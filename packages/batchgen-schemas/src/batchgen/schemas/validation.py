@@ -27,6 +27,7 @@ import msgspec
 
 from .batches import BatchError, BatchErrors
 from .endpoints import BODY_TYPES, BatchInputLine, RequestBody
+from .pooling import ClassificationRequest, PoolingBody, PoolingRequest, pooling_problem
 from .requests import (
     CONSTRAINTS,
     INT32_MAX,
@@ -419,7 +420,7 @@ class _RequestValidator:
                 "a batch uses one model.",
                 param="body.model",
             )
-        if not isinstance(body, EmbeddingRequest) and body.stream:
+        if not isinstance(body, EmbeddingRequest | PoolingBody) and body.stream:
             return LineError(
                 line=line,
                 code="streaming_unsupported",
@@ -453,6 +454,10 @@ def request_problem(body: RequestBody) -> tuple[str, str] | None:
         if (found := request_problem(chat)) is not None:
             return response_field(found[0]), found[1]
         return None
+    if isinstance(body, PoolingBody):
+        if isinstance(body, ClassificationRequest | PoolingRequest) and (problem := _prompt_problem(body.input)):
+            return "input", problem
+        return pooling_problem(body)
     if isinstance(body, EmbeddingRequest):
         problem = _prompt_problem(body.input)
         return None if problem is None else ("input", problem)

@@ -30,6 +30,7 @@ from .api.models import ModelsController
 from .api.online import OnlineController
 from .api.openapi import BEARER_AUTH, openapi_config
 from .api.options import allow_route_methods
+from .api.pooling import PoolingController
 from .api.responses import ResponsesController
 from .batches.crashes import CrashJournal
 from .batches.loop import BatchLoop
@@ -135,7 +136,7 @@ def create_app(settings: Settings, engine: EngineClient | None = None) -> Litest
     # Online bodies are read whole before they are decoded: their own, smaller limit (uploads stream to disk).
     online = Router(
         path="/",
-        route_handlers=[OnlineController, ResponsesController],
+        route_handlers=[OnlineController, PoolingController, ResponsesController],
         request_max_body_size=settings.max_online_body_bytes,
     )
     api = Router(

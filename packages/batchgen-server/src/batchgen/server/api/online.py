@@ -107,7 +107,7 @@ async def serve(context: ServerContext, request: Request[Any, Any, Any], body: R
     request_id = new_request_id()
     prepared = await prepare(context, body, request_id, online=True, owner=request.user)
     call = context.online.start(prepared.requests)  # a stream's place too is taken now, before its first byte
-    if not isinstance(body, EmbeddingRequest) and body.stream:
+    if isinstance(body, ChatCompletionRequest | CompletionRequest | ResponseRequest) and body.stream:
         stream: StreamedResponse | ResponseStream
         if isinstance(body, ResponseRequest):
             stream = ResponseStream(prepared, context.serving.logprobs)

@@ -31,6 +31,9 @@ QUANTIZATION_METHODS = ("bitsandbytes", "torchao", "fp8")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
 """What ``--kv-cache-dtype`` takes (vLLM's names; ``quantization.py`` says which a device can hold)."""
 
+TASKS = ("auto", "generate", "embed", "classify", "reward", "score")
+"""What ``--task`` takes (vLLM's names)."""
+
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -143,6 +146,17 @@ class EngineConfig:
         "memory for a vision-language model's encoder outputs, kept by image content hash so the same picture in "
         "many requests is encoded once (0: none kept)",
     )
+    task: str = setting(
+        "auto",
+        "what the model is served as where its checkpoint could be either (vLLM's --task): auto (from its "
+        "architecture and sentence-transformers config), generate, embed, classify, reward, or score (a causal LM "
+        "scores query-document pairs by its 'yes'/'no' logits: Qwen3-Reranker's recipe)",
+    )
+    runner: str = setting(
+        "auto",
+        "vLLM's --runner: pooling serves a causal LM as a pooling model only (no LM head, prefill only); generate "
+        "or auto leave it to --task",
+    )
     max_loras: int = setting(1, "most LoRA adapters in one step (their slots on the device)")
     max_lora_rank: int = setting(16, "highest LoRA rank served (an adapter above it is refused)")
     max_cpu_loras: int | None = setting(
@@ -190,6 +204,10 @@ class EngineConfig:
             return "--lora-modules needs --enable-lora"
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             return f"--quantization {self.quantization!r}: use {', '.join(QUANTIZATION_METHODS)}"
+        if self.task not in TASKS:
+            return f"--task {self.task!r}: use {', '.join(TASKS)}"
+        if self.runner not in ("auto", "generate", "pooling"):
+            return f"--runner {self.runner!r}: use auto, generate or pooling"
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             return f"--kv-cache-dtype {self.kv_cache_dtype!r}: use {', '.join(KV_CACHE_DTYPES)}"
         if self.tensor_parallel_size < 1:

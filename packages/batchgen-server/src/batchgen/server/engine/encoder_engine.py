@@ -1,4 +1,5 @@
-"""EncoderEngine: the engine facade for encoder-only models (BERT, RoBERTa, MiniLM, E5, BGE, ...); embeddings only."""
+"""EncoderEngine: the engine facade for encoder-only models (BERT, RoBERTa, MiniLM, E5, BGE, ...): embeddings, and
+cross-encoders' scores (``*ForSequenceClassification``: ms-marco, bge-reranker)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from transformers import PreTrainedModel
 from .config import EngineConfig
 from .interface import EngineStats
 from .loader import input_embeddings
-from .pooling import normalized_mean
+from .pooling_spec import PoolingSpec
 from .request import EngineError, EngineRequest, EngineResult, Task, admission_error, failed_result
 
 
@@ -20,16 +21,26 @@ class EncoderEngine:
     """A ``SteppingEngine`` like ``LLMEngine``, so ``EngineWorker``, the server and run-batch use it unchanged.
 
     An encoder has no KV cache and no causal mask: each step runs whole prompts of similar lengths as one padded
-    batch through the model's own forward with an attention mask, at most ``max_num_seqs`` rows and
-    ``max_num_batched_tokens`` padded tokens (a longer prompt runs alone). Each embedding is the mean of the last
-    hidden state over the prompt's tokens, L2-normalized. A batch whose forward raises runs again in halves, down to
+    batch through the model's own forward with an attention mask (and the pair's token types, where a request has
+    them), at most ``max_num_seqs`` rows and ``max_num_batched_tokens`` padded tokens (a longer prompt runs alone).
+    An embedding is the last hidden state pooled as the model's ``spec`` says (the mean over the prompt's tokens by
+    default), L2-normalized where it says so; a classifier's result is its head's logits, as its own forward makes
+    them (its own pooling included). A batch whose forward raises runs again in halves, down to
     one request, so only the request(s) that make it fail are failed and the others get their embeddings.
     """
 
     tasks: frozenset[Task] = frozenset({"embed"})
 
-    def __init__(self, model: PreTrainedModel, tokenizer: Any, config: EngineConfig, model_name: str) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: Any,
+        config: EngineConfig,
+        model_name: str,
+        spec: PoolingSpec | None = None,
+    ) -> None:
         config.apply_torch_threads()
+        self.spec = spec or PoolingSpec("embed", type(model).__name__, encoder=True)
         self.config = config
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -100,7 +111,7 @@ class EncoderEngine:
         if not batch:
             return
         try:
-            embeddings = self._embed([request.prompt_token_ids for request in batch])
+            embeddings = self._embed(batch)
         except Exception as exc:
             if len(batch) == 1:
                 finished.append(failed_result(batch[0], exc))
@@ -133,17 +144,27 @@ class EncoderEngine:
         return batch
 
     @torch.inference_mode()
-    def _embed(self, prompts: list[list[int]]) -> list[list[float]]:
+    def _embed(self, batch: list[EngineRequest]) -> list[list[float]]:
+        prompts = [request.prompt_token_ids for request in batch]
         longest = max(map(len, prompts))
         input_ids = torch.full((len(prompts), longest), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), longest), dtype=torch.long)
         for row, prompt in enumerate(prompts):
             input_ids[row, : len(prompt)] = torch.tensor(prompt)
             mask[row, : len(prompt)] = 1
-        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
-        hidden = self.model(input_ids=input_ids, attention_mask=mask).last_hidden_state
-        token_sums = (hidden.float() * mask.unsqueeze(-1)).sum(dim=1)
-        return normalized_mean(token_sums, mask.sum(dim=1, keepdim=True)).tolist()
+        inputs = {"input_ids": input_ids.to(self.device), "attention_mask": mask.to(self.device)}
+        # A cross-encoder's pairs: query 0, document 1 (a model of one token type, XLM-R's, takes none).
+        if getattr(self.model.config, "type_vocab_size", 2) > 1 and any(request.token_type_ids for request in batch):
+            types = torch.zeros((len(prompts), longest), dtype=torch.long)
+            for row, request in enumerate(batch):
+                if request.token_type_ids:
+                    types[row, : len(request.token_type_ids)] = torch.tensor(request.token_type_ids)
+            inputs["token_type_ids"] = types.to(self.device)
+        output = self.model(**inputs)
+        if self.spec.kind in ("classify", "reward"):
+            logits: list[list[float]] = output.logits.float().tolist()
+            return logits
+        return pool_padded(output.last_hidden_state, inputs["attention_mask"], self.spec).tolist()
 
 
 def encoder_context_length(model: PreTrainedModel) -> int:
@@ -152,3 +173,15 @@ def encoder_context_length(model: PreTrainedModel) -> int:
     limit: int = model.config.max_position_embeddings
     padding_idx = getattr(getattr(model, "embeddings", None), "padding_idx", None)
     return limit - (padding_idx + 1) if padding_idx is not None else limit
+
+
+def pool_padded(hidden: torch.Tensor, mask: torch.Tensor, spec: PoolingSpec) -> torch.Tensor:
+    """A padded batch's last hidden states ``[rows, tokens, hidden]`` (right-padded) pooled as ``spec`` says."""
+    lengths = mask.sum(dim=1)
+    if spec.mode == "mean":
+        pooled = (hidden.float() * mask.unsqueeze(-1)).sum(dim=1) / lengths.unsqueeze(-1)
+    elif spec.mode == "cls":
+        pooled = hidden[:, 0].float()
+    else:
+        pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), lengths - 1].float()
+    return torch.nn.functional.normalize(pooled, dim=-1) if spec.normalize else pooled

@@ -24,6 +24,7 @@ from .launched import Launched
 from .lora import LoRASlots
 from .model_runner import ModelRunner, StepMirror
 from .output_processor import OutputProcessor
+from .pooling import Pooler
 from .request import EngineError, EngineRequest, EngineResult, GrammarError, Task, admission_error
 from .scheduler import Scheduler
 from .scheduler_output import ScheduledSeq
@@ -39,17 +40,23 @@ class LLMEngine:
         tokenizer: Any,
         config: EngineConfig,
         model_name: str,
+        pooler: Pooler = Pooler(),  # noqa: B008 (frozen)
+        pooling_only: bool = False,
         group: StepMirror | None = None,
     ) -> None:
-        """``group``: the other ranks of a tensor-parallel group, whose driver this engine is (``distributed/``)."""
+        """``pooler``: how an ``embed`` request's prompt is pooled; ``pooling_only``: the model (an embedding model,
+        a classifier, a reranker) only pools, through its base model's forward (``ModelRunner``), never generates;
+        ``group``: the other ranks of a tensor-parallel group, whose driver this engine is (``distributed/``)."""
         config.apply_torch_threads()
+        if pooling_only:
+            self.tasks = frozenset({"embed"})
         self.config = config
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.vocab_size: int = model.config.get_text_config().vocab_size
         """Token ids a request may name (prompt, stop tokens, logit bias): rows of the embedding and of the logits."""
         self.grammars = compiler_for(tokenizer, self.vocab_size, config.grammar_timeout_s)
-        self.runner = ModelRunner(model, config, self.grammars, group)
+        self.runner = ModelRunner(model, config, self.grammars, group, pooling_only)
         self.async_scheduling = config.uses_async_scheduling(self.runner.device)
         model_limit = config.max_model_len or getattr(model.config.get_text_config(), "max_position_embeddings", None)
         if model_limit is None and not self.runner.cache.k:  # no attention: its state does not grow with the context
@@ -67,8 +74,9 @@ class LLMEngine:
             config.max_num_batched_tokens,
             self.runner.copy_block,
             self.lora,
+            pooled_from_last=pooler.mode == "last",
         )
-        self.outputs = OutputProcessor(tokenizer, self.scheduler, self._requests)
+        self.outputs = OutputProcessor(tokenizer, self.scheduler, self._requests, pooler)
         self._ready: list[EngineResult] = []
         self._step: list[ScheduledSeq] | None = None
         """What the step being run holds (its requests are the suspects if it fails); ``None`` between steps and while
@@ -132,6 +140,10 @@ class LLMEngine:
                 error = EngineError("invalid_grammar", f"The grammar cannot be used: {exc}")
         if error is None and request.lora is not None:
             error = self._adapter_error(request)
+        if error is None and request.task not in self.tasks:
+            error = EngineError(
+                "unsupported_endpoint", f"Model {self.model_name!r} is a pooling model: it generates no text."
+            )
         if error is not None:
             self._ready.append(EngineResult(request.request_id, prompt_len, error=error))
             return

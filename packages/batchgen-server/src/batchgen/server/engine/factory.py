@@ -1,10 +1,12 @@
 """The engine a model calls for: ``LLMEngine`` for a causal LM, checked against the model's own forward
-(``self_check.py``), or ``EncoderEngine`` for a BERT-style encoder."""
+(``self_check.py``), or for a decoder served as a pooling model (an embedding model, a classifier, a reranker:
+``pooling_spec.py``); ``EncoderEngine`` for a BERT-style encoder or cross-encoder."""
 
 from __future__ import annotations
 
 import logging
 from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 from .adapters import Adapters
 from .config import EngineConfig
@@ -13,7 +15,9 @@ from .encoder_engine import EncoderEngine
 from .engine import LLMEngine
 from .errors import ModelLoadError, refused
 from .fast_paths import describe
-from .loader import is_encoder_only, load_model
+from .loader import load_model
+from .pooling import pooler_for
+from .pooling_spec import PoolingSpec, spec_of
 from .self_check import check_engine
 
 logger = logging.getLogger(__name__)
@@ -23,24 +27,39 @@ def build_engine(config: EngineConfig) -> LLMEngine | EncoderEngine:
     """Load ``config.model`` and its engine (``ModelLoadError`` in one line if it cannot be served)."""
     if config.enable_lora:
         Adapters.of(config)  # an adapter that cannot be served is refused before the model loads
+    try:
+        spec = spec_of(config)
+    except (OSError, ValueError):
+        load_model(config)  # says in one line why it cannot be loaded
+        raise
     name = config.served_model_names[0]
     group: RankGroup | None = None
     starting: AbstractContextManager[None] = nullcontext()
     if config.tensor_parallel_size > 1:  # the model split over ranks, one process each (distributed/)
+        if spec.encoder or spec.pooling_only:
+            raise ModelLoadError("--tensor-parallel-size: encoder and pooling models are served by one process")
         group, model, tokenizer = RankGroup.start(config)
         starting = group.starting()
     else:
-        model, tokenizer = load_model(config)
+        model, tokenizer = load_model(config, model_class(spec))
     with starting:
-        if is_encoder_only(model.config):
-            if group is not None:
-                raise ModelLoadError("--tensor-parallel-size: encoder models are served by one process")
-            return EncoderEngine(model, tokenizer, config, name)
+        if spec.encoder:
+            return EncoderEngine(model, tokenizer, config, name, spec)
+        pooler = pooler_for(spec, model, tokenizer)
         try:
-            engine = LLMEngine(model, tokenizer, config, name, group)
+            engine = LLMEngine(model, tokenizer, config, name, pooler, spec.pooling_only, group)
         except Exception as exc:  # the probe says why in one line; anything else it meets must be one line too
             raise refused(type(model).__name__, "the engine could not be built for it", exc) from None
-        if config.self_check:  # it runs the first steps, so it compiles what they need before the first request
+        if config.self_check and not spec.pooling_only:  # it runs the first steps, so it compiles what they need first
             check_engine(engine)
-    logger.info("%s: fast paths: %s", name, describe(engine.runner.paths))
+    logger.info("%s: served as %s; fast paths: %s", name, spec.kind, describe(engine.runner.paths))
     return engine
+
+
+def model_class(spec: PoolingSpec) -> Any:
+    """The auto class a model served as ``spec`` loads with: no LM head where none is used."""
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    if spec.kind in ("classify", "reward"):
+        return AutoModelForSequenceClassification
+    return AutoModel if spec.kind == "embed" else AutoModelForCausalLM

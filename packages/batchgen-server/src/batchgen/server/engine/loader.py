@@ -50,13 +50,15 @@ def is_encoder_only(config: PretrainedConfig) -> bool:
     """
     return (
         config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES
-        and not config.is_decoder
-        and not config.is_encoder_decoder
+        and not getattr(config, "is_decoder", False)  # ModernBERT's config has neither
+        and not getattr(config, "is_encoder_decoder", False)
     )
 
 
-def load_model(config: EngineConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """The model and its tokenizer; ``ModelLoadError`` (one line: what was tried, what to do) if they cannot load."""
+def load_model(config: EngineConfig, model_class: Any = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The model and its tokenizer; ``ModelLoadError`` (one line: what was tried, what to do) if they cannot load.
+    ``model_class``: the auto class to load it with (default: ``AutoModel`` for an encoder, else
+    ``AutoModelForCausalLM``)."""
     path = resolve_model_path(config.model)
     hub: dict[str, Any] = {"revision": config.revision, "trust_remote_code": config.trust_remote_code}
     kwargs: dict[str, Any] = {"dtype": config.resolved_dtype(), **hub}
@@ -73,10 +75,11 @@ def load_model(config: EngineConfig) -> tuple[PreTrainedModel, PreTrainedTokeniz
     ):
         kwargs["quantization_config"] = quantize
     check(kwargs.get("quantization_config") or getattr(model_config, "quantization_config", None), device)
-    model_class: Any = AutoModel if is_encoder_only(model_config) else AutoModelForCausalLM
-    if is_vision_language(model_config):  # refused in one line if the engine does not drive its family
-        driven_family(model_config, model_config.model_type)
-        model_class = AutoModelForImageTextToText
+    if model_class is None:
+        model_class = AutoModel if is_encoder_only(model_config) else AutoModelForCausalLM
+        if is_vision_language(model_config):  # refused in one line if the engine does not drive its family
+            driven_family(model_config, model_config.model_type)
+            model_class = AutoModelForImageTextToText
     if config.tensor_parallel_size > 1:  # this rank's shard alone (engine/distributed/)
         kwargs.update(shard_kwargs(config, model_config))
     try:

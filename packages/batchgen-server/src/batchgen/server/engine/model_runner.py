@@ -97,15 +97,20 @@ class ModelRunner:
         config: EngineConfig,
         grammars: GrammarCompiler,
         group: StepMirror | None = None,
+        pooling_only: bool = False,
     ) -> None:
-        """``group``: on the driver of a tensor-parallel group, the other ranks, which run every forward with it."""
+        """``group``: on the driver of a tensor-parallel group, the other ranks, which run every forward with it;
+        ``pooling_only``: the model only pools, through its base model's forward."""
         # No autograd, whatever thread steps the engine (grad mode is per thread). With trainable weights, the
         # in-place K/V writes made the cache tensors part of an autograd graph that grew by every step's saved
         # activations and was never freed: RSS grew by gigabytes per few thousand requests.
         model.requires_grad_(False)
         self.model = model
         self.architecture = type(model).__name__
-        if "logits_to_keep" not in inspect.signature(model.forward).parameters:
+        self.pooling_only = pooling_only
+        """Every step only pools: the base model's forward (no LM or classifier head: the pooler applies one on the
+        pooled rows), which any ``*Model``, ``*ForCausalLM`` or ``*ForSequenceClassification`` has."""
+        if not pooling_only and "logits_to_keep" not in inspect.signature(model.forward).parameters:
             raise ModelNotSupported(self.architecture, "its forward takes no `logits_to_keep`")
         self.device: torch.device = input_embeddings(model).device
         self.block_size = config.block_size
@@ -145,7 +150,9 @@ class ModelRunner:
         self.compiled = not config.enforce_eager and big and not self.sparse and not distributed
         # No decode graphs with state layers yet: their mixers run per call from Python lists of rows and slots. Nor
         # for vision-language models: graphs replay a decode's token ids and plain positions, M-RoPE's are not those.
-        graphs = uses_graphs(self.compiled, self.device, config) and self.states is None and self.vision is None
+        # Nor for pooling models, which never decode.
+        special = self.states is not None or self.vision is not None or pooling_only
+        graphs = uses_graphs(self.compiled, self.device, config) and not special
         # With graphs, one more block than the block manager hands out: the scratch block of padding rows.
         self.cache = KVCache(shapes, self.num_blocks + graphs, self.block_size, probe.indexers)
         self.inputs = InputBuffers(config.max_num_batched_tokens, self.block_size, self.device)
@@ -198,7 +205,10 @@ class ModelRunner:
         self.model.set_attn_implementation(attention_for(self.model, PROBE_NAME))
         try:
             with active(probe), torch.compiler.set_stance("force_eager"):  # layers another engine compiled
-                self.model(input_ids=ids, position_ids=ids, use_cache=False, logits_to_keep=1, **self._masks)
+                if self.pooling_only:
+                    self.model.base_model(input_ids=ids, position_ids=ids, use_cache=False, **self._masks)
+                else:
+                    self.model(input_ids=ids, position_ids=ids, use_cache=False, logits_to_keep=1, **self._masks)
         except AttentionRefused as exc:
             compressed = compression(self.model.config.get_text_config())  # the mechanism, where it declares one
             reason = str(exc) if compressed is None else f"{compressed} is not served: {exc}"
@@ -359,6 +369,8 @@ class ModelRunner:
         )  # fmt: skip
         if packed.states is not None:
             packed.states.layers_run = 0
+        if self.pooling_only:
+            return self._pool_forward(step, packed)
         every_row = len(sample_rows) == packed.input_ids.shape[0]
         keep = 0 if every_row else indices(sample_rows, self.device)  # 0: all
         hidden: list[torch.Tensor] = []
@@ -389,3 +401,14 @@ class ModelRunner:
         if states is not None and ran is not None and ran.layers_run != len(states.layers):
             raise RuntimeError(f"the forward ran {ran.layers_run} state layers, not {len(states.layers)}")
         return StepOutput(hidden[0][0] if hidden else None, out.logits[0])
+
+    def _pool_forward(self, step: PagedStep, packed: PackedInputs) -> StepOutput:
+        """The base model alone: every packed token's last hidden state, no logits."""
+        with active(step):
+            out = self.model.base_model(
+                input_ids=packed.input_ids.unsqueeze(0), position_ids=packed.positions.unsqueeze(0), use_cache=False
+            )
+        if step.layers_attended != len(self.cache.k):
+            raise RuntimeError(f"the forward ran {step.layers_attended} attention layers, not {len(self.cache.k)}")
+        hidden = out.last_hidden_state[0]
+        return StepOutput(hidden, hidden.new_empty((0, self.vocab_size)))

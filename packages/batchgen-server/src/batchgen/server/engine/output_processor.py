@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from .launched import Launched
-from .pooling import normalized_mean
+from .pooling import Pooler
 from .request import (
     MAX_REASON_CHARS,
     CompletionOutput,
@@ -26,8 +26,10 @@ from .sequence import RequestState, Sequence, Status
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any, scheduler: Scheduler, requests: dict[str, RequestState]) -> None:
+    def __init__(self, tokenizer: Any, scheduler: Scheduler, requests: dict[str, RequestState], pooler: Pooler) -> None:
         self.tokenizer = tokenizer
+        self.pooler = pooler
+        """What an ``embed`` request's prompt is pooled into."""
         self.scheduler = scheduler
         self.requests = requests
         """The engine's requests by id: a finished one leaves it."""
@@ -91,8 +93,7 @@ class OutputProcessor:
         self.scheduler.block_manager.register_full_blocks(seq, first_block)
         if state.request.task == "embed":
             assert hidden is not None
-            chunk_sum = hidden.float().sum(dim=0)
-            state.embedding_sum = chunk_sum if state.embedding_sum is None else state.embedding_sum + chunk_sum
+            state.pooled = self.pooler.add(state.pooled, hidden, seq.num_computed_tokens - item.num_tokens)
             if not seq.num_uncomputed:
                 self.scheduler.finish(seq)
                 finished.append(self._embedding_result(state))
@@ -214,12 +215,14 @@ class OutputProcessor:
 
     def _embedding_result(self, state: RequestState) -> EngineResult:
         del self.requests[state.request.request_id]
-        assert state.embedding_sum is not None
-        embedding = normalized_mean(state.embedding_sum, len(state.request.prompt_token_ids)).tolist()
+        assert state.pooled is not None
+        embedding = self.pooler.result(state.pooled, len(state.request.prompt_token_ids))
         self.totals["prompt"] += len(state.request.prompt_token_ids)
+        self.totals["cached"] += state.cached_tokens
         return EngineResult(
             state.request.request_id,
             len(state.request.prompt_token_ids),
+            cached_tokens=state.cached_tokens,
             embedding=embedding,
             times=_times(state),
         )

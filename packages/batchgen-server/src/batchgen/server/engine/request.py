@@ -16,6 +16,8 @@ logger = logging.getLogger("batchgen.server.engine")
 
 FinishReason = Literal["stop", "length"]
 Task = Literal["generate", "embed"]
+"""``embed``: the prompt pooled into one vector by the model's pooler (an embedding, a classifier's logits, a
+reranker's score: ``pooling.py``)."""
 
 
 GREEDY_BELOW = 1e-5
@@ -104,6 +106,8 @@ class EngineRequest:
     """The LoRA adapter it runs with (``None``: the base model)."""
     multimodal: MultimodalPrompt | None = None
     """Its prompt's images (``multimodal/prompt.py``): their placeholders are among ``prompt_token_ids``."""
+    token_type_ids: list[int] | None = None
+    """A BERT-style cross-encoder's pair: each prompt token's segment (0: the query, 1: the document)."""
 
 
 @dataclass(frozen=True, slots=True)

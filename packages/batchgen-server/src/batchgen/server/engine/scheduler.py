@@ -48,8 +48,11 @@ class Scheduler:
         max_num_batched_tokens: int,
         copy_block: Callable[[int, int], None],
         adapters: AdapterSlots | None = None,
+        pooled_from_last: bool = False,
     ) -> None:
         self.block_manager = block_manager
+        self.pooled_from_last = pooled_from_last
+        """Embed requests pool their last token alone: they read the prefix cache as generation does."""
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self._copy_block = copy_block
@@ -110,8 +113,10 @@ class Scheduler:
             lora = seq.state.request.lora
             if lora is not None and self.adapters is not None and not self.adapters.can_take(lora):
                 break  # every slot holds another adapter that runs: it waits for one to be released
-            # Embeddings and prompt logprobs need every prompt position computed: a cached token has no hidden state.
-            reads_cache = seq.state.request.task == "generate" and not seq.state.wants_prompt_logprobs(seq)
+            # Mean or first-token pooling and prompt logprobs need every prompt position computed: a cached token has
+            # no hidden state (last-token pooling needs only the last, which is always computed).
+            request = seq.state.request
+            reads_cache = self.pooled_from_last if request.task == "embed" else not seq.state.wants_prompt_logprobs(seq)
             cached = self.block_manager.match_prefix(seq) if reads_cache else 0
             num_tokens = min(seq.num_uncomputed, budget)
             while not self.block_manager.can_allocate(seq, num_tokens):
@@ -178,7 +183,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self._leave(seq)
-        seq.state.embedding_sum = None  # an embedding is pooled again over the recomputed prompt
+        seq.state.pooled = None  # an embedding is pooled again over the recomputed prompt
         seq.status = Status.WAITING
         self._enqueue(seq, front=True)
         self.num_preemptions += 1

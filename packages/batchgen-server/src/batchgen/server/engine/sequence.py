@@ -38,7 +38,8 @@ class RequestState:
     """The request's ``seed``, or one drawn for it: each choice samples from ``mix64(seed, choice index)``."""
     seqs: list[Sequence] = field(default_factory=list)
     cached_tokens: int = 0
-    embedding_sum: torch.Tensor | None = None
+    pooled: torch.Tensor | None = None
+    """An ``embed`` request's prompt pooled so far (``pooling.Pooler``)."""
     prompt_logprobs: list[TokenLogprob | None] | None = None
     """One per prompt token (``None`` for the first), filled as its chunks run, where the request asks for them."""
     arrival: float = field(default_factory=time.time)

@@ -3,9 +3,6 @@ embeddings, or a response), or a batch line's output line; and the error line of
 
 from __future__ import annotations
 
-import base64
-import math
-import struct
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -25,6 +22,8 @@ from batchgen.schemas import (
     EmbeddingUsage,
     ErrorDetail,
     ErrorResponse,
+    PoolingBody,
+    PoolingResponseBody,
     PromptTokensDetails,
     Response,
     ResponseRequest,
@@ -36,25 +35,29 @@ from ..engine.request import TokenLogprob as EngineTokenLogprob
 from ..ids import new_line_id
 from .logprobs import LogprobFormatter
 from .messages import MessagePlan, MessageReader
+from .pooling import PoolingServing, encode
 from .preparing import PreparedRequest
 from .responses import response_object
 from .scoring import echoed
 
-ResponseBody = ChatCompletion | TextCompletion | EmbeddingList | Response
+ResponseBody = ChatCompletion | TextCompletion | EmbeddingList | Response | PoolingResponseBody
 
 
 class Answers:
     """Makes the answers of prepared requests whose results (in the order of their engine requests) are all in."""
 
-    def __init__(self, tokenizer: Any, logprobs: LogprobFormatter) -> None:
+    def __init__(self, tokenizer: Any, logprobs: LogprobFormatter, pooling: PoolingServing) -> None:
         self.tokenizer = tokenizer
         self.logprobs = logprobs
+        self.pooling = pooling
 
     def response_body(self, prepared: PreparedRequest, results: list[EngineResult]) -> ResponseBody:
         """The 200 body of a request whose results all succeeded."""
         runs_as, request_id = prepared.runs_as, prepared.request_id
+        if isinstance(runs_as, PoolingBody):
+            return self.pooling.answer(runs_as, request_id, results)
         if isinstance(runs_as, EmbeddingRequest):
-            return embedding_list(runs_as, results)
+            return embedding_list(runs_as, results, self.pooling)
         if isinstance(runs_as, CompletionRequest):
             return self._text_completion(runs_as, prepared.requests, results, request_id)
         assert prepared.plan is not None  # a chat's
@@ -134,18 +137,11 @@ class Answers:
         )
 
 
-def embedding_list(body: EmbeddingRequest, results: list[EngineResult]) -> EmbeddingList:
+def embedding_list(body: EmbeddingRequest, results: list[EngineResult], pooling: PoolingServing) -> EmbeddingList:
     data = []
     for index, result in enumerate(results):
-        vector = result.embedding or []
-        if body.dimensions is not None and body.dimensions < len(vector):
-            vector = vector[: body.dimensions]
-            norm = math.sqrt(sum(x * x for x in vector)) or 1.0
-            vector = [x / norm for x in vector]
-        encoded: list[float] | str = vector
-        if body.encoding_format == "base64":
-            encoded = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
-        data.append(Embedding(index=index, embedding=encoded))
+        vector = pooling.truncated(result.embedding or [], body.dimensions)
+        data.append(Embedding(index=index, embedding=encode(vector, body.encoding_format)))
     prompt_tokens = sum(r.prompt_tokens for r in results)
     return EmbeddingList(
         data=data,

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from batchgen.schemas import BatchOutputLine, RequestBody
 
 from ..engine.adapters import Adapters, ServedNames
+from ..engine.pooling_spec import Kind, PoolingSpec
 from ..engine.request import EngineResult, Task
 from .answers import Answers, ResponseBody
 from .config import ServingConfig
@@ -38,7 +39,13 @@ class OpenAIServing:
         config: ServingConfig = ServingConfig(),  # noqa: B008 (frozen)
         adapters: Adapters | None = None,
         images: ImagePrompter | None = None,
+        spec: PoolingSpec | None = None,
     ) -> None:
+        """``spec``: what the model is served as besides a generator (``pooling_spec.py``); by default a causal LM
+        that embeds by the mean, or an encoder that only embeds."""
+        if spec is None:
+            kind: Kind = "generate" if "generate" in tasks else "embed"
+            spec = PoolingSpec(kind, "model", encoder=kind == "embed")
         self.model_names = model_names
         """The names requests may use for the model, its id first (``--served-model-name``)."""
         self.adapters = adapters
@@ -54,9 +61,10 @@ class OpenAIServing:
             generation_defaults=dict(generation_defaults or {}),
             config=config,
             images=images,
+            spec=spec,
         )
         self.logprobs = LogprobFormatter(tokenizer)
-        self.answers = Answers(tokenizer, self.logprobs)
+        self.answers = Answers(tokenizer, self.logprobs, self.preparer.pooling)
 
     @classmethod
     def for_engine(
@@ -69,6 +77,7 @@ class OpenAIServing:
         """The serving of a loaded engine: under the names ``config`` serves it by, with its generation config's
         defaults, reading chat outputs as ``serving`` says."""
         from ..engine.loader import load_generation_defaults  # transformers: only once a model is loaded
+        from ..engine.pooling_spec import spec_of
 
         return cls(
             engine.tokenizer,
@@ -81,6 +90,7 @@ class OpenAIServing:
             serving,
             Adapters.of(config) if config.enable_lora else None,
             ImagePrompter(image_processor_for(config, engine.tokenizer), media_of(serving)),
+            spec_of(config),
         )
 
     def prepare(

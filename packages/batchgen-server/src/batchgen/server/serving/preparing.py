@@ -12,6 +12,7 @@ from batchgen.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
+    PoolingBody,
     RequestBody,
     ResponseRequest,
     sequences_of,
@@ -20,6 +21,7 @@ from batchgen.schemas import (
 from batchgen.schemas.responses_api import chat_request, response_field
 
 from ..engine.adapters import LoRARequest, ServedNames
+from ..engine.pooling_spec import PoolingSpec
 from ..engine.request import EngineRequest, SamplingParams, Task, vocabulary_problem
 from ..ids import engine_request_id
 from .chat_template import render_chat
@@ -27,11 +29,12 @@ from .config import ServingConfig
 from .errors import RequestRejected
 from .images import ImagePrompter, media_of
 from .messages import MessagePlan, MessagePlanner
+from .pooling import KINDS, PoolingServing
 from .prompts import PromptTokenizer
 from .sampling import BatchDefaults, first_set, sampling_params
 from .scoring import prompt_logprob_entries
 
-RunnableBody = ChatCompletionRequest | CompletionRequest | EmbeddingRequest
+RunnableBody = ChatCompletionRequest | CompletionRequest | EmbeddingRequest | PoolingBody
 """What engine requests are made from: a response request runs as its chat request."""
 
 
@@ -63,6 +66,7 @@ class RequestPreparer:
         max_sequences: int,
         generation_defaults: Mapping[str, Any],
         config: ServingConfig,
+        spec: PoolingSpec,
         images: ImagePrompter | None = None,
     ) -> None:
         self.tokenizer = tokenizer
@@ -79,6 +83,8 @@ class RequestPreparer:
         """The model's sampling defaults by request field (``--generation-config``), beneath a batch's own."""
         self.max_prompt_logprob_entries = config.max_prompt_logprob_entries
         self.prompts = PromptTokenizer(tokenizer, max_context_length)
+        self.pooling = PoolingServing(tokenizer, spec, self.prompts)
+        """The pooling endpoints, and what embeddings take from the model's pooling config."""
         self.planner = MessagePlanner(tokenizer, config)
         self._added_tokens = {
             token.content: token_id
@@ -101,7 +107,7 @@ class RequestPreparer:
         ``stream`` is refused there)."""
         lora = self._adapter(body.model)
         sequences = sequences_of(body)
-        if sequences > self.max_sequences:
+        if sequences > self.max_sequences and not isinstance(body, PoolingBody):  # those count their documents
             raise RequestRejected(
                 "too_many_sequences",
                 f"The request asks for {sequences} sequences (prompts x n); this server runs at most "
@@ -131,8 +137,13 @@ class RequestPreparer:
         online: bool,
         lora: LoRARequest | None,
     ) -> PreparedRequest:
+        if isinstance(runs_as, PoolingBody):
+            requests = self.pooling.prepare(runs_as, request_id, online, lora)
+            self._check_token_ids("input", [request.prompt_token_ids for request in requests])
+            return PreparedRequest(body, runs_as, request_id, requests)
         if isinstance(runs_as, EmbeddingRequest):
-            prompts = self.prompts.prompts(runs_as.input, "input", first_set(runs_as.add_special_tokens, True))
+            self.pooling.check_endpoint(runs_as, self.model_name)
+            prompts = self.pooling.embedding_prompts(runs_as, first_set(runs_as.add_special_tokens, True))
             self._check_token_ids("input", prompts)
             requests = [
                 EngineRequest(engine_request_id(request_id, i), ids, task="embed", interactive=online, lora=lora)
@@ -143,7 +154,8 @@ class RequestPreparer:
             url = "/v1/chat/completions" if isinstance(runs_as, ChatCompletionRequest) else "/v1/completions"
             raise RequestRejected(
                 "unsupported_endpoint",
-                f"model {self.model_name!r} is an embedding model: it serves /v1/embeddings only, not {url}",
+                f"model {self.model_name!r} is {KINDS[self.pooling.spec.kind]}: it serves {', '.join(self.pooling.spec.endpoints)}, "
+                f"not {url}",
             )
         params = sampling_params(runs_as, defaults, self.generation_defaults, self._added_tokens)
         plan = None

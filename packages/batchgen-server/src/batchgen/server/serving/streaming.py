@@ -16,8 +16,8 @@ from batchgen.schemas import (
     ChatCompletionRequest,
     ChoiceDelta,
     CompletionChunkChoice,
+    CompletionRequest,
     CompletionUsage,
-    EmbeddingRequest,
     ErrorDetail,
     ErrorResponse,
     TextCompletionChunk,
@@ -50,7 +50,7 @@ class StreamedResponse:
 
     def __init__(self, prepared: PreparedRequest, logprobs: LogprobFormatter) -> None:
         body = prepared.runs_as
-        assert not isinstance(body, EmbeddingRequest)  # validated: embeddings do not stream
+        assert isinstance(body, ChatCompletionRequest | CompletionRequest)  # validated: nothing else streams
         self._logprobs = logprobs
         self._body = body
         self._chat = isinstance(body, ChatCompletionRequest)
