@@ -57,9 +57,12 @@ def build_engine(config: EngineConfig) -> LLMEngine | EncoderEngine:
 
 
 def model_class(spec: PoolingSpec) -> Any:
-    """The auto class a model served as ``spec`` loads with: no LM head where none is used."""
+    """The auto class a model served as ``spec`` loads with: no LM head where none is used; a generator's is the
+    loader's choice (a causal LM, or a vision-language model's class)."""
     from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
+    if spec.kind == "generate":
+        return None
     if spec.kind in ("classify", "reward"):
         return AutoModelForSequenceClassification
     return AutoModel if spec.kind == "embed" else AutoModelForCausalLM
