@@ -36,7 +36,7 @@ SERVED = ("deepseek_v32", "glm_moe_dsa")
 
 
 def _config(**overrides: Any) -> EngineConfig:
-    return EngineConfig(model="x", dtype="float32", device="cpu", **{"num_kv_blocks": 64, **overrides})
+    return EngineConfig(**{"model": "x", "dtype": "float32", "device": "cpu", "num_kv_blocks": 64, **overrides})
 
 
 @pytest.fixture(scope="module")
@@ -120,9 +120,9 @@ def test_whatever_the_self_check_raises_is_one_line(
         return forward(hidden)
 
     norm.forward = longer_than_24
-    monkeypatch.setattr(factory, "load_model", lambda config: (model, tokenizer))
+    monkeypatch.setattr(factory, "load_model", lambda config, model_class=None: (model, tokenizer))
     with pytest.raises(ModelNotSupported) as refusal:
-        factory.build_engine(_config(block_size=16))
+        factory.build_engine(_config(model=str(demo_path), block_size=16))
     assert str(refusal.value).startswith(
         "batchgen cannot serve LlamaForCausalLM models: its forward failed in the engine's self-check: "
         "IndexError: index 24 is out of bounds (test_sparse_families.py:"
