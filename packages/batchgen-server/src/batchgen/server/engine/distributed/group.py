@@ -4,6 +4,7 @@ mirrored forward fails, then started again whole (the engine worker's restart: `
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -59,6 +60,7 @@ class RankGroup:
         if dist.is_initialized():
             raise ModelLoadError("--tensor-parallel-size: this process drives a group already (one per process)")
         group = cls(config, f"127.0.0.1:{_free_port()}")
+        atexit.register(group.stop)  # the ranks told to go when this process ends normally (their watchdog otherwise)
         with group.starting():
             for rank in range(1, group.size):
                 group._spawn(rank)
