@@ -109,13 +109,17 @@ def make_model(size: str, device: str, dtype: torch.dtype, family: str = "llama"
 
 
 def build_hybrid(family: str, sizes: dict[str, int]) -> Any:
-    """Qwen3.5's text model (or Qwen3-Next's, its MLPs dense) at the Llama's sizes: a full-attention layer after every
-    three Gated DeltaNet layers (key heads half the value heads, every head as wide as the Llama's)."""
+    """Qwen3.5's text model (or Qwen3-Next's, its MLPs dense but the last layer's) at the Llama's sizes: a
+    full-attention layer after every three Gated DeltaNet layers (key heads half the value heads, every head as wide
+    as the Llama's)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     heads, hidden = sizes["num_attention_heads"], sizes["hidden_size"]
     layers = sizes["num_hidden_layers"]
-    dense = {"mlp_only_layers": list(range(layers))} if family == "qwen3_next" else {}
+    dense: dict[str, Any] = {}
+    if family == "qwen3_next":  # vLLM's Qwen3-Next wants one MoE layer: the last, one expert of the MLP's size
+        dense = {"mlp_only_layers": list(range(layers - 1)), "num_experts": 1, "num_experts_per_tok": 1}
+        dense |= {"moe_intermediate_size": sizes["intermediate_size"], "shared_expert_intermediate_size": 64}
     config = AutoConfig.for_model(
         "qwen3_5_text" if family == "qwen3_5" else family,
         **dense,
