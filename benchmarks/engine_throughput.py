@@ -31,7 +31,8 @@ together mean anything; the note also gives the engine's rounds over vLLM's run 
 A second workload puts a 1,000-token shared system prompt before short questions and compares the engine with the
 prefix cache on and off.
 
-``--family qwen3_5``: the model is Qwen3.5-shaped instead (the same sizes; three Gated DeltaNet linear-attention
+``--family qwen3_5`` (or ``qwen3_next``: the same layers with Qwen3-Next's code, which vLLM's CPU build loads where
+its Qwen3.5 module does not): the model is Qwen3.5-shaped instead (the same sizes; three Gated DeltaNet linear-attention
 layers to one gated full-attention layer, as Qwen3.5 lays them out), and the engine's row on the same-size Llama is
 added; rows a system cannot run say so. Its second workload puts a 300-token system prompt before the questions, and
 counts the prompt tokens computed against the sum of the prompts and against what vLLM's rule would leave (its prefix
@@ -101,21 +102,27 @@ class Clock:
 
 def make_model(size: str, device: str, dtype: torch.dtype, family: str = "llama") -> Any:
     sizes = {**SIZES[size], "num_key_value_heads": SIZES[size]["num_attention_heads"], "max_position_embeddings": 4096}
-    model = build_model(32000, 1, 2, 0, **sizes) if family == "llama" else build_qwen3_5(sizes)
+    model = build_model(32000, 1, 2, 0, **sizes) if family == "llama" else build_hybrid(family, sizes)
     model.generation_config.eos_token_id = None  # every request runs to its length (ignore_eos)
     model.generation_config.pad_token_id = 0
     return model.to(device=device, dtype=dtype).eval()
 
 
-def build_qwen3_5(sizes: dict[str, int]) -> Any:
-    """Qwen3.5's text model at the Llama's sizes: a full-attention layer after every three Gated DeltaNet layers
-    (key heads half the value heads, every head as wide as the Llama's)."""
+def build_hybrid(family: str, sizes: dict[str, int]) -> Any:
+    """Qwen3.5's text model (or Qwen3-Next's, its MLPs dense but the last layer's) at the Llama's sizes: a
+    full-attention layer after every three Gated DeltaNet layers (key heads half the value heads, every head as wide
+    as the Llama's)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     heads, hidden = sizes["num_attention_heads"], sizes["hidden_size"]
     layers = sizes["num_hidden_layers"]
+    dense: dict[str, Any] = {}
+    if family == "qwen3_next":  # vLLM's Qwen3-Next wants one MoE layer: the last, one expert of the MLP's size
+        dense = {"mlp_only_layers": list(range(layers - 1)), "num_experts": 1, "num_experts_per_tok": 1}
+        dense |= {"moe_intermediate_size": sizes["intermediate_size"], "shared_expert_intermediate_size": 64}
     config = AutoConfig.for_model(
-        "qwen3_5_text",
+        "qwen3_5_text" if family == "qwen3_5" else family,
+        **dense,
         vocab_size=32000,
         **sizes,
         head_dim=hidden // heads,
@@ -375,7 +382,9 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, nargs=2, default=(16, 256))
     parser.add_argument("--quick", action="store_true", help="64 requests, prompts 16-256, outputs 16-128")
     parser.add_argument("--size", choices=SIZES, default="small", help="the model (above)")
-    parser.add_argument("--family", choices=("llama", "qwen3_5"), default="llama", help="the model's layers (above)")
+    parser.add_argument(
+        "--family", choices=("llama", "qwen3_5", "qwen3_next"), default="llama", help="the model's layers (above)"
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
