@@ -77,17 +77,19 @@ def attend_selected(
     contexts: SparseContexts,
 ) -> torch.Tensor:
     """The step's queries (``query`` ``[1, H, T, D]``) over their sequences' cached contexts, each seeing its
-    causal, selected positions (``selected`` ``[T, k]``); returns ``[T, H, Dv]``. The decodes in one call, each
-    prefill chunk in its own."""
+    causal, selected positions (``selected`` ``[T, k]``); returns ``[T, H, Dv]``. The decodes in one call over their
+    chosen keys alone, each prefill chunk in its own over its context (its queries choose differently)."""
     device = k_cache.device
     out = query.new_empty(query.shape[2], query.shape[1], v_cache.shape[-1])
     decodes = contexts.decodes
-    if decodes is not None:
+    if decodes is not None:  # each reads only its k chosen keys: the same set, a k-wide gather
         rows, slots = decodes.rows.to(device), decodes.slots.to(device)
+        chosen = selected[rows].to(device).long()  # [B, k] positions, -1 for none
+        visible = (chosen >= 0) & (chosen <= decodes.positions.to(device).unsqueeze(1))
+        slots = slots.gather(1, chosen.clamp(0, slots.shape[1] - 1))
         q = query[0][:, rows].transpose(0, 1).unsqueeze(2)  # [B, H, 1, D]
-        keys, values = k_cache[:, slots].transpose(0, 1), v_cache[:, slots].transpose(0, 1)  # [B, KVH, W, D]
-        mask = selected_mask(selected[rows].to(device), decodes.positions.to(device), slots.shape[1])
-        out[rows] = attend(q, keys, values, layer, mask[:, None, None])[:, :, 0]
+        keys, values = k_cache[:, slots].transpose(0, 1), v_cache[:, slots].transpose(0, 1)  # [B, KVH, k, D]
+        out[rows] = attend(q, keys, values, layer, visible[:, None, None])[:, :, 0]
     for chunk in contexts.chunks:
         slots = chunk.slots[0].to(device)
         mask = selected_mask(selected[chunk.rows].to(device), chunk.positions.to(device), slots.shape[0])
