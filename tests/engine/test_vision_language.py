@@ -181,7 +181,7 @@ def test_run_batch_reads_local_images_under_the_allowed_path(tmp_path: Path) -> 
 def test_lora_on_the_language_model_with_images(tmp_path: Path) -> None:
     """A LoRA adapter on LLaVA's language model, with a picture in the prompt: the engine's greedy tokens are peft's
     ``generate`` on the same picture."""
-    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft import LoraConfig, get_peft_model
     from vlm_helpers import llava
 
     from batchgen.server.engine.adapters import Adapters
@@ -195,9 +195,7 @@ def test_lora_on_the_language_model_with_images(tmp_path: Path) -> None:
             if "lora_" in key:
                 param.normal_(0, 0.5 if "lora_A" in key else 0.2)
     peft_model.save_pretrained(tmp_path / "adapter")
-    reference = PeftModel.from_pretrained(
-        AutoModelForImageTextToText.from_pretrained(family.path, dtype=torch.float32), tmp_path / "adapter"
-    ).eval()
+    reference = peft_model.eval()  # the adapter as peft applies it
     messages = [{"role": "user", "content": CONVERSATIONS[1]}]
     tokens, _, _ = hf_greedy(reference, family.processor.processor, messages, [PICTURES[2]], NEW_TOKENS)
     engine = family.engine(enable_lora=True, lora_modules=(f"a={tmp_path / 'adapter'}",), max_lora_rank=8)

@@ -220,7 +220,7 @@ def test_missing_nested_parameters_name_their_path() -> None:
         ),
         ({"messages": []}, "body.messages"),
         (
-            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
             "body.messages[0].content[0].type",
         ),
         ({"messages": [{"role": "user", "content": 3}]}, "body.messages[0].content"),

@@ -185,7 +185,7 @@ def test_limits(server: LiveServer) -> None:
     assert answer.status_code == 200, answer.text
     assert answer.json()["choices"][0]["message"]["content"].startswith("{")
     bomb = server.http.post("/v1/files", data={"purpose": "vision"}, files={"file": ("b.png", _bomb())})
-    assert bomb.status_code == 400 and bomb.json()["error"]["code"] == "image_too_large"
+    assert bomb.status_code == 422 and bomb.json()["error"]["code"] == "image_too_large"  # as a bad input file
 
 
 def test_text_only_model_refuses_images(live_server: LiveServer) -> None:

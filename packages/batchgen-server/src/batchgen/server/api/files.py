@@ -278,14 +278,15 @@ def commit_file(
 
 
 def _check_image(writer: UploadWriter, context: ServerContext) -> None:
-    """An image upload decodes within the limits requests' images have; else a 400 naming ``file``."""
+    """An image upload decodes within the limits requests' images have; else a 422 naming ``file``, as an input
+    file whose content is invalid is."""
     limits = media_of(context.settings.serving).limits
-    if writer.size > limits.max_image_bytes:
-        raise invalid(f"The image is over {limits.max_image_bytes} bytes.", param="file", code="image_too_large")
     try:
+        if writer.size > limits.max_image_bytes:
+            raise MediaError("image_too_large", f"The image is over {limits.max_image_bytes} bytes.", "file")
         decode_image(writer.written(), "file", limits)
     except MediaError as exc:
-        raise invalid(exc.message, param="file", code=exc.code) from None
+        raise APIError(422, f"Invalid image: {exc.message}", code=exc.code, param="file") from None
 
 
 def _expired(file: FileObject) -> bool:

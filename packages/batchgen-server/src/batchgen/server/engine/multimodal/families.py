@@ -89,7 +89,8 @@ class Idefics3(Family):
     def counts(self, out: Mapping[str, Any], num_images: int, positions: np.ndarray, processor: Any) -> list[int]:
         ids = out["input_ids"][0].numpy()
         ends = np.flatnonzero(ids == processor.global_image_token_id) + processor.image_seq_len  # each image's last
-        return np.diff(np.searchsorted(positions, ends, side="right"), prepend=0).tolist()
+        counts: list[int] = np.diff(np.searchsorted(positions, ends, side="right"), prepend=0).tolist()
+        return counts
 
     def split(self, out: Mapping[str, Any], counts: list[int], processor: Any) -> list[dict[str, Any]]:
         images, start = [], 0
