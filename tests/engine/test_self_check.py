@@ -42,7 +42,7 @@ def test_a_model_the_engine_cannot_drive_is_refused(
     """The factory checks the engine it builds."""
     torch.manual_seed(0)
     model = TokenShiftForCausalLM(AutoConfig.from_pretrained(demo_path)).to(torch.float64).eval()
-    monkeypatch.setattr(factory, "load_model", lambda config: (model, tokenizer))
+    monkeypatch.setattr(factory, "load_model", lambda config, model_class=None: (model, tokenizer))
     with pytest.raises(ModelNotSupported, match=r"TokenShiftForCausalLM models: .*own forward"):
         factory.build_engine(_config())
     factory.build_engine(_config(self_check=False))  # the flag skips it, at the user's risk

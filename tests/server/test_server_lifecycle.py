@@ -309,6 +309,7 @@ def test_operations_endpoints(live_server: LiveServer) -> None:
     health = live_server.http.get("/health")
     # One engine, no replicas; the tests' 64 MiB float32 cache (BATCHGEN_CPU_KV_CACHE_GIB) in blocks of 16 tokens.
     cache = {"dtype": "float32", "tokens": 131_072, "blocks": 8192, "bytes": 64 * 2**20}
+    cache |= {"state_slots": 0, "state_checkpoints": 0, "state_bytes_per_sequence": 0, "state_bytes": 0}  # no state
     healthy = {"status": "healthy", "reason": None, "model": "demo", "kv_cache": cache, "replicas": None}
     assert (health.status_code, health.json()) == (200, healthy)
     pool = live_server.http.get("/v1/pool/status").json()

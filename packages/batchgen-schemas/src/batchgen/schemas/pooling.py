@@ -14,7 +14,8 @@ from .requests import INT32_MAX, Prompt, RequestFields, Unsupported, count_seque
 TruncatePromptTokens = Annotated[int, msgspec.Meta(ge=-1, le=INT32_MAX)]
 """vLLM's: keep a prompt's first ``k`` tokens (a pair's longest part is cut first); ``-1``: the model's context."""
 
-ScoreInput = str | list[str]
+ScoreInput = str | Annotated[list[str], msgspec.Meta(min_length=1)]
+"""A text, or a non-empty list of texts."""
 
 MAX_POOLING_INPUTS = 1024
 """Most documents (pairs, inputs) one pooling request may carry; more is refused (400 ``too_many_inputs``): split

@@ -39,6 +39,7 @@ from batchgen.schemas import (
     TextCompletion,
     TextCompletionChunk,
 )
+from batchgen.schemas.pooling import ClassificationRequest, PoolingRequest, RerankRequest, ScoreRequest
 from batchgen.schemas.requests import NO_OP_VALUES, ChoiceCount, Prompt, TokenId, Unsupported
 from batchgen.schemas.responses_api import ResponseEvent
 
@@ -105,7 +106,17 @@ def openapi_config() -> OpenAPIConfig:
 
 
 REF = "#/components/schemas/{name}"
-REQUEST_BODIES = (ChatCompletionRequest, CompletionRequest, EmbeddingRequest, ResponseRequest, CreateBatchRequest)
+REQUEST_BODIES = (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    ResponseRequest,
+    CreateBatchRequest,
+    ScoreRequest,
+    RerankRequest,
+    ClassificationRequest,
+    PoolingRequest,
+)
 RESPONSE_EVENTS = typing.Union[tuple(ResponseEvent.__subclasses__())]  # type: ignore[valid-type]  # noqa: UP007
 STREAMS: dict[str, tuple[type, Any]] = {
     "/v1/chat/completions": (ChatCompletion, ChatCompletionChunk),

@@ -90,17 +90,17 @@ class PoolingSpec:
 def spec_of(config: EngineConfig) -> PoolingSpec:
     """The spec of ``config.model`` served as ``--task``/``--runner`` say; ``ModelNotSupported`` (one line) where
     they cannot go together."""
-    return _spec(config.model, config.revision, config.task, config.runner)
+    return _spec(config.model, config.revision, config.trust_remote_code, config.task, config.runner)
 
 
 @cache
-def _spec(model: str, revision: str | None, task: str, runner: str) -> PoolingSpec:
+def _spec(model: str, revision: str | None, trust_remote_code: bool, task: str, runner: str) -> PoolingSpec:
     from transformers import AutoConfig
 
     from .loader import is_encoder_only, resolve_model_path
 
     path = resolve_model_path(model)
-    config = AutoConfig.from_pretrained(path, revision=revision)
+    config = AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
     architecture = (getattr(config, "architectures", None) or [type(config).__name__])[0]
     classifier = architecture.endswith("ForSequenceClassification")
     st = _read_st(path, revision)

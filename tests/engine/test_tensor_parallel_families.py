@@ -1,0 +1,70 @@
+"""``--tensor-parallel-size 2`` with a group per test (a process drives one at a time: ``test_tensor_parallel.py``'s
+lives until its module ends): a rank that cannot start is one line naming it, and other architectures split two
+ways give transformers' tokens and logprobs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_architectures import ARCHITECTURES, Reference, _build, _check
+from test_tensor_parallel import config_of, llama
+
+from batchgen.server.engine import LLMEngine, build_engine
+from batchgen.server.engine.demo_model import build_tokenizer
+from batchgen.server.engine.errors import ModelLoadError
+
+FAULTS = Path(__file__).resolve().parents[1] / "faults"
+
+__all__ = ["llama"]  # the fixture, shared
+
+DEEPSEEK_V3 = {
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    "num_key_value_heads": 4,
+    "first_k_dense_replace": 1,
+    "n_group": 1,
+    "topk_group": 1,
+}
+"""MLA (a compressed KV projection, split by the ``mla_kv_a_proj`` rule), a dense first layer, then routed experts."""
+SPLIT_ARCHITECTURES = {
+    "qwen3_moe": ARCHITECTURES["qwen3_moe"],
+    "gemma3_text": ARCHITECTURES["gemma3_text"],
+    "gpt_oss": ARCHITECTURES["gpt_oss"],
+    "deepseek_v3": DEEPSEEK_V3,
+}
+EXPERT_PARALLEL = {"qwen3_moe": False, "gemma3_text": False, "gpt_oss": True, "deepseek_v3": True}
+"""Qwen3-MoE's experts split by their inner width; Gemma 3's windows and soft-caps; gpt-oss's sinks split with their
+heads and its experts spread over the ranks (``--enable-expert-parallel``), as DeepSeek-V3's beside MLA."""
+
+
+def test_a_rank_that_cannot_start_is_one_line(llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The fault (``tests/faults/sitecustomize.py``): rank 1 fails as it loads the model, as out of memory would.
+    monkeypatch.syspath_prepend(str(FAULTS))
+    monkeypatch.setenv("BATCHGEN_TEST_FAIL_RANK", "1")
+    with pytest.raises(ModelLoadError) as failed:
+        build_engine(config_of(llama))
+    assert str(failed.value) == "rank 1 of 2 could not start: injected: out of memory on rank 1"
+    assert not torch.distributed.is_initialized()  # the driver left the group: another can start
+
+
+@pytest.mark.slow  # a group each: about 6-12 s apiece on two shared cores
+@pytest.mark.parametrize("model_type", sorted(SPLIT_ARCHITECTURES))
+def test_other_architectures_split_two_ways(model_type: str, tmp_path: Path) -> None:
+    path = _build(model_type, SPLIT_ARCHITECTURES[model_type], build_tokenizer(), tmp_path)
+    engine = build_engine(config_of(path, enable_expert_parallel=EXPERT_PARALLEL[model_type]))
+    assert isinstance(engine, LLMEngine) and engine.runner.group is not None
+    if EXPERT_PARALLEL[model_type]:  # whole experts, half of them each
+        experts = engine.runner.model.model.layers[1].mlp.experts.gate_up_proj
+        assert experts.to_local().shape[0] == 2
+    try:
+        _check(engine, Reference(path))
+    finally:
+        engine.runner.group.stop()
