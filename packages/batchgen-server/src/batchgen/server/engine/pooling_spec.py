@@ -6,6 +6,7 @@ loader and by the serving layer alike."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from functools import cache
@@ -126,6 +127,8 @@ def _spec(model: str, revision: str | None, trust_remote_code: bool, task: str, 
     if task == "score":
         return PoolingSpec("yes_no", architecture, mode="last", normalize=False, labels=("yes",), activation="sigmoid")
     spec = _embedding(architecture, st, False, "mean")
+    if (dimensions := getattr(config, "matryoshka_dimensions", None)) is not None:  # vLLM's config field
+        spec = dataclasses.replace(spec, matryoshka_dimensions=tuple(int(d) for d in dimensions))
     if task == "embed" or runner == "pooling":
         return spec
     return PoolingSpec("generate", architecture, **{k: getattr(spec, k) for k in _POOLING_FIELDS})

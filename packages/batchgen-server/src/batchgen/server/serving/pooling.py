@@ -82,8 +82,8 @@ class PoolingServing:
             return
         raise RequestRejected(
             "unsupported_endpoint",
-            f"model {model!r} is {KINDS[spec.kind]}: it serves {', '.join(spec.endpoints)}, not {name} (docs/api.md, Pooling "
-            "models, says which models serve what)",
+            f"model {model!r} is {KINDS[spec.kind]}: it serves {', '.join(spec.endpoints)}, not {name} "
+            "(docs/api.md, Pooling models, says which models serve what)",
         )
 
     def embedding_prompts(self, body: EmbeddingRequest, add_special_tokens: bool) -> list[list[int]]:

@@ -152,10 +152,10 @@ class RequestPreparer:
             return PreparedRequest(body, runs_as, request_id, requests)
         if "generate" not in self.tasks:
             url = "/v1/chat/completions" if isinstance(runs_as, ChatCompletionRequest) else "/v1/completions"
+            spec = self.pooling.spec
             raise RequestRejected(
                 "unsupported_endpoint",
-                f"model {self.model_name!r} is {KINDS[self.pooling.spec.kind]}: it serves {', '.join(self.pooling.spec.endpoints)}, "
-                f"not {url}",
+                f"model {self.model_name!r} is {KINDS[spec.kind]}: it serves {', '.join(spec.endpoints)}, not {url}",
             )
         params = sampling_params(runs_as, defaults, self.generation_defaults, self._added_tokens)
         plan = None
