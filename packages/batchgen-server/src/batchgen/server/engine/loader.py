@@ -93,7 +93,7 @@ def load_model(config: EngineConfig, model_class: Any = None) -> tuple[PreTraine
         raise ModelLoadError(_why_not_quantized(method, exc)) from exc
     tokenizer = load_tokenizer(config)
     if config.device_map is None and config.tensor_parallel_size == 1:  # a shard is loaded where it runs
-        model = model.to(config.resolved_device())  # type: ignore[arg-type]  # transformers types to() oddly
+        model = model.to(config.resolved_device())
     model.eval()
     return model, tokenizer
 
