@@ -151,3 +151,28 @@ def test_a_line_that_kills_every_replica_it_runs_on_is_struck_out_and_the_batch_
     assert "died each of the two times" in failed["response"]["body"]["error"]["message"]
     _wait_until(lambda: [r["state"] for r in _replicas(server)] == ["running"] * 2, 120, "Ray restarts both")
     assert sum(replica["restarts"] for replica in _replicas(server)) == restarts + 2
+
+
+def test_pooling_lines_are_spread_and_equal_to_online(replica_server: LiveServer) -> None:
+    """A batch of ``/pooling`` lines over both replicas: each answered once, with the vector an online request for the
+    same input gets (whichever replica answers it), and both replicas served a share."""
+    server = replica_server
+    before = _served(server)
+    inputs = [f"{i} pooled passage" for i in range(12)]
+    lines = [
+        {"custom_id": f"pool-{i}", "method": "POST", "url": "/pooling", "body": {"model": "demo", "input": text}}
+        for i, text in enumerate(inputs)
+    ]
+    batch = server.run(lines, endpoint="/pooling")
+    assert batch["status"] == "completed" and batch["request_counts"]["failed"] == 0, batch
+    vectors = {
+        line["custom_id"]: line["response"]["body"]["data"][0]["data"] for line in server.lines(batch["output_file_id"])
+    }
+    assert sorted(vectors) == sorted(line["custom_id"] for line in lines)
+    shares = [after - earlier for after, earlier in zip(_served(server), before, strict=True)]
+    assert sum(shares) == len(lines) and min(shares) >= 1, shares
+    for i, text in enumerate(inputs[:4]):
+        online = server.http.post("/pooling", json={"model": "demo", "input": text})
+        assert online.status_code == 200, online.text
+        expected = online.json()["data"][0]["data"]
+        assert max(abs(a - b) for a, b in zip(vectors[f"pool-{i}"], expected, strict=True)) < 1e-5

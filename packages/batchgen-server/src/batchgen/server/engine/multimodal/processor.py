@@ -63,9 +63,9 @@ class ImageProcessor:
         cls = processor_class_from_name(PROCESSOR_MAPPING_NAMES[config.model_type])
         processor_dict, kwargs = cls.get_processor_dict(path)
         try:
-            image_processor = AutoImageProcessor.from_pretrained(path, backend="pil")  # type: ignore[no-untyped-call]
+            image_processor = AutoImageProcessor.from_pretrained(path, backend="pil")  # type: ignore[no-untyped-call, unused-ignore]  # typed from transformers 5.25
         except (ImportError, ValueError):
-            image_processor = AutoImageProcessor.from_pretrained(path)  # type: ignore[no-untyped-call]
+            image_processor = AutoImageProcessor.from_pretrained(path)  # type: ignore[no-untyped-call, unused-ignore]  # typed from transformers 5.25
         pieces = {"image_processor": image_processor, "tokenizer": tokenizer or AutoTokenizer.from_pretrained(path)}
         args = [pieces.get(name) for name in cls.get_attributes()]
         image_only: Any = _image_only(cls)
