@@ -16,11 +16,6 @@ from .errors import ModelNotSupported
 from .pooling_spec import PoolingMode, PoolingSpec
 
 
-def normalized_mean(token_sum: torch.Tensor, num_tokens: int | torch.Tensor) -> torch.Tensor:
-    """The L2-normalized mean of hidden states (last dimension) given their sum over ``num_tokens`` tokens."""
-    return torch.nn.functional.normalize(token_sum / num_tokens, dim=-1)
-
-
 @dataclass(frozen=True, slots=True)
 class Head:
     """A linear head on the pooled state: ``weight`` ``[outputs, hidden]``, an optional bias."""

@@ -82,11 +82,6 @@ class PoolingSpec:
         named = ("/v1/score", "/v1/rerank") if self.scores_pairs else ()
         return (*named, "/classify", "/pooling") if self.kind != "yes_no" else (*named, "/pooling")
 
-    @property
-    def reads_prefix_cache(self) -> bool:
-        """The last token's state alone is pooled: a cached prefix has nothing it needs."""
-        return self.mode == "last"
-
 
 def spec_of(config: EngineConfig) -> PoolingSpec:
     """The spec of ``config.model`` served as ``--task``/``--runner`` say; ``ModelNotSupported`` (one line) where
