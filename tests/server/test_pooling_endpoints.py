@@ -123,6 +123,11 @@ def test_reranker_refusals(reranker: tuple[LiveServer, Path], live_server: LiveS
     assert error("/v1/embeddings", {"input": "a"})["code"] == "unsupported_endpoint"
     chat = error("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
     assert chat["code"] == "unsupported_endpoint"
+    batch = {"input_file_id": "file-x", "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+    created = server.http.post("/v1/batches", json=batch)  # refused at creation, not line by line
+    refused = created.json()["error"]
+    assert created.status_code == 400 and refused["code"] == "unsupported_endpoint" and refused["param"] == "endpoint"
+    assert "/v1/rerank" in refused["message"]
     generation = error("/v1/rerank", {"query": QUERY, "documents": DOCUMENTS}, live_server)
     assert generation["code"] == "unsupported_endpoint" and "/v1/embeddings" in generation["message"]
 

@@ -109,6 +109,10 @@ class BatchesController(Controller):
 async def _create_batch(data: CreateBatchRequest, context: ServerContext, owner: str) -> BatchObject:
     if data.endpoint not in ENDPOINTS:
         raise invalid(f"Invalid endpoint {data.endpoint!r}: use one of {', '.join(ENDPOINTS)}.", param="endpoint")
+    try:
+        context.serving.check_endpoint(data.endpoint)
+    except RequestRejected as exc:
+        raise invalid(exc.message, param="endpoint", code=exc.code) from None
     window_s = max(1, round(completion_window_hours(data.completion_window) * context.settings.window_hour_s))
     validate_metadata(data.metadata)
     check_callback_metadata(data.metadata, context.settings.callbacks)

@@ -99,6 +99,10 @@ class OpenAIServing:
         """``body`` as engine requests, with what its answer is made from (``RequestPreparer.prepare``)."""
         return self.preparer.prepare(body, request_id=request_id, defaults=defaults, online=online)
 
+    def check_endpoint(self, path: str) -> None:
+        """400 ``unsupported_endpoint`` where the model serves no request to ``path`` (``RequestPreparer``)."""
+        self.preparer.check_endpoint(path)
+
     def response_body(self, prepared: PreparedRequest, results: list[EngineResult]) -> ResponseBody:
         """The 200 body of a prepared request whose results (in the order of its engine requests) all succeeded."""
         return self.answers.response_body(prepared, results)

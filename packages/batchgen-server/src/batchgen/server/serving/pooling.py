@@ -54,6 +54,8 @@ ENDPOINT_NAMES = {
     PoolingRequest: "/pooling",
     EmbeddingRequest: "/v1/embeddings",
 }
+ALIASES = {"/score": "/v1/score", "/rerank": "/v1/rerank", "/v2/rerank": "/v1/rerank"}
+"""vLLM's other paths to the same endpoints."""
 
 
 KINDS = {
@@ -75,9 +77,9 @@ class PoolingServing:
 
     # ---- bodies in -------------------------------------------------------------------------------------------------
 
-    def check_endpoint(self, body: PoolingBody | EmbeddingRequest, model: str) -> None:
-        """400 ``unsupported_endpoint`` where the model does not serve the body's endpoint."""
-        spec, name = self.spec, ENDPOINT_NAMES[type(body)]
+    def check_endpoint(self, path: str, model: str) -> None:
+        """400 ``unsupported_endpoint`` where the model does not serve the pooling endpoint at ``path``."""
+        spec, name = self.spec, ALIASES.get(path, path)
         if name in spec.endpoints:
             return
         raise RequestRejected(
@@ -117,7 +119,7 @@ class PoolingServing:
         self, body: PoolingBody, request_id: str, online: bool, lora: LoRARequest | None
     ) -> list[EngineRequest]:
         """One engine request per pair or input, in order."""
-        self.check_endpoint(body, body.model)
+        self.check_endpoint(ENDPOINT_NAMES[type(body)], body.model)
         limit = self._truncation(body)
         encoded: list[tuple[list[int], list[int] | None]]
         if isinstance(body, ScoreRequest | RerankRequest):

@@ -34,6 +34,7 @@ from .prompts import PromptTokenizer
 from .sampling import BatchDefaults, first_set, sampling_params
 from .scoring import prompt_logprob_entries
 
+GENERATION_ENDPOINTS = ("/v1/responses", "/v1/chat/completions", "/v1/completions")
 RunnableBody = ChatCompletionRequest | CompletionRequest | EmbeddingRequest | PoolingBody
 """What engine requests are made from: a response request runs as its chat request."""
 
@@ -128,6 +129,27 @@ class RequestPreparer:
             exc.param = None if exc.param is None else response_field(exc.param)
             raise
 
+    def check_endpoint(self, path: str) -> None:
+        """400 ``unsupported_endpoint`` where the model serves no request to ``path``: a batch's endpoint is checked
+        when the batch is created, rather than failing each of its lines."""
+        if path not in GENERATION_ENDPOINTS:
+            self.pooling.check_endpoint(path, self.model_name)
+            return
+        self._check_generates(path)
+        if path != "/v1/completions" and getattr(self.tokenizer, "chat_template", None) is None:
+            raise RequestRejected(
+                "unsupported_endpoint",
+                f"model {self.model_name!r} has no chat template: it serves /v1/completions, not {path}",
+            )
+
+    def _check_generates(self, path: str) -> None:
+        if "generate" not in self.tasks:
+            spec = self.pooling.spec
+            raise RequestRejected(
+                "unsupported_endpoint",
+                f"model {self.model_name!r} is {KINDS[spec.kind]}: it serves {', '.join(spec.endpoints)}, not {path}",
+            )
+
     def _prepare(
         self,
         body: RequestBody,
@@ -142,7 +164,7 @@ class RequestPreparer:
             self._check_token_ids("input", [request.prompt_token_ids for request in requests])
             return PreparedRequest(body, runs_as, request_id, requests)
         if isinstance(runs_as, EmbeddingRequest):
-            self.pooling.check_endpoint(runs_as, self.model_name)
+            self.pooling.check_endpoint("/v1/embeddings", self.model_name)
             prompts = self.pooling.embedding_prompts(runs_as, first_set(runs_as.add_special_tokens, True))
             self._check_token_ids("input", prompts)
             requests = [
@@ -150,13 +172,9 @@ class RequestPreparer:
                 for i, ids in enumerate(prompts)
             ]
             return PreparedRequest(body, runs_as, request_id, requests)
-        if "generate" not in self.tasks:
-            url = "/v1/chat/completions" if isinstance(runs_as, ChatCompletionRequest) else "/v1/completions"
-            spec = self.pooling.spec
-            raise RequestRejected(
-                "unsupported_endpoint",
-                f"model {self.model_name!r} is {KINDS[spec.kind]}: it serves {', '.join(spec.endpoints)}, not {url}",
-            )
+        self._check_generates(
+            "/v1/chat/completions" if isinstance(runs_as, ChatCompletionRequest) else "/v1/completions"
+        )
         params = sampling_params(runs_as, defaults, self.generation_defaults, self._added_tokens)
         plan = None
         multimodal = None
