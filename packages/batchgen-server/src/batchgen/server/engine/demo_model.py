@@ -54,7 +54,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+    fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, bos_token=BOS, eos_token=EOS, pad_token=PAD, model_max_length=2048
     )
     fast.chat_template = CHAT_TEMPLATE
@@ -80,7 +80,7 @@ def build_model(vocab_size: int, bos_id: int, eos_id: int, pad_id: int, **sizes:
     )
     torch.manual_seed(sizes.get("seed", 1234))
     model = LlamaForCausalLM(config)
-    model.to(torch.float32)  # type: ignore[arg-type]  # in place; transformers types to() oddly
+    model.to(torch.float32)
     # Random init gives near-uniform logits; widen them so greedy decoding has clear winners.
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)

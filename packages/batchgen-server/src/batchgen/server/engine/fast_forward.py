@@ -65,7 +65,7 @@ class FastForward:
         for layer in layers:
             own: Callable[..., Any] = layer.forward
             self.forwards[layer] = vars(layer).get("forward") or torch.compile(own, dynamic=True)
-        head = model.get_output_embeddings()  # type: ignore[no-untyped-call]
+        head = model.get_output_embeddings()
         packed, refused = 0, "no float32 CPU linear"
         for linear in [*(module for layer in layers for module in layer.modules()), head]:
             if forward := cpu_linear.forward_of(linear):

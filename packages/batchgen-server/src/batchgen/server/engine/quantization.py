@@ -106,9 +106,7 @@ def in_flight(method: str, config: PretrainedConfig, device: torch.device, dtype
     if method == "bitsandbytes":
         from transformers import BitsAndBytesConfig
 
-        return BitsAndBytesConfig(  # type: ignore[no-untyped-call]
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype
-        )
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
     if method == "torchao":
         from transformers import TorchAoConfig
 

@@ -41,7 +41,7 @@ def start_pool(config: EngineConfig, cluster: ClusterConfig) -> ReplicaPool:
     started = _connect(cluster, cpus if not on_gpu else 0)
     actors: list[ray.actor.ActorHandle[Replica]] = []
     try:
-        gpus = ray.cluster_resources().get("GPU", 0)  # type: ignore[no-untyped-call]
+        gpus = ray.cluster_resources().get("GPU", 0)
         on_gpu = on_gpu if on_gpu is not None else gpus > 0
         resources = {"num_gpus": 1} if on_gpu else {"num_cpus": cpus}
         _check_room(cluster.replicas, resources)
@@ -92,7 +92,7 @@ def _connect(cluster: ClusterConfig, cpus_per_replica: int) -> bool:
 
 def _check_room(replicas: int, resources: dict[str, int]) -> None:
     """Refuse at once what the cluster cannot hold (Ray would wait forever for the resources)."""
-    total = ray.cluster_resources()  # type: ignore[no-untyped-call]
+    total = ray.cluster_resources()
     for resource, each in resources.items():
         name = "GPU" if resource == "num_gpus" else "CPU"
         have = total.get(name, 0)

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
-from transformers.models.auto.processing_auto import (  # type: ignore[attr-defined]
+from transformers.models.auto.processing_auto import (
     PROCESSOR_MAPPING_NAMES,
     processor_class_from_name,
 )
