@@ -24,8 +24,9 @@ WINDOWS = sys.platform == "win32"
 BIN = ENV / ("Scripts" if WINDOWS else "bin")
 PYTHON = str(BIN / ("python.exe" if WINDOWS else "python"))
 
-PARALLEL = ["-n", "auto", "--dist", "loadgroup"]
-"""pytest-xdist: a worker per core, each running whole modules (tests/conftest.py groups them)."""
+PARALLEL = ["-n", "auto", "--dist", "loadgroup", "--no-loadscope-reorder"]
+"""pytest-xdist: a worker per core, each running whole modules, longest first (tests/conftest.py groups and orders
+them)."""
 TORCH_CPU = "torch==2.13.0"  # what the test suite runs on
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"  # PyTorch's CPU-only wheels: ~200 MB, not ~3 GB of CUDA
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -20,13 +21,38 @@ SHARED_BY_DIRECTORY = {"replicas": "ray", "browser": "chromium"}
 """Directories whose tests share one costly session fixture (a local Ray, a browser): one worker runs them all."""
 
 
+LONGEST_FIRST = (
+    "ray",
+    "chromium",
+    "test_architectures.py",
+    "test_tensor_parallel_families.py",
+    "test_storage_faults.py",
+    "test_structured_outputs.py",
+    "test_tensor_parallel_faults.py",
+    "test_quantized.py",
+    "test_demo_model.py",
+    "test_api_schemathesis.py",
+)
+"""Groups of 10 s or more (the stop notes time them), started first. xdist orders groups by their number of tests
+(``--no-loadscope-reorder`` turns that off): a 20 s module of one test started last and ran alone at the end."""
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """With pytest-xdist (``-n 2 --dist loadgroup``), a worker runs whole modules (their module-scoped servers start
-    once), and whole directories where a session fixture is costly."""
+    once), and whole directories where a session fixture is costly; the longest groups go first, then the others by
+    their number of tests."""
+    groups: dict[pytest.Item, str] = {}
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
-            group = SHARED_BY_DIRECTORY.get(item.path.parent.name, str(item.path))
-            item.add_marker(pytest.mark.xdist_group(group))
+            item.add_marker(pytest.mark.xdist_group(SHARED_BY_DIRECTORY.get(item.path.parent.name, str(item.path))))
+        groups[item] = item.get_closest_marker("xdist_group").args[0]
+    sizes = Counter(groups.values())
+
+    def start_order(item: pytest.Item) -> tuple[int, int]:
+        name = Path(groups[item]).name
+        return (LONGEST_FIRST.index(name), 0) if name in LONGEST_FIRST else (len(LONGEST_FIRST), -sizes[groups[item]])
+
+    items.sort(key=start_order)  # stable: a group's tests keep their order
 
 
 @pytest.fixture(scope="session", autouse=True)
