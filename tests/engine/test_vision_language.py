@@ -95,6 +95,7 @@ def test_greedy_matches_generate(family: Family, chunk: int) -> None:
         _same(family, results[f"r{i}"], i)
     vision = engine.runner.vision
     assert vision is not None and vision.encoded_images == 3  # each picture once, whatever the chunks
+    assert vision.cache.held_bytes() == vision.cache.bytes  # no entry keeps its batch's other images alive
 
 
 def test_encoder_cache_off_preemption_and_n(family: Family) -> None:
