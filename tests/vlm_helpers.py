@@ -191,3 +191,32 @@ def idefics3(path: Path) -> Path:
 
 
 BUILDERS["idefics3"] = idefics3
+
+
+def qwen3_vl(path: Path) -> Path:
+    """Qwen3-VL: Qwen2.5-VL's dynamic resolution and M-RoPE (interleaved), plus deepstack: the vision tower's
+    intermediate features added to the first decoder layers' outputs at the image positions."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tok = byte_tokenizer(QWEN_SPECIALS, QWEN_TEMPLATE)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3], "mrope_interleaved": True}
+    config = Qwen3VLConfig(
+        text_config={**TEXT, "head_dim": 16, "vocab_size": len(tok), "rope_parameters": rope},
+        vision_config={
+            "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+            "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2, "num_position_embeddings": 16,
+            "deepstack_visual_indexes": [0, 1],
+        },
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen3VLForConditionalGeneration(config).float()
+    pixels = {"shortest_edge": 32 * 32 * 4, "longest_edge": 32 * 32 * 16}
+    ip = Qwen2VLImageProcessorPil(size=pixels, patch_size=16, merge_size=2, temporal_patch_size=2)
+    return _save(path, model, tok, ip, {"processor_class": "Qwen3VLProcessor"})
+
+
+BUILDERS["qwen3_vl"] = qwen3_vl

@@ -40,7 +40,7 @@ from .kv_cache import KVCache, LayerShape
 from .launched import Launched
 from .loader import input_embeddings
 from .lora import LoRASlots, build_slots, detach
-from .multimodal.vision_step import StepInputs, VisionStep, attention_for, vision_step_for
+from .multimodal.vision_step import NO_EXTRA, StepInputs, VisionStep, attention_for, vision_step_for
 from .prompt_logprobs import PromptLogprobs
 from .quantization import kv_cache_dtype
 from .reach import compression
@@ -382,7 +382,7 @@ class ModelRunner:
         # lives for this forward only (the model may be shared with other engines).
         handle = self.model.base_model.register_forward_hook(keep_hidden) if want_hidden else None
         try:
-            with active(step):
+            with active(step), (extra or NO_EXTRA).around(self.model):
                 # A vision-language step with images runs on embeddings (their rows in place: ``multimodal/``).
                 tokens: dict[str, torch.Tensor] = {"input_ids": packed.input_ids.unsqueeze(0)}
                 positions = packed.positions.unsqueeze(0)

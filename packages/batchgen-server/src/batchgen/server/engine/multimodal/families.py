@@ -18,6 +18,9 @@ class Family:
 
     name = "LLaVA"
     mrope = False
+    deepstack = 0
+    """Deepstack layers (Qwen3-VL): each image's encoder output carries, after its embedding rows' columns, one
+    block of columns per layer, added to that decoder layer's output at the image's positions."""
 
     def counts(self, out: Mapping[str, Any], num_images: int, positions: np.ndarray, processor: Any) -> list[int]:
         """How many placeholder tokens (encoder output rows) each image takes (``positions``: the prompt's
@@ -118,7 +121,23 @@ class Idefics3(Family):
         return list(model.model.get_image_features(pixel_values=pixels, pixel_attention_mask=masks).pooler_output)
 
 
-FAMILIES: dict[str, type[Family]] = {"idefics3": Idefics3, "llava": Family, "qwen2_5_vl": Qwen2_5VL}
+class Qwen3VL(Qwen2_5VL):
+    """Qwen3-VL: Qwen2.5-VL's grids and M-RoPE, plus deepstack features (one ``[rows, hidden]`` per layer)."""
+
+    name = "Qwen3-VL"
+
+    @torch.no_grad()
+    def encode(self, model: Any, images: Sequence[Mapping[str, Any]]) -> list[torch.Tensor]:
+        pixels = torch.cat([image["pixel_values"] for image in images]).to(model.device)
+        grids = torch.cat([image["image_grid_thw"] for image in images]).to(model.device)
+        out = model.model.get_image_features(pixels, grids)
+        # Each image's rows: its embeddings, then its deepstack features layer by layer, side by side.
+        return [torch.cat(rows, dim=-1) for rows in zip(out.pooler_output, *out.deepstack_features, strict=True)]
+
+
+FAMILIES: dict[str, type[Family]] = {
+    "idefics3": Idefics3, "llava": Family, "qwen2_5_vl": Qwen2_5VL, "qwen3_vl": Qwen3VL,
+}  # fmt: skip
 """The families the engine drives exactly (tests/engine/test_images.py checks each against ``generate``)."""
 
 
@@ -131,4 +150,5 @@ def family_of(config: Any) -> Family | None:
     vision: Any = config.vision_config
     if isinstance(family, Qwen2_5VL):
         family._merge_size = vision.spatial_merge_size
+    family.deepstack = len(getattr(vision, "deepstack_visual_indexes", ()))
     return family

@@ -5,7 +5,8 @@ models' 3-D positions. A chunk may start or end inside an image's placeholders: 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,30 @@ class StepInputs:
     """``[1, tokens, hidden]``: the packed row's embeddings, image rows in place; ``None``: the step has none."""
     positions: torch.Tensor | None
     """``[3, 1, tokens]`` M-RoPE positions; ``None``: the packed row's own."""
+    deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+    """Deepstack models (Qwen3-VL): the ``[1, tokens]`` mask of the step's image rows and, per layer, their
+    features in position order, which the language model adds to those layers' outputs."""
+
+    @contextmanager
+    def around(self, model: Any) -> Iterator[None]:
+        """The model's forward given what its own ``forward`` would hand its language model besides embeddings."""
+        if self.deepstack is None:
+            yield
+            return
+        mask, layers = self.deepstack
+
+        def hand(module: Any, args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+            return args, {**kwargs, "visual_pos_masks": mask, "deepstack_visual_embeds": layers}
+
+        handle = model.model.language_model.register_forward_pre_hook(hand, with_kwargs=True)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+
+NO_EXTRA = StepInputs(None, None)
+"""A step of a text model, or of a vision-language model with no image in it."""
 
 
 class VisionStep:
@@ -64,15 +89,21 @@ class VisionStep:
             row += n
         if not any_mm:
             return StepInputs(None, None)
-        embeds = None
+        embeds = deepstack = None
         if wanted:
             embeds = self.model.get_input_embeddings()(input_ids.unsqueeze(0))
             rows, features = self._rows(wanted, input_ids.device)
-            embeds[0].index_copy_(0, rows, features.to(embeds.dtype))
+            width = embeds.shape[-1]
+            embeds[0].index_copy_(0, rows, features[:, :width].to(embeds.dtype))
+            if self.family.deepstack:
+                mask = torch.zeros_like(input_ids, dtype=torch.bool)
+                mask[rows] = True
+                layers = features[torch.argsort(rows), width:].to(embeds.dtype)
+                deepstack = (mask.unsqueeze(0), list(torch.split(layers, width, dim=-1)))
         mrope = None
         if positions is not None:
             mrope = torch.from_numpy(np.concatenate(positions, axis=1)).unsqueeze(1).to(input_ids.device)
-        return StepInputs(embeds, mrope)
+        return StepInputs(embeds, mrope, deepstack)
 
     def _rows(
         self, wanted: list[tuple[int, int, int, ImageInput]], device: torch.device
