@@ -146,7 +146,7 @@ def hf_greedy(
     model: Any, processor: Any, messages: list[dict[str, Any]], images: list[Any], new_tokens: int
 ) -> tuple[list[int], torch.Tensor, list[int]]:
     """``generate(do_sample=False)`` on the conversation: its tokens, each step's log-softmax, the prompt's ids."""
-    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    text = processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)  # as served
     inputs = processor(text=[text], images=images, return_tensors="pt", add_special_tokens=False)
     out = model.generate(
         **inputs, max_new_tokens=new_tokens, do_sample=False, output_logits=True, return_dict_in_generate=True,
@@ -165,31 +165,48 @@ IDEFICS3_TEMPLATE = (
 )
 
 
-def idefics3(path: Path) -> Path:
-    """Idefics3 (SmolVLM's family): pictures split into tiles, each tile's placeholders a run of their own."""
-    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3VisionConfig, LlamaConfig
-    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+def idefics3(path: Path, smolvlm: bool = False) -> Path:
+    """Idefics3 (and SmolVLM, its successor with the same layout): pictures split into tiles, each tile's
+    placeholders a run of their own."""
+    from transformers import LlamaConfig
+
+    if smolvlm:
+        from transformers import SmolVLMConfig as Config
+        from transformers import SmolVLMForConditionalGeneration as Model
+        from transformers import SmolVLMVisionConfig as VisionConfig
+        from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil as Pil
+    else:
+        from transformers import Idefics3Config as Config  # type: ignore[assignment]
+        from transformers import Idefics3ForConditionalGeneration as Model  # type: ignore[assignment]
+        from transformers import Idefics3VisionConfig as VisionConfig  # type: ignore[assignment]
+        from transformers.models.idefics3.image_processing_pil_idefics3 import (  # type: ignore[assignment]
+            Idefics3ImageProcessorPil as Pil,
+        )
 
     specials = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>", "<|im_start|>"]
     specials += [f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)]
     tok = byte_tokenizer(specials, IDEFICS3_TEMPLATE)
-    vision = Idefics3VisionConfig(
+    vision = VisionConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=56, patch_size=14
     )
-    config = Idefics3Config(
+    config = Config(
         vision_config=vision.to_dict(),
         text_config=LlamaConfig(**TEXT, vocab_size=len(tok)).to_dict(),
         image_token_id=tok.convert_tokens_to_ids("<image>"),
         scale_factor=2,
     )
     torch.manual_seed(0)
-    model = Idefics3ForConditionalGeneration(config).float()
-    ip = Idefics3ImageProcessorPil(
-        size={"longest_edge": 112}, max_image_size={"longest_edge": 56}, do_image_splitting=True
-    )
-    return _save(path, model, tok, ip, {"processor_class": "Idefics3Processor", "image_seq_len": 4})
+    model = Model(config).float()
+    ip = Pil(size={"longest_edge": 112}, max_image_size={"longest_edge": 56}, do_image_splitting=True)
+    name = "SmolVLMProcessor" if smolvlm else "Idefics3Processor"
+    return _save(path, model, tok, ip, {"processor_class": name, "image_seq_len": 4})
 
 
+def smolvlm(path: Path) -> Path:
+    return idefics3(path, smolvlm=True)
+
+
+BUILDERS["smolvlm"] = smolvlm
 BUILDERS["idefics3"] = idefics3
 
 

@@ -48,7 +48,9 @@ class Family:
 
     def request(self, index: int, request_id: str, pictures: list[int] | None = None, **params: Any) -> EngineRequest:
         messages = [{"role": "user", "content": CONVERSATIONS[index]}]
-        text = self.processor.processor.apply_chat_template(messages, add_generation_prompt=True)
+        text = self.processor.processor.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
         chosen = [PICTURES[i] for i in (pictures or IMAGES_OF[index])]
         keys = [image_hash(png_bytes(p)) for p in chosen]
         ids, mm = self.processor.prompt_inputs(text, chosen, keys)

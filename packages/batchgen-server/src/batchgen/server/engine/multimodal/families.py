@@ -84,14 +84,17 @@ class Qwen2_5VL(Family):
 
 
 class Idefics3(Family):
-    """Idefics3 (SmolVLM's family): each picture split into tiles plus a global view, each tile its run of
+    """Idefics3 and SmolVLM: each picture split into tiles plus a global view, each tile its run of
     placeholders; an image's tiles end with the run after its ``<global-img>`` token."""
 
     name = "Idefics3"
 
     def counts(self, out: Mapping[str, Any], num_images: int, positions: np.ndarray, processor: Any) -> list[int]:
         ids = out["input_ids"][0].numpy()
-        ends = np.flatnonzero(ids == processor.global_image_token_id) + processor.image_seq_len  # each image's last
+        global_id = getattr(processor, "global_image_token_id", None)  # Idefics3's; SmolVLM names only the token
+        if global_id is None:
+            global_id = processor.tokenizer.convert_tokens_to_ids(processor.global_image_token)
+        ends = np.flatnonzero(ids == global_id) + processor.image_seq_len  # each image's last
         counts: list[int] = np.diff(np.searchsorted(positions, ends, side="right"), prepend=0).tolist()
         return counts
 
@@ -136,7 +139,7 @@ class Qwen3VL(Qwen2_5VL):
 
 
 FAMILIES: dict[str, type[Family]] = {
-    "idefics3": Idefics3, "llava": Family, "qwen2_5_vl": Qwen2_5VL, "qwen3_vl": Qwen3VL,
+    "idefics3": Idefics3, "llava": Family, "qwen2_5_vl": Qwen2_5VL, "qwen3_vl": Qwen3VL, "smolvlm": Idefics3,
 }  # fmt: skip
 """The families the engine drives exactly (tests/engine/test_images.py checks each against ``generate``)."""
 
