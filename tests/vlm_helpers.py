@@ -237,3 +237,39 @@ def qwen3_vl(path: Path) -> Path:
 
 
 BUILDERS["qwen3_vl"] = qwen3_vl
+
+
+MISTRAL_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'user' %}[INST]{% if message['content'] is string %}"
+    "{{ message['content'] }}{% else %}{% for content in message['content'] %}" + _IMAGE_PART + "[IMG]"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}[/INST]"
+    "{% else %}{{ message['content'] }}{% endif %}{% endfor %}"
+)
+
+
+def mistral3(path: Path) -> Path:
+    """Mistral 3 (Pixtral's vision tower): each picture at its own size, its rows of placeholders ending in
+    ``[IMG_BREAK]`` and the last in ``[IMG_END]``; a patch merger before the projector."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig, PixtralVisionConfig
+    from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+
+    tok = byte_tokenizer(["[INST]", "[/INST]", "[IMG]", "[IMG_BREAK]", "[IMG_END]"], MISTRAL_TEMPLATE)
+    vision = PixtralVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=112,
+        patch_size=14, head_dim=16,
+    )  # fmt: skip
+    config = Mistral3Config(
+        vision_config=vision,
+        text_config=MistralConfig(**TEXT, vocab_size=len(tok), head_dim=16),
+        image_token_index=tok.convert_tokens_to_ids("[IMG]"),
+        spatial_merge_size=2,
+        vision_feature_layer=-1,
+    )
+    torch.manual_seed(0)
+    model = Mistral3ForConditionalGeneration(config).float()
+    ip = PixtralImageProcessorPil(size={"longest_edge": 112}, patch_size=14)
+    processor = {"processor_class": "PixtralProcessor", "patch_size": 14, "spatial_merge_size": 2}
+    return _save(path, model, tok, ip, processor)
+
+
+BUILDERS["mistral3"] = mistral3

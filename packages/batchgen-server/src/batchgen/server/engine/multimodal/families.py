@@ -138,7 +138,37 @@ class Qwen3VL(Qwen2_5VL):
         return [torch.cat(rows, dim=-1) for rows in zip(out.pooler_output, *out.deepstack_features, strict=True)]
 
 
+class Mistral3(Family):
+    """Mistral 3 (Pixtral's tower): each picture at its own size (``image_sizes``), a run of placeholders per row
+    of patches; a batch of pictures padded to the largest, which the tower crops back by their sizes."""
+
+    name = "Mistral 3"
+
+    def counts(self, out: Mapping[str, Any], num_images: int, positions: np.ndarray, processor: Any) -> list[int]:
+        patch = processor.patch_size * processor.spatial_merge_size
+        return [(h // patch) * (w // patch) for h, w in out["image_sizes"].tolist()]
+
+    def split(self, out: Mapping[str, Any], counts: list[int], processor: Any) -> list[dict[str, Any]]:
+        return [
+            {"pixel_values": out["pixel_values"][i : i + 1, :, :h, :w], "image_sizes": out["image_sizes"][i : i + 1]}
+            for i, (h, w) in enumerate(out["image_sizes"].tolist())
+        ]
+
+    @torch.no_grad()
+    def encode(self, model: Any, images: Sequence[Mapping[str, Any]]) -> list[torch.Tensor]:
+        height = max(image["pixel_values"].shape[2] for image in images)
+        width = max(image["pixel_values"].shape[3] for image in images)
+        pixels = torch.cat([
+            torch.nn.functional.pad(image["pixel_values"], (0, width - image["pixel_values"].shape[3],
+                                                            0, height - image["pixel_values"].shape[2]))
+            for image in images
+        ]).to(model.device, model.dtype)  # fmt: skip
+        sizes = torch.cat([image["image_sizes"] for image in images]).to(model.device)
+        return list(model.model.get_image_features(pixel_values=pixels, image_sizes=sizes).pooler_output)
+
+
 FAMILIES: dict[str, type[Family]] = {
+    "mistral3": Mistral3,
     "idefics3": Idefics3, "llava": Family, "qwen2_5_vl": Qwen2_5VL, "qwen3_vl": Qwen3VL, "smolvlm": Idefics3,
 }  # fmt: skip
 """The families the engine drives exactly (tests/engine/test_images.py checks each against ``generate``)."""

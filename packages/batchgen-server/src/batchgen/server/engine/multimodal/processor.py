@@ -18,6 +18,7 @@ from transformers.models.auto.processing_auto import (  # type: ignore[attr-defi
 
 from ..errors import ModelNotSupported
 from .families import FAMILIES, Family, family_of
+from .pixtral import PixtralPrompts
 from .prompt import ImageInput, MultimodalPrompt
 
 IMAGE_ONLY_ATTRIBUTES = ("image_processor", "tokenizer")
@@ -60,16 +61,22 @@ class ImageProcessor:
     def __init__(self, path: str, tokenizer: Any, trust_remote_code: bool = False) -> None:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         self.family = driven_family(config, config.model_type)
-        cls = processor_class_from_name(PROCESSOR_MAPPING_NAMES[config.model_type])
-        processor_dict, kwargs = cls.get_processor_dict(path)
+        name = PROCESSOR_MAPPING_NAMES[config.model_type]
         try:
             image_processor = AutoImageProcessor.from_pretrained(path, backend="pil")  # type: ignore[no-untyped-call, unused-ignore]  # typed from transformers 5.25
         except (ImportError, ValueError):
             image_processor = AutoImageProcessor.from_pretrained(path)  # type: ignore[no-untyped-call, unused-ignore]  # typed from transformers 5.25
-        pieces = {"image_processor": image_processor, "tokenizer": tokenizer or AutoTokenizer.from_pretrained(path)}
-        args = [pieces.get(name) for name in cls.get_attributes()]
-        image_only: Any = _image_only(cls)
-        self.processor: Any = image_only.from_args_and_dict(args, processor_dict, **kwargs)
+        tokenizer = tokenizer or AutoTokenizer.from_pretrained(path)
+        self.processor: Any
+        if name == "PixtralProcessor":  # transformers' needs torchvision: the same expansion without it
+            self.processor = PixtralPrompts.from_pretrained(path, image_processor, tokenizer)
+        else:
+            cls = processor_class_from_name(name)
+            processor_dict, kwargs = cls.get_processor_dict(path)
+            pieces = {"image_processor": image_processor, "tokenizer": tokenizer}
+            args = [pieces.get(name) for name in cls.get_attributes()]
+            image_only: Any = _image_only(cls)
+            self.processor = image_only.from_args_and_dict(args, processor_dict, **kwargs)
         self.image_token_id: int = config.image_token_id
 
     def prompt_inputs(self, text: str, images: list[Any], keys: list[bytes]) -> tuple[list[int], MultimodalPrompt]:
