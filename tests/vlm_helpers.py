@@ -273,3 +273,38 @@ def mistral3(path: Path) -> Path:
 
 
 BUILDERS["mistral3"] = mistral3
+
+
+def qwen3_5(path: Path) -> Path:
+    """Qwen3.5's ConditionalGeneration: Qwen3-VL's tower without deepstack, M-RoPE, and the hybrid text model
+    (Gated DeltaNet layers beside full attention: the engine's state cache)."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tok = byte_tokenizer(QWEN_SPECIALS, QWEN_TEMPLATE)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
+    rope = {
+        "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1], "mrope_interleaved": True,
+        "partial_rotary_factor": 0.5,
+    }  # fmt: skip
+    gdn = {
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4, "head_dim": 16, "layer_types": ["linear_attention", "full_attention"],
+    }  # fmt: skip
+    config = Qwen3_5Config(
+        text_config={**TEXT, **gdn, "vocab_size": len(tok), "rope_parameters": rope},
+        vision_config={
+            "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+            "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2, "num_position_embeddings": 16,
+        },
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen3_5ForConditionalGeneration(config).float()
+    pixels = {"shortest_edge": 32 * 32 * 4, "longest_edge": 32 * 32 * 16}
+    ip = Qwen2VLImageProcessorPil(size=pixels, patch_size=16, merge_size=2, temporal_patch_size=2)
+    return _save(path, model, tok, ip, {"processor_class": "Qwen3VLProcessor"})
+
+
+BUILDERS["qwen3_5"] = qwen3_5

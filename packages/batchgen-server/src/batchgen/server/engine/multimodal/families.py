@@ -168,7 +168,7 @@ class Mistral3(Family):
 
 
 FAMILIES: dict[str, type[Family]] = {
-    "mistral3": Mistral3,
+    "mistral3": Mistral3, "qwen3_5": Qwen2_5VL,
     "idefics3": Idefics3, "llava": Family, "qwen2_5_vl": Qwen2_5VL, "qwen3_vl": Qwen3VL, "smolvlm": Idefics3,
 }  # fmt: skip
 """The families the engine drives exactly (tests/engine/test_images.py checks each against ``generate``)."""
