@@ -308,3 +308,46 @@ def qwen3_5(path: Path) -> Path:
 
 
 BUILDERS["qwen3_5"] = qwen3_5
+
+
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<start_of_turn>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for content in message['content'] %}"
+    + _IMAGE_PART
+    + "<start_of_image>{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def gemma3(path: Path) -> Path:
+    """Gemma 3: each picture's 4 image tokens (pooled SigLIP patches) between ``<start_of_image>`` and
+    ``<end_of_image>``, attending to each other both ways; sliding-window and global layers."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    specials = ["<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+    tok = byte_tokenizer(specials, GEMMA3_TEMPLATE)
+    named = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+    tok._set_model_specific_special_tokens(special_tokens=named)  # saved as the real tokenizer's named tokens
+    ids = {t: tok.convert_tokens_to_ids(t) for t in specials}
+    text = Gemma3TextConfig(
+        **{**TEXT, "num_hidden_layers": 2}, head_dim=16, vocab_size=len(tok), sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16,
+    )  # fmt: skip
+    vision = SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=56, patch_size=14
+    )
+    config = Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, boi_token_index=ids["<start_of_image>"],
+        eoi_token_index=ids["<end_of_image>"], image_token_index=ids["<image_soft_token>"],
+        tie_word_embeddings=False,  # the output scaled for clear greedy margins, not the input (Gemma scales it)
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(config).float()
+    with torch.no_grad():  # initialised to zeros: every picture would be the same
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0, 0.5)
+    ip = Gemma3ImageProcessorPil(size={"height": 56, "width": 56})
+    return _save(path, model, tok, ip, {"processor_class": "Gemma3Processor", "image_seq_length": 4})
+
+
+BUILDERS["gemma3"] = gemma3

@@ -40,7 +40,7 @@ from .kv_cache import KVCache, LayerShape
 from .launched import Launched
 from .loader import input_embeddings
 from .lora import LoRASlots, build_slots, detach
-from .multimodal.vision_step import NO_EXTRA, StepInputs, VisionStep, attention_for, vision_step_for
+from .multimodal.vision_step import NO_EXTRA, StepInputs, VisionStep, attention_for, both_ways_refused, vision_step_for
 from .prompt_logprobs import PromptLogprobs
 from .quantization import kv_cache_dtype
 from .reach import compression
@@ -141,6 +141,8 @@ class ModelRunner:
             self.states = States(state_layers, sizes, self.block_size, interval)
         self.vision: VisionStep | None = vision_step_for(model, config.encoder_cache_mib * 2**20)
         """A vision-language model's vision step (``multimodal/``): its steps may run on embeddings."""
+        if self.vision is not None and self.vision.family.bidirectional:
+            both_ways_refused(self.architecture, config)
         self.group = group
         distributed = config.tensor_parallel_size > 1
         if distributed:  # each rank holds its heads' share of the same blocks: as many as the fullest rank has room for

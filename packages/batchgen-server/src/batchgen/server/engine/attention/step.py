@@ -36,6 +36,9 @@ class SeqSlice:
     """Position of the first new token: the sequence's tokens before it are already in the cache."""
     table_row: int
     """The sequence's row in the step's ``block_tables``."""
+    spans: tuple[tuple[int, int], ...] = ()
+    """Runs of positions ``[first, end)`` whose tokens also see each other's later keys (a prefill chunk over a
+    Gemma 3 image: ``multimodal/prompt.py``); each lies whole within the chunk and its context."""
 
     @property
     def end(self) -> int:

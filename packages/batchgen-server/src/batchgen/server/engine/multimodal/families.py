@@ -18,6 +18,9 @@ class Family:
 
     name = "LLaVA"
     mrope = False
+    bidirectional = False
+    """Image tokens attend to each other both ways (Gemma 3): prefill chunks keep each run of them whole, and their
+    attention sees the whole run (``MultimodalPrompt.spans``)."""
     deepstack = 0
     """Deepstack layers (Qwen3-VL): each image's encoder output carries, after its embedding rows' columns, one
     block of columns per layer, added to that decoder layer's output at the image's positions."""
@@ -167,9 +170,16 @@ class Mistral3(Family):
         return list(model.model.get_image_features(pixel_values=pixels, image_sizes=sizes).pooler_output)
 
 
+class Gemma3(Family):
+    """Gemma 3: LLaVA's shape (a fixed number of pooled tokens an image), its image tokens attending both ways."""
+
+    name = "Gemma 3"
+    bidirectional = True
+
+
 FAMILIES: dict[str, type[Family]] = {
-    "mistral3": Mistral3, "qwen3_5": Qwen2_5VL,
-    "idefics3": Idefics3, "llava": Family, "qwen2_5_vl": Qwen2_5VL, "qwen3_vl": Qwen3VL, "smolvlm": Idefics3,
+    "gemma3": Gemma3, "idefics3": Idefics3, "llava": Family, "mistral3": Mistral3, "qwen2_5_vl": Qwen2_5VL,
+    "qwen3_5": Qwen2_5VL, "qwen3_vl": Qwen3VL, "smolvlm": Idefics3,
 }  # fmt: skip
 """The families the engine drives exactly (tests/engine/test_images.py checks each against ``generate``)."""
 

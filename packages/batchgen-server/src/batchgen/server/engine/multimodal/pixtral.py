@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from transformers import BatchFeature
-from transformers.utils import cached_file
+from transformers.utils.hub import cached_file
 
 
 class PixtralPrompts:

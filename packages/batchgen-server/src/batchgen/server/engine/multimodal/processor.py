@@ -91,4 +91,8 @@ class ImageProcessor:
         splits = np.split(positions, np.cumsum(counts)[:-1])
         pixels = self.family.split(out, counts, self.processor)
         items = tuple(ImageInput(key, where, pix) for key, where, pix in zip(keys, splits, pixels, strict=True))
-        return ids, MultimodalPrompt(items, self.family.extras(out))
+        spans: tuple[tuple[int, int], ...] = ()
+        if self.family.bidirectional:  # runs of placeholders, as transformers groups them (adjacent images: one)
+            breaks = np.flatnonzero(np.diff(positions) != 1) + 1
+            spans = tuple((int(run[0]), int(run[-1]) + 1) for run in np.split(positions, breaks))
+        return ids, MultimodalPrompt(items, self.family.extras(out), spans=spans)

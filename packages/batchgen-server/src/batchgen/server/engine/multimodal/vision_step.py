@@ -155,6 +155,19 @@ class VisionStep:
         return out
 
 
+def both_ways_refused(architecture: str, config: Any) -> None:
+    """Image tokens attending both ways (``MultimodalPrompt.spans``) are masked by the gather backend on one rank;
+    ``ModelNotSupported`` where the engine would run them otherwise."""
+    from ..errors import ModelNotSupported
+
+    if config.attention_backend == "flex" or config.tensor_parallel_size > 1:
+        raise ModelNotSupported(
+            architecture,
+            "its image tokens attend to each other both ways, which only --attention-backend gather on one rank "
+            "masks (no flex, no --tensor-parallel-size)",
+        )
+
+
 def vision_step_for(model: Any, cache_bytes: int) -> VisionStep | None:
     """The vision step of a vision-language model (``None`` for a text model)."""
     from .processor import driven_family, is_vision_language
