@@ -137,14 +137,17 @@ def test_prefix_cache_keys_include_the_images(family: Family) -> None:
     )
 
 
-def test_unsupported_family_is_refused_in_one_line(tmp_path: Path) -> None:
-    from transformers import Glm4vConfig
+@pytest.mark.parametrize("name", ["glm4v", "kimi_k25"])
+def test_unsupported_family_is_refused_in_one_line(tmp_path: Path, name: str) -> None:
+    """A family the engine does not drive, and one whose image processor needs torchvision (absent here)."""
+    from transformers import Glm4vConfig, Kimi_K25Config
 
-    config = Glm4vConfig()
+    config = Glm4vConfig() if name == "glm4v" else Kimi_K25Config()
     config.save_pretrained(tmp_path)
     with pytest.raises(ModelNotSupported) as refused:
         load_model(EngineConfig(model=str(tmp_path), device="cpu"))
-    assert "glm4v" in str(refused.value) and "\n" not in str(refused.value)
+    said = str(refused.value)
+    assert "\n" not in said and ("glm4v" in said if name == "glm4v" else "needs torchvision" in said)
 
 
 def test_run_batch_reads_local_images_under_the_allowed_path(tmp_path: Path) -> None:

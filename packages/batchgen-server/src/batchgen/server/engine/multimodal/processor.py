@@ -6,6 +6,7 @@ and the ``MultimodalPrompt`` an engine request carries."""
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,8 @@ from .pixtral import PixtralPrompts
 from .prompt import ImageInput, MultimodalPrompt
 
 IMAGE_ONLY_ATTRIBUTES = ("image_processor", "tokenizer")
+TORCHVISION_ONLY = {"kimi_k25": "Kimi_K25ImageProcessor"}
+"""Families whose image processor transformers writes for torchvision alone (no Pillow backend)."""
 
 
 def is_vision_language(config: PretrainedConfig) -> bool:
@@ -33,6 +36,11 @@ def driven_family(config: PretrainedConfig, architecture: str) -> Family:
     """The family of a vision-language model the engine drives exactly; ``ModelNotSupported`` (one line) for
     another."""
     family = family_of(config)
+    if config.model_type in TORCHVISION_ONLY and importlib.util.find_spec("torchvision") is None:
+        raise ModelNotSupported(
+            architecture,
+            f"its image processor ({TORCHVISION_ONLY[config.model_type]}) needs torchvision, not installed",
+        )
     if family is None:
         raise ModelNotSupported(
             architecture,
