@@ -351,3 +351,43 @@ def gemma3(path: Path) -> Path:
 
 
 BUILDERS["gemma3"] = gemma3
+
+
+def gemma4(path: Path) -> Path:
+    """Gemma 4's ConditionalGeneration: pictures at their aspect ratio (up to 70 pooled tokens each, padding patches
+    at ``(-1, -1)``), per-layer inputs from the token ids, image tokens attending both ways on sliding layers."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    specials = ["<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+    template = GEMMA3_TEMPLATE.replace("<start_of_image>{%", "<image_soft_token>{%")  # the marker: the image token
+    audio = {"boa_token": "<start_of_audio>", "eoa_token": "<end_of_audio>", "audio_token": "<audio_soft_token>"}
+    tok = byte_tokenizer([*specials, "<|video|>", *audio.values()], template)
+    named = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+    tok._set_model_specific_special_tokens(special_tokens={**named, **audio})  # its processor asks for all six
+    ids = {t: tok.convert_tokens_to_ids(t) for t in [*specials, "<|video|>", *audio.values()]}
+    text = {
+        **TEXT, "head_dim": 16, "global_head_dim": 16, "vocab_size": len(tok), "sliding_window": 8,
+        "num_hidden_layers": 3, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "hidden_size_per_layer_input": 8,
+        "vocab_size_per_layer_input": len(tok), "use_bidirectional_attention": "vision",
+        "pad_token_id": tok.pad_token_id, "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
+    }  # fmt: skip
+    vision = {
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "num_key_value_heads": 2, "head_dim": 16, "patch_size": 4, "pooling_kernel_size": 2,
+        "position_embedding_size": 64,
+    }  # fmt: skip
+    config = Gemma4Config(
+        text_config=text, vision_config=vision, audio_config=None, boi_token_id=ids["<start_of_image>"],
+        eoi_token_id=ids["<end_of_image>"], image_token_id=ids["<image_soft_token>"], video_token_id=ids["<|video|>"],
+        boa_token_id=ids["<start_of_audio>"], eoa_token_index=ids["<end_of_audio>"],
+        audio_token_id=ids["<audio_soft_token>"], tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Gemma4ForConditionalGeneration(config).float()
+    ip = Gemma4ImageProcessorPil(patch_size=4, pooling_kernel_size=2, max_soft_tokens=70)
+    return _save(path, model, tok, ip, {"processor_class": "Gemma4Processor", "image_seq_length": 70})
+
+
+BUILDERS["gemma4"] = gemma4

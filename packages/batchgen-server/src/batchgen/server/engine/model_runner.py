@@ -367,7 +367,7 @@ class ModelRunner:
     ) -> StepOutput:
         step = PagedStep(
             self.cache, backend or self.backend, packed.seqs, packed.block_tables, packed.slots, self.device,
-            packed.states,
+            packed.states, spans_on_sliding_only=self.vision is not None and self.vision.family.sliding_only,
         )  # fmt: skip
         if packed.states is not None:
             packed.states.layers_run = 0

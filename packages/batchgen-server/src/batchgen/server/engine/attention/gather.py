@@ -210,16 +210,17 @@ def _build_views(step: PagedStep, window: int | None, with_kernel: bool, with_pa
 
 def _chunk_view(step: PagedStep, seq: SeqSlice, window: int | None) -> _Chunk:
     start, end, bs, device = seq.row, seq.row + seq.num_tokens, step.cache.block_size, step.device
+    spans = seq.spans if window is not None or not step.spans_on_sliding_only else ()
     if seq.start == 0:
         own = None if window is None or window >= seq.num_tokens else causal_mask(seq.num_tokens, 0, window, device)
-        if seq.spans:
-            own = both_ways(causal_mask(seq.num_tokens, 0, window, device), seq.start, seq.spans, window)
+        if spans:
+            own = both_ways(causal_mask(seq.num_tokens, 0, window, device), seq.start, spans, window)
         return _Chunk(start, end, None, own)
     first_block = first_visible(seq.start, window) // bs
     blocks = torch.from_numpy(step.blocks(seq, first_block))
     mask = causal_mask(seq.num_tokens, seq.start, window, device)
-    if seq.spans:
-        mask = both_ways(mask, seq.start, seq.spans, window)
+    if spans:
+        mask = both_ways(mask, seq.start, spans, window)
     mask = mask[:, first_block * bs :]
     width = len(blocks) * bs
     if mask.shape[1] < width:  # the last block is only partly filled: its tail is not visible

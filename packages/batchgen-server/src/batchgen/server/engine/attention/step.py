@@ -143,6 +143,8 @@ class PagedStep:
     device: torch.device
     states: StateLayers | None = None
     """Where the model has state layers (recurrent mixers, short convolutions): what they run in this step."""
+    spans_on_sliding_only: bool = False
+    """The sequences' ``spans`` hold on sliding-window layers only (Gemma 4; Gemma 3's on every layer)."""
     layers_attended: int = 0
     """Layers run so far in this forward: the next one's index in the cache (layers run in the order the probe
     found them; the runner checks that every one ran)."""

@@ -21,9 +21,8 @@ class Family:
     bidirectional = False
     """Image tokens attend to each other both ways (Gemma 3): prefill chunks keep each run of them whole, and their
     attention sees the whole run (``MultimodalPrompt.spans``)."""
-    deepstack = 0
-    """Deepstack layers (Qwen3-VL): each image's encoder output carries, after its embedding rows' columns, one
-    block of columns per layer, added to that decoder layer's output at the image's positions."""
+    sliding_only = False
+    """... on sliding-window layers only (Gemma 4)."""
 
     def counts(self, out: Mapping[str, Any], num_images: int, positions: np.ndarray, processor: Any) -> list[int]:
         """How many placeholder tokens (encoder output rows) each image takes (``positions``: the prompt's
@@ -45,6 +44,13 @@ class Family:
 
     def rope(self, model: Any, prompt: list[int], mm: Any) -> tuple[np.ndarray, int]:
         raise NotImplementedError
+
+    def forward_kwargs(
+        self, model: Any, input_ids: torch.Tensor, rows: torch.Tensor, features: torch.Tensor, embeds: torch.Tensor
+    ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """What the model's ``forward`` hands its base model and its language model besides the embeddings, for a
+        step whose packed ``rows`` hold the image ``features`` (``VisionStep.inputs``)."""
+        return None, None
 
 
 class Qwen2_5VL(Family):
@@ -128,7 +134,9 @@ class Idefics3(Family):
 
 
 class Qwen3VL(Qwen2_5VL):
-    """Qwen3-VL: Qwen2.5-VL's grids and M-RoPE, plus deepstack features (one ``[rows, hidden]`` per layer)."""
+    """Qwen3-VL: Qwen2.5-VL's grids and M-RoPE, plus deepstack features (one ``[rows, hidden]`` per layer), which
+    each image's encoder output carries after its embedding columns and the language model adds to its first
+    decoder layers' outputs at the image's positions."""
 
     name = "Qwen3-VL"
 
@@ -139,6 +147,18 @@ class Qwen3VL(Qwen2_5VL):
         out = model.model.get_image_features(pixels, grids)
         # Each image's rows: its embeddings, then its deepstack features layer by layer, side by side.
         return [torch.cat(rows, dim=-1) for rows in zip(out.pooler_output, *out.deepstack_features, strict=True)]
+
+    def forward_kwargs(
+        self, model: Any, input_ids: torch.Tensor, rows: torch.Tensor, features: torch.Tensor, embeds: torch.Tensor
+    ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """The image rows' mask and each deepstack layer's rows in position order, as ``Qwen3VLModel.forward``
+        hands them to its language model."""
+        mask = torch.zeros_like(input_ids, dtype=torch.bool)
+        mask[rows] = True
+        width = embeds.shape[-1]
+        layers = features[torch.argsort(rows), width:].to(embeds.dtype)
+        deepstack = list(torch.split(layers, width, dim=-1))
+        return None, {"visual_pos_masks": mask.unsqueeze(0), "deepstack_visual_embeds": deepstack}
 
 
 class Mistral3(Family):
@@ -177,9 +197,43 @@ class Gemma3(Family):
     bidirectional = True
 
 
+class Gemma4(Family):
+    """Gemma 4: each picture at its aspect ratio (its patches padded to the processor's budget at ``(-1, -1)``, its
+    pooled tokens as many as its real patches give), per-layer inputs from the token ids (an image's positions
+    read as padding), image tokens attending both ways on sliding layers where the config says ``vision``."""
+
+    name = "Gemma 4"
+
+    def counts(self, out: Mapping[str, Any], num_images: int, positions: np.ndarray, processor: Any) -> list[int]:
+        runs = np.split(positions, np.flatnonzero(np.diff(positions) != 1) + 1)  # each image between boi and eoi
+        return [len(run) for run in runs]
+
+    def split(self, out: Mapping[str, Any], counts: list[int], processor: Any) -> list[dict[str, Any]]:
+        return [
+            {"pixel_values": out["pixel_values"][i : i + 1], "image_position_ids": out["image_position_ids"][i : i + 1]}
+            for i in range(len(counts))
+        ]
+
+    @torch.no_grad()
+    def encode(self, model: Any, images: Sequence[Mapping[str, Any]]) -> list[torch.Tensor]:
+        pixels = torch.cat([image["pixel_values"] for image in images]).to(model.device, model.dtype)
+        where = torch.cat([image["image_position_ids"] for image in images]).to(model.device)
+        return list(model.model.get_image_features(pixels, where).pooler_output)
+
+    def forward_kwargs(
+        self, model: Any, input_ids: torch.Tensor, rows: torch.Tensor, features: torch.Tensor, embeds: torch.Tensor
+    ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """The per-layer inputs ``Gemma4Model.forward`` makes from the token ids, an image's read as padding."""
+        ids = input_ids.clone()
+        ids[rows] = model.config.get_text_config().pad_token_id
+        language = model.model.language_model
+        ids = ids.unsqueeze(0)
+        return {"per_layer_inputs": language.get_per_layer_inputs(ids, language.embed_tokens(ids))}, None
+
+
 FAMILIES: dict[str, type[Family]] = {
-    "gemma3": Gemma3, "idefics3": Idefics3, "llava": Family, "mistral3": Mistral3, "qwen2_5_vl": Qwen2_5VL,
-    "qwen3_5": Qwen2_5VL, "qwen3_vl": Qwen3VL, "smolvlm": Idefics3,
+    "gemma3": Gemma3, "gemma4": Gemma4, "idefics3": Idefics3, "llava": Family, "mistral3": Mistral3,
+    "qwen2_5_vl": Qwen2_5VL, "qwen3_5": Qwen2_5VL, "qwen3_vl": Qwen3VL, "smolvlm": Idefics3,
 }  # fmt: skip
 """The families the engine drives exactly (tests/engine/test_images.py checks each against ``generate``)."""
 
@@ -193,5 +247,6 @@ def family_of(config: Any) -> Family | None:
     vision: Any = config.vision_config
     if isinstance(family, Qwen2_5VL):
         family._merge_size = vision.spatial_merge_size
-    family.deepstack = len(getattr(vision, "deepstack_visual_indexes", ()))
+    if isinstance(family, Gemma4):  # both ways only where the config asks for it, and only on sliding layers
+        family.bidirectional = family.sliding_only = config.get_text_config().use_bidirectional_attention == "vision"
     return family

@@ -34,26 +34,33 @@ class StepInputs:
     """``[1, tokens, hidden]``: the packed row's embeddings, image rows in place; ``None``: the step has none."""
     positions: torch.Tensor | None
     """``[3, 1, tokens]`` M-RoPE positions; ``None``: the packed row's own."""
-    deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None
-    """Deepstack models (Qwen3-VL): the ``[1, tokens]`` mask of the step's image rows and, per layer, their
-    features in position order, which the language model adds to those layers' outputs."""
+    base: dict[str, Any] | None = None
+    """What the model's own ``forward`` would hand its base model besides embeddings (Gemma 4's per-layer
+    inputs), by family (``Family.forward_kwargs``)."""
+    language: dict[str, Any] | None = None
+    """What it would hand its language model (Qwen3-VL's deepstack rows and their mask)."""
 
     @contextmanager
     def around(self, model: Any) -> Iterator[None]:
-        """The model's forward given what its own ``forward`` would hand its language model besides embeddings."""
-        if self.deepstack is None:
-            yield
-            return
-        mask, layers = self.deepstack
-
-        def hand(module: Any, args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-            return args, {**kwargs, "visual_pos_masks": mask, "deepstack_visual_embeds": layers}
-
-        handle = model.model.language_model.register_forward_pre_hook(hand, with_kwargs=True)
+        """The model's forward with ``base`` and ``language`` handed on, for this forward only."""
+        handles = []
+        if self.base:
+            handles.append(model.model.register_forward_pre_hook(_adding(self.base), with_kwargs=True))
+        if self.language:
+            language = model.model.language_model
+            handles.append(language.register_forward_pre_hook(_adding(self.language), with_kwargs=True))
         try:
             yield
         finally:
-            handle.remove()
+            for handle in handles:
+                handle.remove()
+
+
+def _adding(extra: dict[str, Any]) -> Any:
+    def hand(module: Any, args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        return args, {**kwargs, **extra}
+
+    return hand
 
 
 NO_EXTRA = StepInputs(None, None)
@@ -88,22 +95,18 @@ class VisionStep:
                 positions.append(self._positions(seq, mm, start, n))
             row += n
         if not any_mm:
-            return StepInputs(None, None)
-        embeds = deepstack = None
+            return NO_EXTRA
+        embeds = base = language = None
         if wanted:
             embeds = self.model.get_input_embeddings()(input_ids.unsqueeze(0))
             rows, features = self._rows(wanted, input_ids.device)
-            width = embeds.shape[-1]
+            width = embeds.shape[-1]  # a family's rows may carry more columns than the embeddings (deepstack)
             embeds[0].index_copy_(0, rows, features[:, :width].to(embeds.dtype))
-            if self.family.deepstack:
-                mask = torch.zeros_like(input_ids, dtype=torch.bool)
-                mask[rows] = True
-                layers = features[torch.argsort(rows), width:].to(embeds.dtype)
-                deepstack = (mask.unsqueeze(0), list(torch.split(layers, width, dim=-1)))
+            base, language = self.family.forward_kwargs(self.model, input_ids, rows, features, embeds)
         mrope = None
         if positions is not None:
             mrope = torch.from_numpy(np.concatenate(positions, axis=1)).unsqueeze(1).to(input_ids.device)
-        return StepInputs(embeds, mrope, deepstack)
+        return StepInputs(embeds, mrope, base, language)
 
     def _rows(
         self, wanted: list[tuple[int, int, int, ImageInput]], device: torch.device
