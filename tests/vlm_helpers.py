@@ -146,7 +146,7 @@ def hf_greedy(
     model: Any, processor: Any, messages: list[dict[str, Any]], images: list[Any], new_tokens: int
 ) -> tuple[list[int], torch.Tensor, list[int]]:
     """``generate(do_sample=False)`` on the conversation: its tokens, each step's log-softmax, the prompt's ids."""
-    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    text = processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)  # as served
     inputs = processor(text=[text], images=images, return_tensors="pt", add_special_tokens=False)
     out = model.generate(
         **inputs, max_new_tokens=new_tokens, do_sample=False, output_logits=True, return_dict_in_generate=True,
@@ -165,29 +165,229 @@ IDEFICS3_TEMPLATE = (
 )
 
 
-def idefics3(path: Path) -> Path:
-    """Idefics3 (SmolVLM's family): pictures split into tiles, each tile's placeholders a run of their own."""
-    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3VisionConfig, LlamaConfig
-    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+def idefics3(path: Path, smolvlm: bool = False) -> Path:
+    """Idefics3 (and SmolVLM, its successor with the same layout): pictures split into tiles, each tile's
+    placeholders a run of their own."""
+    from transformers import LlamaConfig
+
+    if smolvlm:
+        from transformers import SmolVLMConfig as Config
+        from transformers import SmolVLMForConditionalGeneration as Model
+        from transformers import SmolVLMVisionConfig as VisionConfig
+        from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil as Pil
+    else:
+        from transformers import Idefics3Config as Config  # type: ignore[assignment]
+        from transformers import Idefics3ForConditionalGeneration as Model  # type: ignore[assignment]
+        from transformers import Idefics3VisionConfig as VisionConfig  # type: ignore[assignment]
+        from transformers.models.idefics3.image_processing_pil_idefics3 import (  # type: ignore[assignment]
+            Idefics3ImageProcessorPil as Pil,
+        )
 
     specials = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>", "<|im_start|>"]
     specials += [f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)]
     tok = byte_tokenizer(specials, IDEFICS3_TEMPLATE)
-    vision = Idefics3VisionConfig(
+    vision = VisionConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=56, patch_size=14
     )
-    config = Idefics3Config(
+    config = Config(
         vision_config=vision.to_dict(),
         text_config=LlamaConfig(**TEXT, vocab_size=len(tok)).to_dict(),
         image_token_id=tok.convert_tokens_to_ids("<image>"),
         scale_factor=2,
     )
     torch.manual_seed(0)
-    model = Idefics3ForConditionalGeneration(config).float()
-    ip = Idefics3ImageProcessorPil(
-        size={"longest_edge": 112}, max_image_size={"longest_edge": 56}, do_image_splitting=True
-    )
-    return _save(path, model, tok, ip, {"processor_class": "Idefics3Processor", "image_seq_len": 4})
+    model = Model(config).float()
+    ip = Pil(size={"longest_edge": 112}, max_image_size={"longest_edge": 56}, do_image_splitting=True)
+    name = "SmolVLMProcessor" if smolvlm else "Idefics3Processor"
+    return _save(path, model, tok, ip, {"processor_class": name, "image_seq_len": 4})
 
 
+def smolvlm(path: Path) -> Path:
+    return idefics3(path, smolvlm=True)
+
+
+BUILDERS["smolvlm"] = smolvlm
 BUILDERS["idefics3"] = idefics3
+
+
+def qwen3_vl(path: Path) -> Path:
+    """Qwen3-VL: Qwen2.5-VL's dynamic resolution and M-RoPE (interleaved), plus deepstack: the vision tower's
+    intermediate features added to the first decoder layers' outputs at the image positions."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tok = byte_tokenizer(QWEN_SPECIALS, QWEN_TEMPLATE)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3], "mrope_interleaved": True}
+    config = Qwen3VLConfig(
+        text_config={**TEXT, "head_dim": 16, "vocab_size": len(tok), "rope_parameters": rope},
+        vision_config={
+            "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+            "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2, "num_position_embeddings": 16,
+            "deepstack_visual_indexes": [0, 1],
+        },
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen3VLForConditionalGeneration(config).float()
+    pixels = {"shortest_edge": 32 * 32 * 4, "longest_edge": 32 * 32 * 16}
+    ip = Qwen2VLImageProcessorPil(size=pixels, patch_size=16, merge_size=2, temporal_patch_size=2)
+    return _save(path, model, tok, ip, {"processor_class": "Qwen3VLProcessor"})
+
+
+BUILDERS["qwen3_vl"] = qwen3_vl
+
+
+MISTRAL_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'user' %}[INST]{% if message['content'] is string %}"
+    "{{ message['content'] }}{% else %}{% for content in message['content'] %}" + _IMAGE_PART + "[IMG]"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}[/INST]"
+    "{% else %}{{ message['content'] }}{% endif %}{% endfor %}"
+)
+
+
+def mistral3(path: Path) -> Path:
+    """Mistral 3 (Pixtral's vision tower): each picture at its own size, its rows of placeholders ending in
+    ``[IMG_BREAK]`` and the last in ``[IMG_END]``; a patch merger before the projector."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig, PixtralVisionConfig
+    from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+
+    tok = byte_tokenizer(["[INST]", "[/INST]", "[IMG]", "[IMG_BREAK]", "[IMG_END]"], MISTRAL_TEMPLATE)
+    vision = PixtralVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=112,
+        patch_size=14, head_dim=16,
+    )  # fmt: skip
+    config = Mistral3Config(
+        vision_config=vision,
+        text_config=MistralConfig(**TEXT, vocab_size=len(tok), head_dim=16),
+        image_token_index=tok.convert_tokens_to_ids("[IMG]"),
+        spatial_merge_size=2,
+        vision_feature_layer=-1,
+    )
+    torch.manual_seed(0)
+    model = Mistral3ForConditionalGeneration(config).float()
+    ip = PixtralImageProcessorPil(size={"longest_edge": 112}, patch_size=14)
+    processor = {"processor_class": "PixtralProcessor", "patch_size": 14, "spatial_merge_size": 2}
+    return _save(path, model, tok, ip, processor)
+
+
+BUILDERS["mistral3"] = mistral3
+
+
+def qwen3_5(path: Path) -> Path:
+    """Qwen3.5's ConditionalGeneration: Qwen3-VL's tower without deepstack, M-RoPE, and the hybrid text model
+    (Gated DeltaNet layers beside full attention: the engine's state cache)."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tok = byte_tokenizer(QWEN_SPECIALS, QWEN_TEMPLATE)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
+    rope = {
+        "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1], "mrope_interleaved": True,
+        "partial_rotary_factor": 0.5,
+    }  # fmt: skip
+    gdn = {
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4, "head_dim": 16, "layer_types": ["linear_attention", "full_attention"],
+    }  # fmt: skip
+    config = Qwen3_5Config(
+        text_config={**TEXT, **gdn, "vocab_size": len(tok), "rope_parameters": rope},
+        vision_config={
+            "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+            "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2, "num_position_embeddings": 16,
+        },
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen3_5ForConditionalGeneration(config).float()
+    pixels = {"shortest_edge": 32 * 32 * 4, "longest_edge": 32 * 32 * 16}
+    ip = Qwen2VLImageProcessorPil(size=pixels, patch_size=16, merge_size=2, temporal_patch_size=2)
+    return _save(path, model, tok, ip, {"processor_class": "Qwen3VLProcessor"})
+
+
+BUILDERS["qwen3_5"] = qwen3_5
+
+
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<start_of_turn>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for content in message['content'] %}"
+    + _IMAGE_PART
+    + "<start_of_image>{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def gemma3(path: Path) -> Path:
+    """Gemma 3: each picture's 4 image tokens (pooled SigLIP patches) between ``<start_of_image>`` and
+    ``<end_of_image>``, attending to each other both ways; sliding-window and global layers."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    specials = ["<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+    tok = byte_tokenizer(specials, GEMMA3_TEMPLATE)
+    named = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+    tok._set_model_specific_special_tokens(special_tokens=named)  # saved as the real tokenizer's named tokens
+    ids = {t: tok.convert_tokens_to_ids(t) for t in specials}
+    text = Gemma3TextConfig(
+        **{**TEXT, "num_hidden_layers": 2}, head_dim=16, vocab_size=len(tok), sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16,
+    )  # fmt: skip
+    vision = SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=56, patch_size=14
+    )
+    config = Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, boi_token_index=ids["<start_of_image>"],
+        eoi_token_index=ids["<end_of_image>"], image_token_index=ids["<image_soft_token>"],
+        tie_word_embeddings=False,  # the output scaled for clear greedy margins, not the input (Gemma scales it)
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(config).float()
+    with torch.no_grad():  # initialised to zeros: every picture would be the same
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0, 0.5)
+    ip = Gemma3ImageProcessorPil(size={"height": 56, "width": 56})
+    return _save(path, model, tok, ip, {"processor_class": "Gemma3Processor", "image_seq_length": 4})
+
+
+BUILDERS["gemma3"] = gemma3
+
+
+def gemma4(path: Path) -> Path:
+    """Gemma 4's ConditionalGeneration: pictures at their aspect ratio (up to 70 pooled tokens each, padding patches
+    at ``(-1, -1)``), per-layer inputs from the token ids, image tokens attending both ways on sliding layers."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    specials = ["<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+    template = GEMMA3_TEMPLATE.replace("<start_of_image>{%", "<image_soft_token>{%")  # the marker: the image token
+    audio = {"boa_token": "<start_of_audio>", "eoa_token": "<end_of_audio>", "audio_token": "<audio_soft_token>"}
+    tok = byte_tokenizer([*specials, "<|video|>", *audio.values()], template)
+    named = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+    tok._set_model_specific_special_tokens(special_tokens={**named, **audio})  # its processor asks for all six
+    ids = {t: tok.convert_tokens_to_ids(t) for t in [*specials, "<|video|>", *audio.values()]}
+    text = {
+        **TEXT, "head_dim": 16, "global_head_dim": 16, "vocab_size": len(tok), "sliding_window": 8,
+        "num_hidden_layers": 3, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "hidden_size_per_layer_input": 8,
+        "vocab_size_per_layer_input": len(tok), "use_bidirectional_attention": "vision",
+        "pad_token_id": tok.pad_token_id, "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
+    }  # fmt: skip
+    vision = {
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "num_key_value_heads": 2, "head_dim": 16, "patch_size": 4, "pooling_kernel_size": 2,
+        "position_embedding_size": 64,
+    }  # fmt: skip
+    config = Gemma4Config(
+        text_config=text, vision_config=vision, audio_config=None, boi_token_id=ids["<start_of_image>"],
+        eoi_token_id=ids["<end_of_image>"], image_token_id=ids["<image_soft_token>"], video_token_id=ids["<|video|>"],
+        boa_token_id=ids["<start_of_audio>"], eoa_token_index=ids["<end_of_audio>"],
+        audio_token_id=ids["<audio_soft_token>"], tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Gemma4ForConditionalGeneration(config).float()
+    ip = Gemma4ImageProcessorPil(patch_size=4, pooling_kernel_size=2, max_soft_tokens=70)
+    return _save(path, model, tok, ip, {"processor_class": "Gemma4Processor", "image_seq_length": 70})
+
+
+BUILDERS["gemma4"] = gemma4

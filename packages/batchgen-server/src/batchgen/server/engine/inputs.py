@@ -136,7 +136,8 @@ class InputBuffers:
                 spans.append(PromptSpan(seq, start + 1, scored))
                 prompt_index += range(len(sample_rows), len(sample_rows) + scored)
                 sample_rows += range(row, row + scored)
-            seqs.append(SeqSlice(row, n, start, seq.table_row))
+            mm = seq.state.request.multimodal if n > 1 else None
+            seqs.append(SeqSlice(row, n, start, seq.table_row, mm.spans_in(start, end) if mm is not None else ()))
             first_blocks.append(start // bs)
             token_indices.append(length)
             if n == 1:  # a decode: scalars are cheaper than numpy calls (and the list than the array)

@@ -40,7 +40,7 @@ from .kv_cache import KVCache, LayerShape
 from .launched import Launched
 from .loader import input_embeddings
 from .lora import LoRASlots, build_slots, detach
-from .multimodal.vision_step import StepInputs, VisionStep, attention_for, vision_step_for
+from .multimodal.vision_step import NO_EXTRA, StepInputs, VisionStep, attention_for, both_ways_refused, vision_step_for
 from .prompt_logprobs import PromptLogprobs
 from .quantization import kv_cache_dtype
 from .reach import compression
@@ -141,6 +141,8 @@ class ModelRunner:
             self.states = States(state_layers, sizes, self.block_size, interval)
         self.vision: VisionStep | None = vision_step_for(model, config.encoder_cache_mib * 2**20)
         """A vision-language model's vision step (``multimodal/``): its steps may run on embeddings."""
+        if self.vision is not None and self.vision.family.bidirectional:
+            both_ways_refused(self.architecture, config)
         self.group = group
         distributed = config.tensor_parallel_size > 1
         if distributed:  # each rank holds its heads' share of the same blocks: as many as the fullest rank has room for
@@ -365,7 +367,7 @@ class ModelRunner:
     ) -> StepOutput:
         step = PagedStep(
             self.cache, backend or self.backend, packed.seqs, packed.block_tables, packed.slots, self.device,
-            packed.states,
+            packed.states, spans_on_sliding_only=self.vision is not None and self.vision.family.sliding_only,
         )  # fmt: skip
         if packed.states is not None:
             packed.states.layers_run = 0
@@ -382,7 +384,7 @@ class ModelRunner:
         # lives for this forward only (the model may be shared with other engines).
         handle = self.model.base_model.register_forward_hook(keep_hidden) if want_hidden else None
         try:
-            with active(step):
+            with active(step), (extra or NO_EXTRA).around(self.model):
                 # A vision-language step with images runs on embeddings (their rows in place: ``multimodal/``).
                 tokens: dict[str, torch.Tensor] = {"input_ids": packed.input_ids.unsqueeze(0)}
                 positions = packed.positions.unsqueeze(0)

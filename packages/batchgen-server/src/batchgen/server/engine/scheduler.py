@@ -90,7 +90,7 @@ class Scheduler:
             if not seq.num_uncomputed:  # its last token is being sampled: it only waits for its step to be read
                 kept.append(seq)
                 continue
-            num_tokens = min(seq.num_uncomputed, budget)
+            num_tokens = _chunk(seq, min(seq.num_uncomputed, budget))
             if self.block_manager.blocks_needed(seq, num_tokens):  # else a decode within its last block: common
                 while not self.block_manager.can_allocate(seq, num_tokens) and queue:
                     self._preempt(queue.pop())
@@ -118,12 +118,12 @@ class Scheduler:
             request = seq.state.request
             reads_cache = self.pooled_from_last if request.task == "embed" else not seq.state.wants_prompt_logprobs(seq)
             cached = self.block_manager.match_prefix(seq) if reads_cache else 0
-            num_tokens = min(seq.num_uncomputed, budget)
+            num_tokens = _chunk(seq, min(seq.num_uncomputed, budget))
             while not self.block_manager.can_allocate(seq, num_tokens):
                 if not _is_interactive(seq) or (refund := self._preempt_batch(scheduled)) is None:
                     break
                 budget += refund
-                num_tokens = min(seq.num_uncomputed, budget)
+                num_tokens = _chunk(seq, min(seq.num_uncomputed, budget))
             if not self.block_manager.can_allocate(seq, num_tokens):
                 self.block_manager.free_seq(seq)  # a waiting sequence holds no blocks
                 break
@@ -229,3 +229,9 @@ def _is_interactive(seq: Sequence) -> bool:
 
 def _is_batch(seq: Sequence) -> bool:
     return not seq.state.request.interactive
+
+
+def _chunk(seq: Sequence, num_tokens: int) -> int:
+    """``num_tokens`` of ``seq``, unless a prefill chunk would end inside an image whose tokens attend both ways."""
+    mm = seq.state.request.multimodal
+    return num_tokens if mm is None or not mm.spans else mm.chunk_tokens(seq.num_computed_tokens, num_tokens)

@@ -16,7 +16,7 @@ import torch
 from ..fast_paths import FastPath
 from ..transfer import indices, to_device
 from .decode import DecodeKernel, first_visible
-from .kernels import attend, causal_mask
+from .kernels import attend, both_ways, causal_mask
 from .layer import LayerAttention
 from .step import DecodeBlocks, PagedStep, SeqSlice
 from .varlen import PackedChunks, VarlenAttention
@@ -197,7 +197,9 @@ def _build_views(step: PagedStep, window: int | None, with_kernel: bool, with_pa
     bs, device = step.cache.block_size, step.device
     decodes = [s for s in step.seqs if s.num_tokens == 1]
     chunks = [s for s in step.seqs if s.num_tokens > 1]
-    packed = PackedChunks.build(step, chunks, window) if with_packed_chunks and chunks else None
+    # A chunk whose image tokens attend both ways needs its own mask: the step's chunks attend one by one.
+    together = with_packed_chunks and chunks and not any(s.spans for s in chunks)
+    packed = PackedChunks.build(step, chunks, window) if together else None
     if not decodes:
         return _Views(None, packed)
     rows = None if len(decodes) == len(step.seqs) else indices([s.row for s in decodes], device)
@@ -208,12 +210,18 @@ def _build_views(step: PagedStep, window: int | None, with_kernel: bool, with_pa
 
 def _chunk_view(step: PagedStep, seq: SeqSlice, window: int | None) -> _Chunk:
     start, end, bs, device = seq.row, seq.row + seq.num_tokens, step.cache.block_size, step.device
+    spans = seq.spans if window is not None or not step.spans_on_sliding_only else ()
     if seq.start == 0:
         own = None if window is None or window >= seq.num_tokens else causal_mask(seq.num_tokens, 0, window, device)
+        if spans:
+            own = both_ways(causal_mask(seq.num_tokens, 0, window, device), seq.start, spans, window)
         return _Chunk(start, end, None, own)
     first_block = first_visible(seq.start, window) // bs
     blocks = torch.from_numpy(step.blocks(seq, first_block))
-    mask = causal_mask(seq.num_tokens, seq.start, window, device)[:, first_block * bs :]
+    mask = causal_mask(seq.num_tokens, seq.start, window, device)
+    if spans:
+        mask = both_ways(mask, seq.start, spans, window)
+    mask = mask[:, first_block * bs :]
     width = len(blocks) * bs
     if mask.shape[1] < width:  # the last block is only partly filled: its tail is not visible
         mask = torch.nn.functional.pad(mask, (0, width - mask.shape[1]))

@@ -42,6 +42,23 @@ def attend(
     return torch.matmul(probs.to(value.dtype), value)
 
 
+def both_ways(
+    mask: torch.Tensor, first_query: int, spans: tuple[tuple[int, int], ...], window: int | None
+) -> torch.Tensor:
+    """``mask`` (``causal_mask``'s) with each span's queries also seeing the span's later keys, as transformers'
+    Gemma 3 masks do: OR(causal, same span), and under a window AND(window, OR(causal, same span))."""
+    mask = mask.clone()
+    for first, end in spans:
+        rows = slice(max(first, first_query) - first_query, end - first_query)
+        if window is None:
+            mask[rows, first:end] = True
+        else:
+            queries = torch.arange(max(first, first_query), end, device=mask.device).unsqueeze(1)
+            keys = torch.arange(first, end, device=mask.device).unsqueeze(0)
+            mask[rows, first:end] |= keys > queries - window
+    return mask
+
+
 def causal_mask(num_queries: int, first_query: int, window: int | None, device: torch.device) -> torch.Tensor:
     """``[num_queries, first_query + num_queries]``: query ``i`` (at position ``first_query + i``) sees keys at
     positions ``<= first_query + i`` and, with a window, ``> first_query + i - window``."""

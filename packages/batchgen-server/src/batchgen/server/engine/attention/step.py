@@ -36,6 +36,9 @@ class SeqSlice:
     """Position of the first new token: the sequence's tokens before it are already in the cache."""
     table_row: int
     """The sequence's row in the step's ``block_tables``."""
+    spans: tuple[tuple[int, int], ...] = ()
+    """Runs of positions ``[first, end)`` whose tokens also see each other's later keys (a prefill chunk over a
+    Gemma 3 image: ``multimodal/prompt.py``); each lies whole within the chunk and its context."""
 
     @property
     def end(self) -> int:
@@ -140,6 +143,8 @@ class PagedStep:
     device: torch.device
     states: StateLayers | None = None
     """Where the model has state layers (recurrent mixers, short convolutions): what they run in this step."""
+    spans_on_sliding_only: bool = False
+    """The sequences' ``spans`` hold on sliding-window layers only (Gemma 4; Gemma 3's on every layer)."""
     layers_attended: int = 0
     """Layers run so far in this forward: the next one's index in the cache (layers run in the order the probe
     found them; the runner checks that every one ran)."""

@@ -30,11 +30,19 @@ class EncoderCache:
         size = features.numel() * features.element_size()
         if size > self.budget or key in self._entries:
             return
+        if features.untyped_storage().nbytes() > size:
+            # A view of the whole batch's output (the towers split one tensor): kept as it is, it would hold every
+            # other image's rows in memory, uncounted, for as long as it stays.
+            features = features.clone()
         while self.bytes + size > self.budget:
             _, old = self._entries.popitem(last=False)
             self.bytes -= old.numel() * old.element_size()
         self._entries[key] = features
         self.bytes += size
+
+    def held_bytes(self) -> int:
+        """The memory the entries hold (their storages): ``bytes`` when no entry is a view of a larger tensor."""
+        return sum(features.untyped_storage().nbytes() for features in self._entries.values())
 
     def __len__(self) -> int:
         return len(self._entries)

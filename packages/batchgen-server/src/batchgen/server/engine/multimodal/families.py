@@ -18,6 +18,11 @@ class Family:
 
     name = "LLaVA"
     mrope = False
+    bidirectional = False
+    """Image tokens attend to each other both ways (Gemma 3): prefill chunks keep each run of them whole, and their
+    attention sees the whole run (``MultimodalPrompt.spans``)."""
+    sliding_only = False
+    """... on sliding-window layers only (Gemma 4)."""
 
     def counts(self, out: Mapping[str, Any], num_images: int, positions: np.ndarray, processor: Any) -> list[int]:
         """How many placeholder tokens (encoder output rows) each image takes (``positions``: the prompt's
@@ -39,6 +44,13 @@ class Family:
 
     def rope(self, model: Any, prompt: list[int], mm: Any) -> tuple[np.ndarray, int]:
         raise NotImplementedError
+
+    def forward_kwargs(
+        self, model: Any, input_ids: torch.Tensor, rows: torch.Tensor, features: torch.Tensor, embeds: torch.Tensor
+    ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """What the model's ``forward`` hands its base model and its language model besides the embeddings, for a
+        step whose packed ``rows`` hold the image ``features`` (``VisionStep.inputs``)."""
+        return None, None
 
 
 class Qwen2_5VL(Family):
@@ -81,14 +93,17 @@ class Qwen2_5VL(Family):
 
 
 class Idefics3(Family):
-    """Idefics3 (SmolVLM's family): each picture split into tiles plus a global view, each tile its run of
+    """Idefics3 and SmolVLM: each picture split into tiles plus a global view, each tile its run of
     placeholders; an image's tiles end with the run after its ``<global-img>`` token."""
 
     name = "Idefics3"
 
     def counts(self, out: Mapping[str, Any], num_images: int, positions: np.ndarray, processor: Any) -> list[int]:
         ids = out["input_ids"][0].numpy()
-        ends = np.flatnonzero(ids == processor.global_image_token_id) + processor.image_seq_len  # each image's last
+        global_id = getattr(processor, "global_image_token_id", None)  # Idefics3's; SmolVLM names only the token
+        if global_id is None:
+            global_id = processor.tokenizer.convert_tokens_to_ids(processor.global_image_token)
+        ends = np.flatnonzero(ids == global_id) + processor.image_seq_len  # each image's last
         counts: list[int] = np.diff(np.searchsorted(positions, ends, side="right"), prepend=0).tolist()
         return counts
 
@@ -118,7 +133,108 @@ class Idefics3(Family):
         return list(model.model.get_image_features(pixel_values=pixels, pixel_attention_mask=masks).pooler_output)
 
 
-FAMILIES: dict[str, type[Family]] = {"idefics3": Idefics3, "llava": Family, "qwen2_5_vl": Qwen2_5VL}
+class Qwen3VL(Qwen2_5VL):
+    """Qwen3-VL: Qwen2.5-VL's grids and M-RoPE, plus deepstack features (one ``[rows, hidden]`` per layer), which
+    each image's encoder output carries after its embedding columns and the language model adds to its first
+    decoder layers' outputs at the image's positions."""
+
+    name = "Qwen3-VL"
+
+    @torch.no_grad()
+    def encode(self, model: Any, images: Sequence[Mapping[str, Any]]) -> list[torch.Tensor]:
+        pixels = torch.cat([image["pixel_values"] for image in images]).to(model.device)
+        grids = torch.cat([image["image_grid_thw"] for image in images]).to(model.device)
+        out = model.model.get_image_features(pixels, grids)
+        # Each image's rows: its embeddings, then its deepstack features layer by layer, side by side.
+        return [torch.cat(rows, dim=-1) for rows in zip(out.pooler_output, *out.deepstack_features, strict=True)]
+
+    def forward_kwargs(
+        self, model: Any, input_ids: torch.Tensor, rows: torch.Tensor, features: torch.Tensor, embeds: torch.Tensor
+    ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """The image rows' mask and each deepstack layer's rows in position order, as ``Qwen3VLModel.forward``
+        hands them to its language model."""
+        mask = torch.zeros_like(input_ids, dtype=torch.bool)
+        mask[rows] = True
+        width = embeds.shape[-1]
+        layers = features[torch.argsort(rows), width:].to(embeds.dtype)
+        deepstack = list(torch.split(layers, width, dim=-1))
+        return None, {"visual_pos_masks": mask.unsqueeze(0), "deepstack_visual_embeds": deepstack}
+
+
+class Mistral3(Family):
+    """Mistral 3 (Pixtral's tower): each picture at its own size (``image_sizes``), a run of placeholders per row
+    of patches; a batch of pictures padded to the largest, which the tower crops back by their sizes."""
+
+    name = "Mistral 3"
+
+    def counts(self, out: Mapping[str, Any], num_images: int, positions: np.ndarray, processor: Any) -> list[int]:
+        patch = processor.patch_size * processor.spatial_merge_size
+        return [(h // patch) * (w // patch) for h, w in out["image_sizes"].tolist()]
+
+    def split(self, out: Mapping[str, Any], counts: list[int], processor: Any) -> list[dict[str, Any]]:
+        return [
+            {"pixel_values": out["pixel_values"][i : i + 1, :, :h, :w], "image_sizes": out["image_sizes"][i : i + 1]}
+            for i, (h, w) in enumerate(out["image_sizes"].tolist())
+        ]
+
+    @torch.no_grad()
+    def encode(self, model: Any, images: Sequence[Mapping[str, Any]]) -> list[torch.Tensor]:
+        height = max(image["pixel_values"].shape[2] for image in images)
+        width = max(image["pixel_values"].shape[3] for image in images)
+        pixels = torch.cat([
+            torch.nn.functional.pad(image["pixel_values"], (0, width - image["pixel_values"].shape[3],
+                                                            0, height - image["pixel_values"].shape[2]))
+            for image in images
+        ]).to(model.device, model.dtype)  # fmt: skip
+        sizes = torch.cat([image["image_sizes"] for image in images]).to(model.device)
+        return list(model.model.get_image_features(pixel_values=pixels, image_sizes=sizes).pooler_output)
+
+
+class Gemma3(Family):
+    """Gemma 3: LLaVA's shape (a fixed number of pooled tokens an image), its image tokens attending both ways."""
+
+    name = "Gemma 3"
+    bidirectional = True
+
+
+class Gemma4(Family):
+    """Gemma 4: each picture at its aspect ratio (its patches padded to the processor's budget at ``(-1, -1)``, its
+    pooled tokens as many as its real patches give), per-layer inputs from the token ids (an image's positions
+    read as padding), image tokens attending both ways on sliding layers where the config says ``vision``."""
+
+    name = "Gemma 4"
+
+    def counts(self, out: Mapping[str, Any], num_images: int, positions: np.ndarray, processor: Any) -> list[int]:
+        runs = np.split(positions, np.flatnonzero(np.diff(positions) != 1) + 1)  # each image between boi and eoi
+        return [len(run) for run in runs]
+
+    def split(self, out: Mapping[str, Any], counts: list[int], processor: Any) -> list[dict[str, Any]]:
+        return [
+            {"pixel_values": out["pixel_values"][i : i + 1], "image_position_ids": out["image_position_ids"][i : i + 1]}
+            for i in range(len(counts))
+        ]
+
+    @torch.no_grad()
+    def encode(self, model: Any, images: Sequence[Mapping[str, Any]]) -> list[torch.Tensor]:
+        pixels = torch.cat([image["pixel_values"] for image in images]).to(model.device, model.dtype)
+        where = torch.cat([image["image_position_ids"] for image in images]).to(model.device)
+        return list(model.model.get_image_features(pixels, where).pooler_output)
+
+    def forward_kwargs(
+        self, model: Any, input_ids: torch.Tensor, rows: torch.Tensor, features: torch.Tensor, embeds: torch.Tensor
+    ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """The per-layer inputs ``Gemma4Model.forward`` makes from the token ids, an image's read as padding."""
+        ids = input_ids.clone()
+        ids[rows] = model.config.get_text_config().pad_token_id
+        language = model.model.language_model
+        ids = ids.unsqueeze(0)
+        return {"per_layer_inputs": language.get_per_layer_inputs(ids, language.embed_tokens(ids))}, None
+
+
+FAMILIES: dict[str, type[Family]] = {
+    "gemma3": Gemma3, "gemma4": Gemma4, "idefics3": Idefics3, "llava": Family, "mistral3": Mistral3,
+    "qwen2_5_vl": Qwen2_5VL, "qwen3_5": Qwen2_5VL, "qwen3_vl": Qwen3VL, "smolvlm": Idefics3,
+}  # fmt: skip
 """The families the engine drives exactly (tests/engine/test_images.py checks each against ``generate``)."""
 
 
@@ -131,4 +247,6 @@ def family_of(config: Any) -> Family | None:
     vision: Any = config.vision_config
     if isinstance(family, Qwen2_5VL):
         family._merge_size = vision.spatial_merge_size
+    if isinstance(family, Gemma4):  # both ways only where the config asks for it, and only on sliding layers
+        family.bidirectional = family.sliding_only = config.get_text_config().use_bidirectional_attention == "vision"
     return family

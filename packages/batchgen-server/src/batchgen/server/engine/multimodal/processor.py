@@ -6,6 +6,7 @@ and the ``MultimodalPrompt`` an engine request carries."""
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import numpy as np
@@ -18,9 +19,12 @@ from transformers.models.auto.processing_auto import (
 
 from ..errors import ModelNotSupported
 from .families import FAMILIES, Family, family_of
+from .pixtral import PixtralPrompts
 from .prompt import ImageInput, MultimodalPrompt
 
 IMAGE_ONLY_ATTRIBUTES = ("image_processor", "tokenizer")
+TORCHVISION_ONLY = {"kimi_k25": "Kimi_K25ImageProcessor"}
+"""Families whose image processor transformers writes for torchvision alone (no Pillow backend)."""
 
 
 def is_vision_language(config: PretrainedConfig) -> bool:
@@ -32,6 +36,11 @@ def driven_family(config: PretrainedConfig, architecture: str) -> Family:
     """The family of a vision-language model the engine drives exactly; ``ModelNotSupported`` (one line) for
     another."""
     family = family_of(config)
+    if config.model_type in TORCHVISION_ONLY and importlib.util.find_spec("torchvision") is None:
+        raise ModelNotSupported(
+            architecture,
+            f"its image processor ({TORCHVISION_ONLY[config.model_type]}) needs torchvision, not installed",
+        )
     if family is None:
         raise ModelNotSupported(
             architecture,
@@ -60,16 +69,22 @@ class ImageProcessor:
     def __init__(self, path: str, tokenizer: Any, trust_remote_code: bool = False) -> None:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         self.family = driven_family(config, config.model_type)
-        cls = processor_class_from_name(PROCESSOR_MAPPING_NAMES[config.model_type])
-        processor_dict, kwargs = cls.get_processor_dict(path)
+        name = PROCESSOR_MAPPING_NAMES[config.model_type]
         try:
             image_processor = AutoImageProcessor.from_pretrained(path, backend="pil")  # type: ignore[no-untyped-call, unused-ignore]  # typed from transformers 5.25
         except (ImportError, ValueError):
             image_processor = AutoImageProcessor.from_pretrained(path)  # type: ignore[no-untyped-call, unused-ignore]  # typed from transformers 5.25
-        pieces = {"image_processor": image_processor, "tokenizer": tokenizer or AutoTokenizer.from_pretrained(path)}
-        args = [pieces.get(name) for name in cls.get_attributes()]
-        image_only: Any = _image_only(cls)
-        self.processor: Any = image_only.from_args_and_dict(args, processor_dict, **kwargs)
+        tokenizer = tokenizer or AutoTokenizer.from_pretrained(path)
+        self.processor: Any
+        if name == "PixtralProcessor":  # transformers' needs torchvision: the same expansion without it
+            self.processor = PixtralPrompts.from_pretrained(path, image_processor, tokenizer)
+        else:
+            cls = processor_class_from_name(name)
+            processor_dict, kwargs = cls.get_processor_dict(path)
+            pieces = {"image_processor": image_processor, "tokenizer": tokenizer}
+            args = [pieces.get(name) for name in cls.get_attributes()]
+            image_only: Any = _image_only(cls)
+            self.processor = image_only.from_args_and_dict(args, processor_dict, **kwargs)
         self.image_token_id: int = config.image_token_id
 
     def prompt_inputs(self, text: str, images: list[Any], keys: list[bytes]) -> tuple[list[int], MultimodalPrompt]:
@@ -84,4 +99,8 @@ class ImageProcessor:
         splits = np.split(positions, np.cumsum(counts)[:-1])
         pixels = self.family.split(out, counts, self.processor)
         items = tuple(ImageInput(key, where, pix) for key, where, pix in zip(keys, splits, pixels, strict=True))
-        return ids, MultimodalPrompt(items, self.family.extras(out))
+        spans: tuple[tuple[int, int], ...] = ()
+        if self.family.bidirectional:  # runs of placeholders, as transformers groups them (adjacent images: one)
+            breaks = np.flatnonzero(np.diff(positions) != 1) + 1
+            spans = tuple((int(run[0]), int(run[-1]) + 1) for run in np.split(positions, breaks))
+        return ids, MultimodalPrompt(items, self.family.extras(out), spans=spans)

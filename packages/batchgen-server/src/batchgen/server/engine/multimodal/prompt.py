@@ -37,6 +37,22 @@ class MultimodalPrompt:
     """``[3, prompt tokens]`` positions of an M-RoPE model (Qwen2/2.5/3-VL), set by the engine on first use."""
     mrope_delta: int = 0
     """A generated token at index ``i`` is at position ``i + mrope_delta`` on all three axes."""
+    spans: tuple[tuple[int, int], ...] = ()
+    """Families whose image tokens attend to each other both ways (Gemma 3): each run of placeholders ``[first,
+    end)``. A prefill chunk never ends inside one (``chunk_tokens``), so the run's queries see all its keys."""
+
+    def chunk_tokens(self, start: int, num_tokens: int) -> int:
+        """A chunk from ``start`` of up to ``num_tokens`` tokens, cut before a run it would end inside, or run on to
+        the run's end where it starts inside it (over the step's budget by at most one image)."""
+        end = start + num_tokens
+        for first, last in self.spans:
+            if first < end < last:
+                return first - start if first > start else last - start
+        return num_tokens
+
+    def spans_in(self, start: int, end: int) -> tuple[tuple[int, int], ...]:
+        """The runs with a query in ``[start, end)``."""
+        return tuple(span for span in self.spans if span[0] < end and span[1] > start)
 
     def block_keys(self, start: int, end: int) -> tuple[bytes, ...]:
         """The keys of the images with a placeholder in prompt positions ``[start, end)``: hashed into that KV

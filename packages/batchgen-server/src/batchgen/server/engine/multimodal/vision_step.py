@@ -5,7 +5,8 @@ models' 3-D positions. A chunk may start or end inside an image's placeholders: 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,37 @@ class StepInputs:
     """``[1, tokens, hidden]``: the packed row's embeddings, image rows in place; ``None``: the step has none."""
     positions: torch.Tensor | None
     """``[3, 1, tokens]`` M-RoPE positions; ``None``: the packed row's own."""
+    base: dict[str, Any] | None = None
+    """What the model's own ``forward`` would hand its base model besides embeddings (Gemma 4's per-layer
+    inputs), by family (``Family.forward_kwargs``)."""
+    language: dict[str, Any] | None = None
+    """What it would hand its language model (Qwen3-VL's deepstack rows and their mask)."""
+
+    @contextmanager
+    def around(self, model: Any) -> Iterator[None]:
+        """The model's forward with ``base`` and ``language`` handed on, for this forward only."""
+        handles = []
+        if self.base:
+            handles.append(model.model.register_forward_pre_hook(_adding(self.base), with_kwargs=True))
+        if self.language:
+            language = model.model.language_model
+            handles.append(language.register_forward_pre_hook(_adding(self.language), with_kwargs=True))
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+def _adding(extra: dict[str, Any]) -> Any:
+    def hand(module: Any, args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        return args, {**kwargs, **extra}
+
+    return hand
+
+
+NO_EXTRA = StepInputs(None, None)
+"""A step of a text model, or of a vision-language model with no image in it."""
 
 
 class VisionStep:
@@ -63,16 +95,18 @@ class VisionStep:
                 positions.append(self._positions(seq, mm, start, n))
             row += n
         if not any_mm:
-            return StepInputs(None, None)
-        embeds = None
+            return NO_EXTRA
+        embeds = base = language = None
         if wanted:
             embeds = self.model.get_input_embeddings()(input_ids.unsqueeze(0))
             rows, features = self._rows(wanted, input_ids.device)
-            embeds[0].index_copy_(0, rows, features.to(embeds.dtype))
+            width = embeds.shape[-1]  # a family's rows may carry more columns than the embeddings (deepstack)
+            embeds[0].index_copy_(0, rows, features[:, :width].to(embeds.dtype))
+            base, language = self.family.forward_kwargs(self.model, input_ids, rows, features, embeds)
         mrope = None
         if positions is not None:
             mrope = torch.from_numpy(np.concatenate(positions, axis=1)).unsqueeze(1).to(input_ids.device)
-        return StepInputs(embeds, mrope)
+        return StepInputs(embeds, mrope, base, language)
 
     def _rows(
         self, wanted: list[tuple[int, int, int, ImageInput]], device: torch.device
@@ -122,6 +156,19 @@ class VisionStep:
         if start < prompt:
             out[:, : prompt - start] = mm.mrope[:, start:]
         return out
+
+
+def both_ways_refused(architecture: str, config: Any) -> None:
+    """Image tokens attending both ways (``MultimodalPrompt.spans``) are masked by the gather backend on one rank;
+    ``ModelNotSupported`` where the engine would run them otherwise."""
+    from ..errors import ModelNotSupported
+
+    if config.attention_backend == "flex" or config.tensor_parallel_size > 1:
+        raise ModelNotSupported(
+            architecture,
+            "its image tokens attend to each other both ways, which only --attention-backend gather on one rank "
+            "masks (no flex, no --tensor-parallel-size)",
+        )
 
 
 def vision_step_for(model: Any, cache_bytes: int) -> VisionStep | None:
