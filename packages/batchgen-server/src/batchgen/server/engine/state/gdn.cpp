@@ -5,8 +5,8 @@
 // A segment is rows [first, end) of the packed row continuing the state in slot `slot` (from zero where `fresh`),
 // then, where `checkpoint` >= 0, copied to that slot (a prefix checkpoint at the piece's end). Decodes are segments of
 // one row; a prompt chunk cut at its checkpoints is several, in order. The math is transformers' torch functions'
-// (modeling_qwen3_5.py): `causal_conv1d_update` over the kept columns then SiLU, and `torch_recurrent_gated_delta_rule`
-// token by token (its l2-normalised query and key, the query scaled by 1/sqrt(dk), state decayed by exp(g), the delta
+// (modeling_qwen3_5.py): `causal_conv1d_update` over the kept columns (its SiLU left to the caller), and
+// `torch_recurrent_gated_delta_rule` token by token (its l2-normalised query and key, the query scaled by 1/sqrt(dk), state decayed by exp(g), the delta
 // rule's write scaled by beta), in float32 as it computes. Token by token rather than transformers' 64-token chunks:
 // the state of one head (dk x dv floats) stays in the L1 cache across a prompt, and a token costs about 4 dk dv
 // multiply-adds either way. Registered as batchgen::gdn_conv and batchgen::gdn_rule (native.py builds them).
@@ -47,34 +47,51 @@ std::vector<Segment> segments_of(const at::Tensor& segments, int64_t rows, int64
     return out;
 }
 
-inline float silu(float x) { return x / (1.f + std::exp(-x)); }
-
+// Channels [c0, c1) of every segment: a token's window is the kernel's last inputs, the rows before it in its segment
+// or, for its first kernel - 1 tokens, the columns its slot kept (zeros where it starts fresh). Tokens outer, channels
+// inner (the weight transposed to [K, C]): the rows are read in order and the inner loop vectorises.
 template <typename T>
-void conv_channels(const T* x, T* state, const float* weight, const float* bias, T* out,
+void conv_channels(const T* x, T* state, const float* weight_t, const float* bias, T* out,
                    const std::vector<Segment>& segments, int64_t channels, int64_t kernel, int64_t c0, int64_t c1) {
-    float window[MAX_KERNEL];
-    for (int64_t c = c0; c < c1; ++c) {
-        const float* w = weight + c * kernel;
-        const float b = bias ? bias[c] : 0.f;
-        for (const Segment& s : segments) {
-            T* kept = state + (s.slot * channels + c) * kernel;
-            for (int64_t j = 0; j < kernel; ++j) window[j] = s.fresh ? 0.f : static_cast<float>(kept[j]);
-            for (int64_t t = s.first; t < s.end; ++t) {
-                for (int64_t j = 0; j + 1 < kernel; ++j) window[j] = window[j + 1];
-                window[kernel - 1] = static_cast<float>(x[t * channels + c]);
-                float acc = b;
-                for (int64_t j = 0; j < kernel; ++j) acc += w[j] * window[j];
-                out[t * channels + c] = static_cast<T>(silu(acc));
+    std::vector<float> sums(c1 - c0);
+    float* __restrict acc = sums.data() - c0;
+    for (const Segment& s : segments) {
+        T* kept = state + s.slot * channels * kernel;
+        for (int64_t t = s.first; t < s.end; ++t) {
+            for (int64_t c = c0; c < c1; ++c) acc[c] = bias ? bias[c] : 0.f;
+            for (int64_t j = 0; j < kernel; ++j) {
+                const int64_t r = t - (kernel - 1) + j;
+                const float* __restrict w = weight_t + j * channels;
+                if (r >= s.first) {
+                    const T* __restrict row = x + r * channels;
+                    for (int64_t c = c0; c < c1; ++c) acc[c] += w[c] * static_cast<float>(row[c]);
+                } else if (!s.fresh) {  // the kept column of row r: the last is the row before the segment
+                    const T* column = kept + kernel - (s.first - r);
+                    for (int64_t c = c0; c < c1; ++c) acc[c] += w[c] * static_cast<float>(column[c * kernel]);
+                }
             }
-            for (int64_t j = 0; j < kernel; ++j) kept[j] = static_cast<T>(window[j]);
-            if (s.checkpoint >= 0)
-                std::memcpy(state + (s.checkpoint * channels + c) * kernel, kept, kernel * sizeof(T));
+            for (int64_t c = c0; c < c1; ++c) out[t * channels + c] = static_cast<T>(acc[c]);
         }
+        // The slot keeps the last `kernel` inputs: column j is row end - kernel + j, or (before the segment) the kept
+        // column j + rows, which this loop has not yet overwritten (it writes column j after reading j + rows > j).
+        const int64_t rows = s.end - s.first;
+        for (int64_t j = 0; j < kernel; ++j) {
+            const int64_t r = s.end - kernel + j;
+            if (r >= s.first)
+                for (int64_t c = c0; c < c1; ++c) kept[c * kernel + j] = x[r * channels + c];
+            else
+                for (int64_t c = c0; c < c1; ++c)
+                    kept[c * kernel + j] = s.fresh ? static_cast<T>(0.f) : kept[c * kernel + j + rows];
+        }
+        if (s.checkpoint >= 0)
+            std::memcpy(state + (s.checkpoint * channels + c0) * kernel, kept + c0 * kernel,
+                        (c1 - c0) * kernel * sizeof(T));
     }
 }
 
 // x [T, C] (the projected q, k, v before the convolution), state [slots, C, K] of x's dtype, weight [C, K] float32,
-// bias [C] float32 or none. Returns SiLU(conv) [T, C] in x's dtype; each segment's slot keeps its last K inputs.
+// bias [C] float32 or none. Returns the convolution [T, C] in x's dtype, before its activation (the caller applies
+// it, as transformers does, to the rounded output); each segment's slot keeps its last K inputs.
 at::Tensor gdn_conv(const at::Tensor& x, const at::Tensor& state, const at::Tensor& weight,
                     const std::optional<at::Tensor>& bias, const at::Tensor& segments) {
     const char* op = "batchgen::gdn_conv";
@@ -93,13 +110,16 @@ at::Tensor gdn_conv(const at::Tensor& x, const at::Tensor& state, const at::Tens
     const std::vector<Segment> segs = segments_of(segments, rows, state.size(0), op);
     at::Tensor out = at::zeros_like(x);
     const float* b = bias ? bias->const_data_ptr<float>() : nullptr;
+    std::vector<float> weight_t(kernel * channels);
+    const float* w = weight.const_data_ptr<float>();
+    for (int64_t c = 0; c < channels; ++c)
+        for (int64_t j = 0; j < kernel; ++j) weight_t[j * channels + c] = w[c * kernel + j];
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gdn_conv", [&] {
         const scalar_t* xs = x.const_data_ptr<scalar_t>();
         scalar_t* st = state.mutable_data_ptr<scalar_t>();
         scalar_t* os = out.mutable_data_ptr<scalar_t>();
-        const float* w = weight.const_data_ptr<float>();
-        at::parallel_for(0, channels, 64, [&](int64_t c0, int64_t c1) {
-            conv_channels(xs, st, w, b, os, segs, channels, kernel, c0, c1);
+        at::parallel_for(0, channels, 256, [&](int64_t c0, int64_t c1) {
+            conv_channels(xs, st, weight_t.data(), b, os, segs, channels, kernel, c0, c1);
         });
     });
     return out;

@@ -55,7 +55,7 @@ class GatedDeltaNet:
         qkv, z, b, a = self._project(hidden)
         weight = m.conv1d.weight.squeeze(1).float().contiguous()
         bias = None if m.conv1d.bias is None else m.conv1d.bias.float().contiguous()
-        qkv = torch.ops.batchgen.gdn_conv(qkv.contiguous(), self.conv, weight, bias, segments)
+        qkv = F.silu(torch.ops.batchgen.gdn_conv(qkv.contiguous(), self.conv, weight, bias, segments))
         query, key, value = torch.split(qkv.float(), [m.key_dim, m.key_dim, m.value_dim], dim=-1)
         beta = b.sigmoid().float()
         g = -m.A_log.float().exp() * F.softplus(a.float() + m.dt_bias)
