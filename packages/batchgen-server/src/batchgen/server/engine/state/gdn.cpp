@@ -11,12 +11,9 @@
 // the state of one head (dk x dv floats) stays in the L1 cache across a prompt, and a token costs about 4 dk dv
 // multiply-adds either way. Registered as batchgen::gdn_conv and batchgen::gdn_rule (native.py builds them).
 
-#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
-#include <ATen/ops/zeros_like.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -108,20 +105,27 @@ at::Tensor gdn_conv(const at::Tensor& x, const at::Tensor& state, const at::Tens
         TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == channels, op,
                     ": bias float32 [C]");
     const std::vector<Segment> segs = segments_of(segments, rows, state.size(0), op);
-    at::Tensor out = at::zeros_like(x);
+    at::Tensor out = at::zeros(x.sizes(), x.options());
     const float* b = bias ? bias->const_data_ptr<float>() : nullptr;
     std::vector<float> weight_t(kernel * channels);
     const float* w = weight.const_data_ptr<float>();
     for (int64_t c = 0; c < channels; ++c)
         for (int64_t j = 0; j < kernel; ++j) weight_t[j * channels + c] = w[c * kernel + j];
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gdn_conv", [&] {
-        const scalar_t* xs = x.const_data_ptr<scalar_t>();
-        scalar_t* st = state.mutable_data_ptr<scalar_t>();
-        scalar_t* os = out.mutable_data_ptr<scalar_t>();
+    auto run = [&](auto zero) {  // x's dtype: float32, bfloat16 or float16
+        using T = decltype(zero);
+        const T* xs = static_cast<const T*>(x.const_data_ptr());
+        T* st = static_cast<T*>(state.mutable_data_ptr());
+        T* os = static_cast<T*>(out.mutable_data_ptr());
         at::parallel_for(0, channels, 256, [&](int64_t c0, int64_t c1) {
             conv_channels(xs, st, weight_t.data(), b, os, segs, channels, kernel, c0, c1);
         });
-    });
+    };
+    switch (x.scalar_type()) {
+        case at::kFloat: run(float{}); break;
+        case at::kBFloat16: run(c10::BFloat16{}); break;
+        case at::kHalf: run(c10::Half{}); break;
+        default: TORCH_CHECK(false, op, ": x of ", x.scalar_type(), " (float32, bfloat16 or float16)");
+    }
     return out;
 }
 
