@@ -42,14 +42,15 @@ def _random_states(conv: torch.Tensor, recurrent: torch.Tensor) -> None:
     recurrent.copy_(torch.randn(recurrent.shape, generator=generator) * 0.1)
 
 
-def test_the_delta_rule_is_transformers_on_every_segment() -> None:
+@pytest.mark.parametrize(("dk", "dv"), [(16, 16), (32, 64), (128, 128)])  # any; 64 and 128 compiled as constants
+def test_the_delta_rule_is_transformers_on_every_segment(dk: int, dv: int) -> None:
     """``gdn_rule`` against ``torch_chunk_gated_delta_rule`` (a prompt piece, from zero or from a state) and
     ``torch_recurrent_gated_delta_rule`` (a decode), two value heads a key head, in place on the cache."""
     torch.manual_seed(0)
-    rows, k_heads, v_heads, dim = SEGMENTS[-1][1], 2, 4, 16
-    q, k = torch.randn(rows, k_heads, dim), torch.randn(rows, k_heads, dim)
-    v, g, beta = torch.randn(rows, v_heads, dim), -torch.rand(rows, v_heads) * 2, torch.rand(rows, v_heads)
-    state = torch.randn(SLOTS, v_heads, dim, dim) * 0.1
+    rows, k_heads, v_heads = SEGMENTS[-1][1], 2, 4
+    q, k = torch.randn(rows, k_heads, dk), torch.randn(rows, k_heads, dk)
+    v, g, beta = torch.randn(rows, v_heads, dv), -torch.rand(rows, v_heads) * 2, torch.rand(rows, v_heads)
+    state = torch.randn(SLOTS, v_heads, dk, dv) * 0.1
     before = state.clone()
     out = torch.ops.batchgen.gdn_rule(q, k, v, g, beta, state, torch.tensor(SEGMENTS))
     expected = before.clone()

@@ -139,40 +139,46 @@ struct Heads {
     int64_t k_heads, v_heads, dk, dv;
 };
 
+// One value head over every segment. DV > 0: the value dimension as a constant (64, 128: the released layouts), so
+// that the compiler keeps a row's accumulators in vector registers across the state's rows; 0: any, read at run time.
+template <int DV>
 void rule_head(int64_t h, const float* q, const float* k, const float* v, const float* g, const float* beta,
                float* state, float* out, const std::vector<Segment>& segments, const Heads& s, float scale) {
-    const int64_t kh = h / (s.v_heads / s.k_heads), size = s.dk * s.dv;
-    std::vector<float> work(2 * s.dk + 3 * s.dv);
-    float *qn = work.data(), *kn = qn + s.dk, *kv = kn + s.dk, *delta = kv + s.dv, *o = delta + s.dv;
+    const int64_t dv = DV > 0 ? DV : s.dv, kh = h / (s.v_heads / s.k_heads), size = s.dk * dv;
+    std::vector<float> work(2 * s.dk + (DV > 0 ? 0 : 3 * dv));
+    float *qn = work.data(), *kn = qn + s.dk;
+    float fixed[DV > 0 ? 3 * DV : 1];
+    float* kv = DV > 0 ? fixed : kn + s.dk;
+    float *delta = kv + dv, *o = delta + dv;
     for (const Segment& seg : segments) {
         float* S = state + (seg.slot * s.v_heads + h) * size;
         if (seg.fresh) std::memset(S, 0, size * sizeof(float));
         for (int64_t t = seg.first; t < seg.end; ++t) {
             const float* qt = q + (t * s.k_heads + kh) * s.dk;
             const float* kt = k + (t * s.k_heads + kh) * s.dk;
-            const float* vt = v + (t * s.v_heads + h) * s.dv;
+            const float* vt = v + (t * s.v_heads + h) * dv;
             const float qs = inverse_norm(qt, s.dk) * scale, ks = inverse_norm(kt, s.dk);
             for (int64_t i = 0; i < s.dk; ++i) qn[i] = qt[i] * qs, kn[i] = kt[i] * ks;
             const float decay = std::exp(g[t * s.v_heads + h]), b = beta[t * s.v_heads + h];
-            for (int64_t j = 0; j < s.dv; ++j) kv[j] = 0.f;
+            for (int64_t j = 0; j < dv; ++j) kv[j] = 0.f;
             for (int64_t i = 0; i < s.dk; ++i) {  // decay the state; what it recalls for this key
-                float* __restrict row = S + i * s.dv;
+                float* __restrict row = S + i * dv;
                 const float ki = kn[i];
-                for (int64_t j = 0; j < s.dv; ++j) {
+                for (int64_t j = 0; j < dv; ++j) {
                     row[j] *= decay;
                     kv[j] += row[j] * ki;
                 }
             }
-            for (int64_t j = 0; j < s.dv; ++j) delta[j] = (vt[j] - kv[j]) * b, o[j] = 0.f;
+            for (int64_t j = 0; j < dv; ++j) delta[j] = (vt[j] - kv[j]) * b, o[j] = 0.f;
             for (int64_t i = 0; i < s.dk; ++i) {  // write the correction; read with the query
-                float* __restrict row = S + i * s.dv;
+                float* __restrict row = S + i * dv;
                 const float ki = kn[i], qi = qn[i];
-                for (int64_t j = 0; j < s.dv; ++j) {
+                for (int64_t j = 0; j < dv; ++j) {
                     row[j] += ki * delta[j];
                     o[j] += row[j] * qi;
                 }
             }
-            std::memcpy(out + (t * s.v_heads + h) * s.dv, o, s.dv * sizeof(float));
+            std::memcpy(out + (t * s.v_heads + h) * dv, o, dv * sizeof(float));
         }
         if (seg.checkpoint >= 0)
             std::memcpy(state + (seg.checkpoint * s.v_heads + h) * size, S, size * sizeof(float));
@@ -204,7 +210,11 @@ at::Tensor gdn_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
     const float *gs = g.const_data_ptr<float>(), *bs = beta.const_data_ptr<float>();
     float *st = state.mutable_data_ptr<float>(), *os = out.mutable_data_ptr<float>();
     at::parallel_for(0, s.v_heads, 1, [&](int64_t h0, int64_t h1) {
-        for (int64_t h = h0; h < h1; ++h) rule_head(h, qs, ks, vs, gs, bs, st, os, segs, s, scale);
+        for (int64_t h = h0; h < h1; ++h) {
+            if (s.dv == 64) rule_head<64>(h, qs, ks, vs, gs, bs, st, os, segs, s, scale);
+            else if (s.dv == 128) rule_head<128>(h, qs, ks, vs, gs, bs, st, os, segs, s, scale);
+            else rule_head<0>(h, qs, ks, vs, gs, bs, st, os, segs, s, scale);
+        }
     });
     return out;
 }
