@@ -8,7 +8,8 @@ own forward on the step's decodes (one batched call) and on each of its chunks (
 ``SlotCache`` over the sequences' slots, and writes each call's output into the packed row. So the math is the
 model's own, as ``generate`` runs it: its prefill path for a chunk that starts a sequence, its one-token path for a
 decode, and for a continuing chunk its multi-token path from the sequence's state (or, where that path ignores an
-initial state, its one-token path token by token: ``discovery.TOKEN_BY_TOKEN``).
+initial state, its one-token path token by token: ``discovery.TOKEN_BY_TOKEN``). The exception: Gated DeltaNet
+layers on CPU run ``gdn.py``'s step once on the whole row (a fast path, tested against the layer's own forward).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ A mixer cannot run the packed row in one call: its convolution and scan would ru
 takes its one-token path is decided per call. So every state layer runs its own forward once for all the step's
 decodes (a batch of sequences continuing by one token each, the one-token path ``generate`` decodes with) and once
 per other chunk (a prompt's chunk, alone: from no state where it starts the sequence, as ``generate`` prefills, else
-from its slot), cut at the checkpoints the chunk writes.
+from its slot), cut at the checkpoints the chunk writes. The Gated DeltaNet kernels (``gdn.py``) take the same
+pieces in one call, as ``segments``.
 """
 
 from __future__ import annotations
