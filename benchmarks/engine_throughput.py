@@ -33,10 +33,11 @@ prefix cache on and off.
 
 ``--family qwen3_5`` (or ``qwen3_next``: the same layers with Qwen3-Next's code, which vLLM's CPU build loads where
 its Qwen3.5 module does not): the model is Qwen3.5-shaped instead (the same sizes; three Gated DeltaNet linear-attention
-layers to one gated full-attention layer, as Qwen3.5 lays them out), and the engine's row on the same-size Llama is
-added; rows a system cannot run say so. Its second workload puts a 300-token system prompt before the questions, and
-counts the prompt tokens computed against the sum of the prompts and against what vLLM's rule would leave (its prefix
-hits are whole blocks of the size that holds one layer's state: 528 tokens for Qwen3.5-4B).
+layers to one gated full-attention layer, as Qwen3.5 lays them out), and the engine's rows on the same-size Llama and
+with its Gated DeltaNet kernels off (the layers' own forwards, one call per prompt chunk) are added; rows a system
+cannot run say so. Its second workload puts a 300-token system prompt before the questions, and counts the prompt
+tokens computed against the sum of the prompts and against what vLLM's rule would leave (its prefix hits are whole
+blocks of the size that holds one layer's state: 528 tokens for Qwen3.5-4B).
 """
 
 from __future__ import annotations
@@ -182,13 +183,18 @@ def run_engine(
     workload: list[tuple[list[int], int]],
     config: EngineConfig,
     loras: list[Any] | None = None,
+    kernels: bool = True,
 ) -> tuple[Row, Row, EngineStats, list[list[int]]]:
     """The engine's row, the raw-forward ceiling of the same run, the engine's final stats and every request's tokens;
-    request ``i`` runs with the LoRA adapter ``loras[i]`` where given (``benchmarks/lora.py``).
+    request ``i`` runs with the LoRA adapter ``loras[i]`` where given (``benchmarks/lora.py``). ``kernels=False``: the
+    state layers run their own forwards, as where the Gated DeltaNet kernels (``engine/state/gdn.py``) are off.
 
     The engine (and its KV cache) is released on return, so that the next system gets the memory back.
     """
     engine = LLMEngine(model, tokenizer, config, "bench")
+    if not kernels and engine.runner.states is not None:
+        mixers = engine.runner.states.mixers
+        mixers.fast = [None] * len(mixers.fast)
     check_engine(engine)  # as build_engine does: its steps compile the layers before the clock starts
     device = str(engine.runner.device)
     forward_wall = forward_cpu = 0.0
@@ -451,6 +457,9 @@ def main() -> None:
             runs.setdefault("engine", []).append(engine_row)
             ceilings[engine_row.cpu_seconds] = ceiling_row
             if llama is not None:
+                row, _, _, outputs["plain"] = run_engine(model, tokenizer, workload, config, kernels=False)
+                name = "batchgen engine, GDN kernels off"
+                runs.setdefault(name, []).append(dataclasses.replace(row, name="", note="the layers' own forwards"))
                 row = run_engine(llama, tokenizer, workload, config)[0]
                 runs.setdefault("batchgen engine, same-size Llama", []).append(dataclasses.replace(row, name=""))
             for eager in (False, True) if python is not None else ():
@@ -467,8 +476,9 @@ def main() -> None:
     rows = [engine_row, ceiling_row]
     for name, rounds in runs.items():
         row = dataclasses.replace(best_round(rounds), name=rounds[0].name or name)
-        if name in outputs:
-            row.note = f"{row.note}; {same_tokens(outputs['engine'], outputs[name])}"
+        if name in outputs or name.endswith("kernels off"):
+            theirs = outputs[name] if name in outputs else outputs["plain"]
+            row.note = f"{row.note}; {same_tokens(outputs['engine'], theirs)}"
         if len(rounds) > 1:
             row.note = f"{row.note}; {paired_ratios(engine_rounds, rounds)}"
         rows.append(row)

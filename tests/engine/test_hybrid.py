@@ -38,6 +38,8 @@ MAMBA2 = {
     "mamba_expand": 2,
     "mamba_chunk_size": 16,
 }
+GDN_KERNELS = {"qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"}
+"""The families whose Gated DeltaNet layers run the engine's CPU kernels (``state/gdn.py``), not the layer's forward."""
 LINEAR_FULL = {"num_hidden_layers": 4, "layer_types": ["linear_attention", "full_attention"] * 2}
 EXPERTS = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 
@@ -129,11 +131,16 @@ def family(
     yield path, Reference(path)
 
 
-def test_exact_with_chunks_forks_and_prefix_hits(family: tuple[Path, Reference], tokenizer: Any) -> None:
+def test_exact_with_chunks_forks_and_prefix_hits(
+    family: tuple[Path, Reference], tokenizer: Any, request: pytest.FixtureRequest
+) -> None:
     """Chunks of 16 on blocks of 8 (prompts continued at any offset), n = 2, and a second wave whose prompts extend a
     first-wave prompt: found from the state's checkpoint at that prompt's last block boundary."""
     path, reference = family
     engine = _engine(path, tokenizer, block_size=8, max_num_batched_tokens=16)
+    paths = dict(path.state() for path in engine.runner.paths)
+    assert ("Gated DeltaNet kernels" in paths) == (request.node.callspec.params["family"] in GDN_KERNELS), paths
+    assert paths.get("Gated DeltaNet kernels") is None  # on where it applies
     _check(engine, reference, n=2)
     stats = engine.stats()
     assert stats.state_bytes_per_seq > 0 and stats.state_checkpoints > 0

@@ -177,6 +177,7 @@ class ModelRunner:
             *(self.fast.paths if self.fast else []),
             *self.backend.paths,
             *([self.graph_path] if self.graphs else []),
+            *(self.states.mixers.paths if self.states else []),
         ]
         """Its fast paths (``fast_paths.py``): none for a model that runs eagerly."""
         self.vocab_size: int = model.config.get_text_config().vocab_size

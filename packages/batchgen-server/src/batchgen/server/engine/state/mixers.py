@@ -8,7 +8,8 @@ own forward on the step's decodes (one batched call) and on each of its chunks (
 ``SlotCache`` over the sequences' slots, and writes each call's output into the packed row. So the math is the
 model's own, as ``generate`` runs it: its prefill path for a chunk that starts a sequence, its one-token path for a
 decode, and for a continuing chunk its multi-token path from the sequence's state (or, where that path ignores an
-initial state, its one-token path token by token: ``discovery.TOKEN_BY_TOKEN``).
+initial state, its one-token path token by token: ``discovery.TOKEN_BY_TOKEN``). The exception: Gated DeltaNet
+layers on CPU run ``gdn.py``'s step once on the whole row (a fast path, tested against the layer's own forward).
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ from typing import Any, Protocol
 import torch
 
 from ..attention.step import PagedStep, current
+from ..fast_paths import FastPath
 from .cache import StateCache
 from .discovery import StateLayer
 from .facade import StateFacade, StateKey
+from .gdn import GatedDeltaNet, fast_path
 from .step import StateStep
 
 
@@ -71,6 +74,12 @@ class Mixers:
         self.token_rows = rows
         self.own: list[Callable[..., torch.Tensor]] = [_install(layer, index) for index, layer in enumerate(layers)]
         """Each layer's forward as it was before (its class's, or what accelerate laid over it)."""
+        found = [None if rows is not None else fast_path(layer, cache.tensors) for layer in layers]
+        self.fast = [step if isinstance(step, GatedDeltaNet) else None for step in found]
+        """Each layer's step over the whole packed row where it has one (``gdn.py``: Gated DeltaNet on CPU)."""
+        off = "; ".join(sorted({step for step in found if isinstance(step, str)})) or None
+        self.paths = [FastPath("Gated DeltaNet kernels", off)] if any(step is not None for step in found) else []
+        """The fast path, where the model has layers it is written for: on, or off with why (``fast_paths.py``)."""
 
     def bind(self, step: StateStep) -> StateRun:
         return StateRun(self, step)
@@ -94,6 +103,10 @@ class StateRun:
         index = self.layers_run
         mixers, step, layer = self.mixers, self.step, self.mixers.layers[index]
         cache, device = mixers.cache, hidden.device
+        self.layers_run += 1
+        # No plain retry on a failure: the kernels advance states in place, so a failed step is recomputed whole.
+        if (fast := mixers.fast[index]) is not None:
+            return fast.run(hidden, step.segments())
         out = hidden.new_empty(*hidden.shape[:-1], layer.out_features)
         if step.decode_rows:  # [decodes, 1, hidden]: the one-token path, batched
             rows, slots = step.index(step.decode_rows, device), step.index(step.decode_slots, device)
@@ -112,7 +125,6 @@ class StateRun:
                 facade.write_back()
                 if saved is not None:
                     cache.copy_layer(layer, chunk.slot, saved)
-        self.layers_run += 1
         return out
 
 

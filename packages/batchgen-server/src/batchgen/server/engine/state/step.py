@@ -4,7 +4,8 @@ A mixer cannot run the packed row in one call: its convolution and scan would ru
 takes its one-token path is decided per call. So every state layer runs its own forward once for all the step's
 decodes (a batch of sequences continuing by one token each, the one-token path ``generate`` decodes with) and once
 per other chunk (a prompt's chunk, alone: from no state where it starts the sequence, as ``generate`` prefills, else
-from its slot), cut at the checkpoints the chunk writes.
+from its slot), cut at the checkpoints the chunk writes. The Gated DeltaNet kernels (``gdn.py``) take the same
+pieces in one call, as ``segments``.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class StateStep:
     """(live slot, checkpoint slot): a decode that completes a checkpoint's block (a prompt's last token, say)."""
     chunks: list[StateChunk] = field(default_factory=list)
     _indices: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
+    _segments: torch.Tensor | None = None
 
     def add(self, row: int, num_tokens: int, start: int, slot: int, checkpoints: tuple[tuple[int, int], ...]) -> None:
         if num_tokens == 1 and start > 0:
@@ -64,3 +66,18 @@ class StateStep:
         if key not in self._indices:
             self._indices[key] = indices(values, device)
         return self._indices[key]
+
+    def segments(self) -> torch.Tensor:
+        """The step as ``gdn.cpp``'s segments, int64 ``[N, 5]`` on CPU, made once a step: (first row, end row, slot,
+        fresh, checkpoint slot or -1) for each decode, then each chunk's pieces in order."""
+        if self._segments is None:
+            saved = dict(self.decode_checkpoints)
+            decodes = zip(self.decode_rows, self.decode_slots, strict=True)
+            rows = [(row, row + 1, slot, 0, saved.get(slot, -1)) for row, slot in decodes]
+            for chunk in self.chunks:
+                for first, end, checkpoint in chunk.pieces():
+                    fresh = int(chunk.start + first == 0)
+                    at = chunk.row
+                    rows.append((at + first, at + end, chunk.slot, fresh, -1 if checkpoint is None else checkpoint))
+            self._segments = torch.tensor(rows, dtype=torch.int64).reshape(-1, 5)
+        return self._segments
