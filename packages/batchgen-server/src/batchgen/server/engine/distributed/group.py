@@ -45,7 +45,8 @@ class RankGroup:
 
     def __init__(self, config: EngineConfig, address: str) -> None:
         self.config = config
-        self.size = config.tensor_parallel_size
+        self.size = config.world_size
+        self.kind = kind_of(config)
         self.address = address
         self.processes: list[subprocess.Popen[bytes]] = []
         self.reports: list[IO[bytes]] = []
@@ -58,7 +59,7 @@ class RankGroup:
         the tokenizer. ``ModelLoadError`` in one line if any rank cannot start (the others are stopped)."""
         check_split(config, resolve_model_path(config.model))
         if dist.is_initialized():
-            raise ModelLoadError("--tensor-parallel-size: this process drives a group already (one per process)")
+            raise ModelLoadError("a distributed group: this process drives one already (one per process)")
         group = cls(config, f"127.0.0.1:{_free_port()}")
         atexit.register(group.stop)  # the ranks told to go when this process ends normally (their watchdog otherwise)
         with group.starting():
@@ -102,7 +103,7 @@ class RankGroup:
             self.stop()
             if isinstance(exc, ModelLoadError) and why is None:
                 raise
-            raise ModelLoadError(why or f"the tensor-parallel group could not start: {one_line(exc)}") from exc
+            raise ModelLoadError(why or f"the {self.kind} group could not start: {one_line(exc)}") from exc
 
     def _why_not_started(self, exc: BaseException) -> str | None:
         deadline = time.monotonic() + REPORT_WAIT_S
@@ -140,7 +141,7 @@ class RankGroup:
         while not (gone := self._gone()) and time.monotonic() < deadline:
             time.sleep(0.01)
         why = "; ".join(gone) if gone else one_line(exc)
-        return GroupFailed(f"the tensor-parallel group of {self.size} ranks failed: {why}")
+        return GroupFailed(f"the {self.kind} group of {self.size} ranks failed: {why}")
 
     def _gone(self) -> list[str]:
         return [
@@ -150,13 +151,13 @@ class RankGroup:
         ]
 
     def restarted(self, grammars: GrammarCompiler) -> ModelRunner:
-        logger.warning("restarting the tensor-parallel group of %d ranks", self.size)
+        logger.warning("restarting the %s group of %d ranks", self.kind, self.size)
         self.stop()
         began = time.monotonic()
         group, model, _ = RankGroup.start(self.config)
         with group.starting():
             runner = ModelRunner(model, self.config, grammars, group)
-        logger.warning("the tensor-parallel group is back after %.1f s", time.monotonic() - began)
+        logger.warning("the %s group is back after %.1f s", self.kind, time.monotonic() - began)
         return runner
 
     # ---- the end ---------------------------------------------------------------------------------------------------
@@ -180,6 +181,13 @@ class RankGroup:
         if dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
+
+
+def kind_of(config: EngineConfig) -> str:
+    """What the group splits, for messages: the TP ranks of each stage, or the stages, or both."""
+    if config.pipeline_parallel_size == 1:
+        return "tensor-parallel"
+    return "pipeline-parallel" if config.tensor_parallel_size == 1 else "tensor- and pipeline-parallel"
 
 
 def _exit(code: int | None) -> str:
