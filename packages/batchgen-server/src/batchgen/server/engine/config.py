@@ -183,8 +183,8 @@ class EngineConfig:
     )
     distributed_executor_backend: str = setting(
         "mp",
-        "how a group's worker ranks are started (vLLM's flag): mp, a process each on this node; ray, Ray actors in "
-        "a placement group (one bundle per rank, on the nodes of the Ray cluster --ray-address names)",
+        "how a group's worker ranks are started (vLLM's flag): mp, a process each on this node; ray, a Ray actor "
+        "each, placed by a placement group on the Ray cluster RAY_ADDRESS names (else a private local Ray)",
     )
     enable_expert_parallel: bool = setting(
         False,
