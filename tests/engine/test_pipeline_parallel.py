@@ -10,12 +10,14 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
-from test_architectures import NEW_TOKENS, Reference, _check, _prompts, _run
+from test_architectures import NEW_TOKENS, Reference, _check, _engine, _prompts, _run
 from test_tensor_parallel import config_of, llama
 from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
 
 from batchgen.server.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams, build_engine
+from batchgen.server.engine.demo_model import build_tokenizer
 from batchgen.server.engine.errors import GroupFailed, ModelNotSupported
 
 __all__ = ["llama"]  # the fixture, shared
@@ -46,6 +48,15 @@ def test_each_stage_holds_its_layers(staged: LLMEngine) -> None:
     assert isinstance(model.lm_head, PipelineIdentityLayer) and isinstance(model.model.norm, PipelineIdentityLayer)
     assert len(runner.cache.k) == 1 and runner.cache.k[0].shape[0] == 2  # its layer's cache, every KV head
     assert runner.group is not None and not runner.group.broken
+
+
+def test_an_embedding_is_the_last_stages(staged: LLMEngine, llama: Path) -> None:
+    """``/v1/embeddings`` on a generative model: the hidden states the last stage ends with, as one process's."""
+    prompt = list(_prompts()[2])
+    (split,) = _run(staged, [EngineRequest("e", prompt, task="embed")]).values()
+    (whole,) = _run(_engine(llama, build_tokenizer()), [EngineRequest("e", prompt, task="embed")]).values()
+    assert split.embedding is not None and whole.embedding is not None
+    assert np.abs(np.asarray(split.embedding) - np.asarray(whole.embedding)).max() < 1e-5
 
 
 def test_a_killed_stage_fails_the_group_which_comes_back_whole(staged: LLMEngine, llama: Path) -> None:
