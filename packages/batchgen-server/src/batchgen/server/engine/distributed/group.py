@@ -96,7 +96,7 @@ class RankGroup:
                 return f"rank {rank} of {self.size} could not start: {line}"
         for rank, process in enumerate(self.processes, start=1):
             if (ended := process.ended()) is not None:
-                return f"rank {rank} of {self.size} could not start: it exited with {ended}"
+                return f"rank {rank} of {self.size} could not start: it {ended}"
         return None
 
     # ---- StepMirror ------------------------------------------------------------------------------------------------
@@ -127,7 +127,7 @@ class RankGroup:
 
     def _gone(self) -> list[str]:
         return [
-            f"rank {rank} exited ({ended})"
+            f"rank {rank} {ended}"
             for rank, process in enumerate(self.processes, start=1)
             if (ended := process.ended()) is not None
         ]

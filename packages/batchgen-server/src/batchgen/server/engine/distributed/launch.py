@@ -24,7 +24,7 @@ class RankHandle(Protocol):
     """Its process on this node (``None``: an actor of Ray's, perhaps on another node)."""
 
     def ended(self) -> str | None:
-        """``None`` while it runs; else how it ended, e.g. ``signal 9`` (for messages)."""
+        """``None`` while it runs; else how it ended, for messages: ``exited (signal 9)``."""
         ...
 
     def start_failure(self, deadline: float) -> str | None:
@@ -96,7 +96,7 @@ class ProcessRank:
         code = self.process.poll()
         if code is None:
             return None
-        return f"signal {-code}" if code < 0 else f"code {code}"
+        return f"exited (signal {-code})" if code < 0 else f"exited (code {code})"
 
     def start_failure(self, deadline: float) -> str | None:
         with contextlib.suppress(OSError, ValueError):

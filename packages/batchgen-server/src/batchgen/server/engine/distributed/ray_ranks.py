@@ -106,8 +106,8 @@ class RayRank:
         try:
             ray.get(self.running)
         except RayError as exc:
-            return f"its Ray actor died: {one_line(exc)}"
-        return "its Ray actor returned"
+            return f"ended (its Ray actor: {one_line(exc)})"
+        return "ended (its Ray actor returned)"
 
     def start_failure(self, deadline: float) -> str | None:
         if not self._done(deadline - time.monotonic()):
