@@ -1,5 +1,6 @@
-"""Tensor parallelism on CPU: resident weight bytes per rank, and generated tokens per wall second of a model split
-over 2 ranks (1 thread each) against 1 rank (2 threads, and 1), on a 1B-shaped random Llama.
+"""Tensor and pipeline parallelism on CPU: resident weight bytes per rank, and generated tokens per wall second of a
+model split over 2 ranks (1 thread each: by heads, TP=2, or by layers, PP=2) against 1 rank (2 threads, and 1), on a
+1B-shaped random Llama.
 
     python benchmarks/tensor_parallel.py                       # hidden 2048, 16 layers, 32/8 heads: ~0.97B params
     python benchmarks/tensor_parallel.py --layers 4 --tokens 8  # shorter
@@ -27,7 +28,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages" / "batchgen-server" / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages" / "batchgen-schemas" / "src"))
 
-CONFIGS = [("TP=1, 1 thread", 1, 1), ("TP=1, 2 threads", 1, 2), ("TP=2, 1 thread per rank", 2, 1)]
+CONFIGS = [
+    ("TP=1, 1 thread", 1, 1, 1),
+    ("TP=1, 2 threads", 1, 1, 2),
+    ("TP=2, 1 thread per rank", 2, 1, 1),
+    ("PP=2, 1 thread per rank", 1, 2, 1),
+]
+"""name, --tensor-parallel-size, --pipeline-parallel-size, threads per rank."""
 
 
 def save_model(path: Path, layers: int) -> None:
@@ -61,7 +68,7 @@ def save_model(path: Path, layers: int) -> None:
     tokenizer.save_pretrained(path)
 
 
-def child(model: str, tp: int, threads: int, seqs: int, tokens: int, fast: bool) -> dict[str, object]:
+def child(model: str, tp: int, pp: int, threads: int, seqs: int, tokens: int, fast: bool) -> dict[str, object]:
     import torch
     import torch.distributed as dist
 
@@ -73,6 +80,7 @@ def child(model: str, tp: int, threads: int, seqs: int, tokens: int, fast: bool)
         dtype="float32",
         device="cpu",
         tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
         torch_threads=threads,
         enforce_eager=not fast,
         num_kv_blocks=256,
@@ -190,22 +198,23 @@ def main() -> None:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        model, tp, threads, fast = json.loads(args.child)
-        print(json.dumps(child(model, tp, threads, args.seqs, args.tokens, fast)))
+        model, tp, pp, threads, fast = json.loads(args.child)
+        print(json.dumps(child(model, tp, pp, threads, args.seqs, args.tokens, fast)))
         return
     configs = [(*config, False) for config in CONFIGS] + (
-        [("TP=1, 2 threads, fast paths", 1, 2, True)] if args.fast else []
+        [("TP=1, 2 threads, fast paths", 1, 1, 2, True)] if args.fast else []
     )
+    load_before = " ".join(Path("/proc/loadavg").read_text().split()[:3])  # the machine may be shared
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "llama-1b-shaped"
         began = time.perf_counter()
         save_model(path, args.layers)
         print(f"model saved in {time.perf_counter() - began:.0f} s", file=sys.stderr)
         rows, reference = [], None
-        for name, tp, threads, fast in [] if args.vllm_only else configs:
+        for name, tp, pp, threads, fast in [] if args.vllm_only else configs:
             command = [sys.executable, __file__, "--seqs", str(args.seqs), "--tokens", str(args.tokens)]
             out = subprocess.run(
-                [*command, "--child", json.dumps([str(path), tp, threads, fast])], capture_output=True, text=True
+                [*command, "--child", json.dumps([str(path), tp, pp, threads, fast])], capture_output=True, text=True
             )
             if out.returncode:
                 print(out.stderr[-3000:], file=sys.stderr)
@@ -219,6 +228,7 @@ def main() -> None:
             row = vllm_row(Path(args.vllm), path, args, reference)
             rows.append(("vLLM CPU, TP=2, 1 thread per rank (enforce_eager)", row))
     base = next((r["rate"] for _, r in rows if r), 1.0)
+    print(f"load average before: {load_before}, after: {' '.join(Path('/proc/loadavg').read_text().split()[:3])}")
     print(
         "| configuration | weight MiB per rank | RSS MiB per process | generated tok/wall-s | vs TP=1 x 1 "
         "| all-reduce share of a decode step | tokens as TP=1 |"

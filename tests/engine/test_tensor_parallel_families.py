@@ -1,6 +1,6 @@
 """``--tensor-parallel-size 2`` with a group per test (a process drives one at a time: ``test_tensor_parallel.py``'s
-lives until its module ends): a rank that cannot start is one line naming it, and other architectures split two
-ways give transformers' tokens and logprobs."""
+lives until its module ends): a rank that cannot start is one line naming it, other architectures split two
+ways give transformers' tokens and logprobs, and an MoE model in two pipeline stages does too."""
 
 from __future__ import annotations
 
@@ -66,5 +66,19 @@ def test_other_architectures_split_two_ways(model_type: str, tmp_path: Path) -> 
         assert experts.to_local().shape[0] == 2
     try:
         _check(engine, Reference(path))
+    finally:
+        engine.runner.group.stop()
+
+
+def test_an_moe_model_in_two_stages(tmp_path: Path) -> None:
+    """Qwen3-MoE's layers in two stages (``--pipeline-parallel-size 2``), with preemption (14 blocks of 8 tokens)."""
+    path = _build("qwen3_moe", SPLIT_ARCHITECTURES["qwen3_moe"], build_tokenizer(), tmp_path)
+    config = config_of(path, tensor_parallel_size=1, pipeline_parallel_size=2, block_size=8, num_kv_blocks=14)
+    engine = build_engine(config)
+    assert isinstance(engine, LLMEngine) and engine.runner.group is not None
+    try:
+        _check(engine, Reference(path))
+        assert engine.scheduler.num_preemptions > 0
+        assert len(engine.runner.cache.k) == 1  # the driver's stage: one of the two layers
     finally:
         engine.runner.group.stop()

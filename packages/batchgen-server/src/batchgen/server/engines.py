@@ -20,8 +20,8 @@ if TYPE_CHECKING:
 def load_engine(config: EngineConfig, cluster: ClusterConfig) -> EngineClient:
     """The model loaded, in this process (behind a worker thread) or on every replica; ``ModelLoadError`` (one
     line) if it cannot be."""
-    if cluster.replicas and config.tensor_parallel_size > 1:  # a replica hosting a group: not built yet
-        raise ModelLoadError("--replicas with --tensor-parallel-size above 1 is not supported yet: give one of them")
+    if cluster.replicas and config.world_size > 1:  # a replica hosting a group: not built yet (docs/scaling.md)
+        raise ModelLoadError(f"--replicas with {config.split_flags} is not supported yet: give one of them")
     if not cluster.replicas:
         from .engine import EngineWorker, build_engine
 

@@ -174,6 +174,18 @@ class EngineConfig:
         "layer's heads and of the KV cache; gloo on CPU, NCCL on CUDA (docs/scaling.md)",
         flags=("--tensor-parallel-size", "-tp"),
     )
+    pipeline_parallel_size: int = setting(
+        1,
+        "stages the decoder layers are split into, one process each (vLLM's flag): each holds its contiguous layers "
+        "and their share of the KV cache, the first the embeddings, the last the norm and head; composes with "
+        "--tensor-parallel-size (a grid of TP x PP ranks; docs/scaling.md)",
+        flags=("--pipeline-parallel-size", "-pp"),
+    )
+    distributed_executor_backend: str = setting(
+        "mp",
+        "how a group's worker ranks are started (vLLM's flag): mp, a process each on this node; ray, a Ray actor "
+        "each, placed by a placement group on the Ray cluster RAY_ADDRESS names (else a private local Ray)",
+    )
     enable_expert_parallel: bool = setting(
         False,
         "with --tensor-parallel-size: an MoE model's experts spread over the ranks (each holds whole experts, 1/N of "
@@ -210,25 +222,44 @@ class EngineConfig:
             return f"--runner {self.runner!r}: use auto, generate or pooling"
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             return f"--kv-cache-dtype {self.kv_cache_dtype!r}: use {', '.join(KV_CACHE_DTYPES)}"
-        if self.tensor_parallel_size < 1:
-            return f"--tensor-parallel-size {self.tensor_parallel_size}: give 1 (one process) or more"
+        for flag, size in self._split_sizes():
+            if size < 1:
+                return f"{flag} {size}: give 1 (one process) or more"
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            return f"--distributed-executor-backend {self.distributed_executor_backend!r}: use mp or ray"
         return self._tensor_parallel_problem()
+
+    @property
+    def world_size(self) -> int:
+        """The ranks of the model's group: a grid of --tensor-parallel-size x --pipeline-parallel-size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def split_flags(self) -> str:
+        """The flags that split the model, as given (for messages)."""
+        return " ".join(f"{flag} {size}" for flag, size in self._split_sizes() if size > 1)
+
+    def _split_sizes(self) -> list[tuple[str, int]]:
+        return [
+            ("--tensor-parallel-size", self.tensor_parallel_size),
+            ("--pipeline-parallel-size", self.pipeline_parallel_size),
+        ]
 
     def _tensor_parallel_problem(self) -> str | None:
         """What ``--tensor-parallel-size`` cannot go with yet (the model's own split is checked as it loads)."""
-        size = self.tensor_parallel_size
-        if size == 1:
-            return (
-                "--enable-expert-parallel needs --tensor-parallel-size 2 or more"
-                if self.enable_expert_parallel
-                else None
-            )
+        if self.enable_expert_parallel and self.tensor_parallel_size == 1:
+            return "--enable-expert-parallel needs --tensor-parallel-size 2 or more"
+        if self.world_size == 1:
+            return None
+        flags = self.split_flags
+        if self.enable_expert_parallel and self.pipeline_parallel_size > 1:
+            return f"--enable-expert-parallel with {flags}: experts are spread within one stage only; drop one"
         if self.enable_lora:
-            return f"--tensor-parallel-size {size} with --enable-lora: LoRA slots are not split across ranks yet"
+            return f"{flags} with --enable-lora: LoRA slots are not split across ranks yet"
         if self.device_map is not None:
-            return f"--tensor-parallel-size {size} with --device-map: give one or the other"
+            return f"{flags} with --device-map: give one or the other"
         if self.quantization is not None:
-            return f"--tensor-parallel-size {size} with --quantization: quantized shards are not served yet"
+            return f"{flags} with --quantization: quantized shards are not served yet"
         return None
 
     def uses_async_scheduling(self, device: torch.device) -> bool:

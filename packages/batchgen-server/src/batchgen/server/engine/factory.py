@@ -35,9 +35,9 @@ def build_engine(config: EngineConfig) -> LLMEngine | EncoderEngine:
     name = config.served_model_names[0]
     group: RankGroup | None = None
     starting: AbstractContextManager[None] = nullcontext()
-    if config.tensor_parallel_size > 1:  # the model split over ranks, one process each (distributed/)
+    if config.world_size > 1:  # the model split over ranks, one process each (distributed/)
         if spec.encoder or spec.pooling_only:
-            raise ModelLoadError("--tensor-parallel-size: encoder and pooling models are served by one process")
+            raise ModelLoadError(f"{config.split_flags}: encoder and pooling models are served by one process")
         group, model, tokenizer = RankGroup.start(config)
         starting = group.starting()
     else:

@@ -22,7 +22,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_N
 
 from .config import EngineConfig
 from .demo_model import demo_model_dir
-from .distributed.plan import shard_kwargs
+from .distributed.plan import loading, shard_kwargs
 from .errors import ModelLoadError
 from .multimodal.processor import driven_family, is_vision_language
 from .quantization import check, in_flight, kv_cache_dtype, method_of
@@ -80,10 +80,11 @@ def load_model(config: EngineConfig, model_class: Any = None) -> tuple[PreTraine
         if is_vision_language(model_config):  # refused in one line if the engine does not drive its family
             driven_family(model_config, model_config.model_type)
             model_class = AutoModelForImageTextToText
-    if config.tensor_parallel_size > 1:  # this rank's shard alone (engine/distributed/)
+    if config.world_size > 1:  # this rank's shard alone (engine/distributed/)
         kwargs.update(shard_kwargs(config, model_config))
     try:
-        model = model_class.from_pretrained(path, **kwargs)
+        with loading(config):  # transformers' TP x PP sharding made to work (``distributed/plan.py``)
+            model = model_class.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(_why_not_loaded(config.model, exc)) from exc
     except (ImportError, RuntimeError) as exc:  # a quantizer's library missing, or its kernels absent here
@@ -92,7 +93,7 @@ def load_model(config: EngineConfig, model_class: Any = None) -> tuple[PreTraine
             raise
         raise ModelLoadError(_why_not_quantized(method, exc)) from exc
     tokenizer = load_tokenizer(config)
-    if config.device_map is None and config.tensor_parallel_size == 1:  # a shard is loaded where it runs
+    if config.device_map is None and config.world_size == 1:  # a shard is loaded where it runs
         model = model.to(config.resolved_device())
     model.eval()
     return model, tokenizer
@@ -134,6 +135,13 @@ def input_embeddings(model: PreTrainedModel) -> torch.Tensor:
     weight = model.get_input_embeddings().weight
     assert isinstance(weight, torch.Tensor)
     return weight
+
+
+def model_weight(model: PreTrainedModel) -> torch.Tensor:
+    """A weight on the device and in the dtype the model's inputs go to: its input embeddings', or a later pipeline
+    stage's first (it holds no embeddings: ``distributed/stages.py``)."""
+    weight = getattr(model.get_input_embeddings(), "weight", None)
+    return weight if isinstance(weight, torch.Tensor) else next(model.parameters())
 
 
 def load_generation_defaults(config: EngineConfig) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from .capacity import cache_sizes
 from .config import EngineConfig
 from .cuda_graphs import CudaGraph, DecodeGraphs
 from .distributed.collectives import smallest_across_ranks
+from .distributed.stages import stages_of
 from .errors import ModelLoadError, ModelNotSupported, refused
 from .fast_forward import FastForward
 from .fast_paths import FastPath
@@ -38,7 +39,7 @@ from .grammar import GrammarCompiler, MaskFill
 from .inputs import InputBuffers, PackedInputs
 from .kv_cache import KVCache, LayerShape
 from .launched import Launched
-from .loader import input_embeddings
+from .loader import model_weight
 from .lora import LoRASlots, build_slots, detach
 from .multimodal.vision_step import NO_EXTRA, StepInputs, VisionStep, attention_for, both_ways_refused, vision_step_for
 from .prompt_logprobs import PromptLogprobs
@@ -112,7 +113,9 @@ class ModelRunner:
         pooled rows), which any ``*Model``, ``*ForCausalLM`` or ``*ForSequenceClassification`` has."""
         if not pooling_only and "logits_to_keep" not in inspect.signature(model.forward).parameters:
             raise ModelNotSupported(self.architecture, "its forward takes no `logits_to_keep`")
-        self.device: torch.device = input_embeddings(model).device
+        self.device: torch.device = model_weight(model).device
+        self.stages = stages_of(model)
+        """A pipeline stage's forward (``distributed/stages.py``): the model's calls run its layers alone."""
         self.block_size = config.block_size
         self.sparse = dsa.install(model)
         """DSA layers (``dsa.py``): their indexers run per sequence, so the model runs eagerly (no compiled layers,
@@ -144,8 +147,9 @@ class ModelRunner:
         if self.vision is not None and self.vision.family.bidirectional:
             both_ways_refused(self.architecture, config)
         self.group = group
-        distributed = config.tensor_parallel_size > 1
-        if distributed:  # each rank holds its heads' share of the same blocks: as many as the fullest rank has room for
+        distributed = config.world_size > 1
+        if distributed:  # each rank holds its share of the same blocks (its heads', its stage's layers'): as many as
+            # the fullest rank has room for
             self.num_blocks = smallest_across_ranks(self.num_blocks, self.device)
         # A split model runs eagerly: its collectives sit between the layers' ops, and every rank must run alike.
         big = model.num_parameters() >= EAGER_BELOW_PARAMETERS
@@ -254,7 +258,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             text_config = self.model.config.get_text_config()
-            dtype_bytes = self.model.get_input_embeddings().weight.dtype.itemsize
+            dtype_bytes = model_weight(self.model).dtype.itemsize
             # Room for the activations of the largest step and the logits of every running sequence.
             activations = config.max_num_batched_tokens * text_config.hidden_size * dtype_bytes * 16
             logits = config.max_num_seqs * text_config.vocab_size * 4 * 4
@@ -266,7 +270,7 @@ class ModelRunner:
     @property
     def cache_dtype(self) -> torch.dtype:
         """The KV cache's dtype (a model without attention layers: its own, which its state is in)."""
-        return self.cache.k[0].dtype if self.cache.k else input_embeddings(self.model).dtype
+        return self.cache.k[0].dtype if self.cache.k else model_weight(self.model).dtype
 
     def copy_block(self, src: int, dst: int) -> None:
         self.cache.copy_block(src, dst)
@@ -398,6 +402,8 @@ class ModelRunner:
         finally:
             if handle is not None:
                 handle.remove()
+        if hidden and self.stages is not None:  # the last stage's, on every stage
+            hidden = [self.stages.from_last(hidden[0])]
         if step.layers_attended != len(self.cache.k):
             raise RuntimeError(f"the forward ran {step.layers_attended} attention layers, not {len(self.cache.k)}")
         ran, states = packed.states, self.states

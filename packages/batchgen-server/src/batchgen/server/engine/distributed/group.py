@@ -7,16 +7,11 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
-import os
-import pickle
-import select
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import IO, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,6 +24,7 @@ from ..inputs import PackedInputs
 from ..loader import resolve_model_path
 from ..model_runner import ModelRunner
 from .channel import Channel
+from .launch import Launcher, RankHandle, launcher_for
 from .plan import check_split
 from .rank import START_TIMEOUT_S, join, one_line
 
@@ -43,12 +39,14 @@ NAME_THE_DEAD_S = 1.0
 class RankGroup:
     """The driver (rank 0, this process) and its worker ranks. ``StepMirror`` for the driver's ``ModelRunner``."""
 
-    def __init__(self, config: EngineConfig, address: str) -> None:
+    def __init__(self, config: EngineConfig, launcher: Launcher) -> None:
         self.config = config
-        self.size = config.tensor_parallel_size
-        self.address = address
-        self.processes: list[subprocess.Popen[bytes]] = []
-        self.reports: list[IO[bytes]] = []
+        self.size = config.world_size
+        self.kind = kind_of(config)
+        self.launcher = launcher
+        self.address = f"{launcher.host}:{_free_port()}"
+        self.processes: list[RankHandle] = []
+        """The worker ranks, 1..size-1 in order."""
         self.channel: Channel | None = None
         self._failed = False
 
@@ -58,34 +56,21 @@ class RankGroup:
         the tokenizer. ``ModelLoadError`` in one line if any rank cannot start (the others are stopped)."""
         check_split(config, resolve_model_path(config.model))
         if dist.is_initialized():
-            raise ModelLoadError("--tensor-parallel-size: this process drives a group already (one per process)")
-        group = cls(config, f"127.0.0.1:{_free_port()}")
+            raise ModelLoadError("a distributed group: this process drives one already (one per process)")
+        group = cls(config, launcher_for(config))
         atexit.register(group.stop)  # the ranks told to go when this process ends normally (their watchdog otherwise)
         with group.starting():
             for rank in range(1, group.size):
-                group._spawn(rank)
+                group.processes.append(group.launcher.spawn(config, rank, group.size, group.address))
             _, model, tokenizer, group.channel = join(config, 0, group.size, group.address, group._await_ranks)
         return group, model, tokenizer
-
-    def _spawn(self, rank: int) -> None:
-        """A worker rank in a fresh interpreter (no threads, CUDA state or ``__main__`` of this process's)."""
-        read, write = os.pipe()
-        environment = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in sys.path if path)}
-        command = [sys.executable, "-m", __package__ + ".rank", str(rank), str(self.size), self.address, str(write)]
-        process = subprocess.Popen(command, stdin=subprocess.PIPE, pass_fds=(write,), env=environment)
-        os.close(write)
-        self.processes.append(process)
-        self.reports.append(os.fdopen(read, "rb"))
-        assert process.stdin is not None
-        with process.stdin:
-            pickle.dump(self.config, process.stdin)
 
     def _await_ranks(self, store: Any) -> None:
         """Until every worker rank has joined; raises as soon as one has exited instead."""
         keys = [f"joined/{rank}" for rank in range(1, self.size)]
         deadline = time.monotonic() + START_TIMEOUT_S
         while not store.check(keys):
-            if any(process.poll() is not None for process in self.processes):
+            if any(process.ended() is not None for process in self.processes):
                 raise RuntimeError("a rank exited before it joined")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the ranks did not meet within {START_TIMEOUT_S:.0f} s")
@@ -102,25 +87,23 @@ class RankGroup:
             self.stop()
             if isinstance(exc, ModelLoadError) and why is None:
                 raise
-            raise ModelLoadError(why or f"the tensor-parallel group could not start: {one_line(exc)}") from exc
+            raise ModelLoadError(why or f"the {self.kind} group could not start: {one_line(exc)}") from exc
 
     def _why_not_started(self, exc: BaseException) -> str | None:
         deadline = time.monotonic() + REPORT_WAIT_S
-        for rank, report in enumerate(self.reports, start=1):
-            with contextlib.suppress(OSError, ValueError):
-                ready, _, _ = select.select([report], [], [], max(0.0, deadline - time.monotonic()))
-                if ready and (line := report.readline().decode(errors="replace").strip()):
-                    return f"rank {rank} of {self.size} could not start: {line}"
         for rank, process in enumerate(self.processes, start=1):
-            if process.poll() is not None:
-                return f"rank {rank} of {self.size} could not start: it exited with {_exit(process.returncode)}"
+            if line := process.start_failure(deadline):
+                return f"rank {rank} of {self.size} could not start: {line}"
+        for rank, process in enumerate(self.processes, start=1):
+            if (ended := process.ended()) is not None:
+                return f"rank {rank} of {self.size} could not start: it {ended}"
         return None
 
     # ---- StepMirror ------------------------------------------------------------------------------------------------
 
     @property
     def broken(self) -> bool:
-        return self._failed or any(process.poll() is not None for process in self.processes)
+        return self._failed or any(process.ended() is not None for process in self.processes)
 
     def send_step(self, packed: PackedInputs, sample_rows: list[int], want_hidden: bool) -> None:
         assert self.channel is not None
@@ -140,23 +123,23 @@ class RankGroup:
         while not (gone := self._gone()) and time.monotonic() < deadline:
             time.sleep(0.01)
         why = "; ".join(gone) if gone else one_line(exc)
-        return GroupFailed(f"the tensor-parallel group of {self.size} ranks failed: {why}")
+        return GroupFailed(f"the {self.kind} group of {self.size} ranks failed: {why}")
 
     def _gone(self) -> list[str]:
         return [
-            f"rank {rank} exited ({_exit(process.returncode)})"
+            f"rank {rank} {ended}"
             for rank, process in enumerate(self.processes, start=1)
-            if process.poll() is not None
+            if (ended := process.ended()) is not None
         ]
 
     def restarted(self, grammars: GrammarCompiler) -> ModelRunner:
-        logger.warning("restarting the tensor-parallel group of %d ranks", self.size)
+        logger.warning("restarting the %s group of %d ranks", self.kind, self.size)
         self.stop()
         began = time.monotonic()
         group, model, _ = RankGroup.start(self.config)
         with group.starting():
             runner = ModelRunner(model, self.config, grammars, group)
-        logger.warning("the tensor-parallel group is back after %.1f s", time.monotonic() - began)
+        logger.warning("the %s group is back after %.1f s", self.kind, time.monotonic() - began)
         return runner
 
     # ---- the end ---------------------------------------------------------------------------------------------------
@@ -168,13 +151,9 @@ class RankGroup:
             with contextlib.suppress(Exception):
                 self.channel.send_stop()
         for process in self.processes:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(timeout=1.0 if not self._failed else 0.2)  # nothing of a rank's to keep
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-        for report in self.reports:
-            report.close()
+            process.stop(1.0 if not self._failed else 0.2)
+        self.launcher.close()
+        self.processes = []
         self._failed = True
         self.channel = None
         if dist.is_initialized():
@@ -182,8 +161,11 @@ class RankGroup:
                 dist.destroy_process_group()
 
 
-def _exit(code: int | None) -> str:
-    return f"signal {-code}" if code is not None and code < 0 else f"code {code}"
+def kind_of(config: EngineConfig) -> str:
+    """What the group splits, for messages: the TP ranks of each stage, or the stages, or both."""
+    if config.pipeline_parallel_size == 1:
+        return "tensor-parallel"
+    return "pipeline-parallel" if config.tensor_parallel_size == 1 else "tensor- and pipeline-parallel"
 
 
 def _free_port() -> int:

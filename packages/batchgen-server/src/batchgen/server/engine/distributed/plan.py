@@ -5,6 +5,8 @@ rank holds its share of every layer's attention heads, and of the KV cache with 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -50,25 +52,49 @@ def split_problem(model_config: Any, size: int, experts: bool = False) -> str | 
     )
 
 
+def stage_problem(model_config: Any, stages: int) -> str | None:
+    """Why this model's decoder layers cannot be split into ``stages`` pipeline stages (one line, naming the sizes
+    that would work), or ``None``. The split is transformers' own (``base_model_pp_plan``: the embeddings on the
+    first stage, contiguous layers on each, the norm and the head on the last)."""
+    text = model_config.get_text_config()
+    if text is not model_config or not getattr(text, "base_model_pp_plan", None):
+        return (
+            f"it cannot be split into {stages} pipeline stages: its config declares no pipeline plan for its own "
+            "layers (base_model_pp_plan); serve it with --pipeline-parallel-size 1"
+        )
+    layers = int(text.num_hidden_layers)
+    if layers >= stages:
+        return None
+    return (
+        f"its {layers} decoder layers cannot be split into {stages} pipeline stages (a layer each at least); "
+        f"--pipeline-parallel-size {', '.join(map(str, range(1, layers + 1)))} would work"
+    )
+
+
 def shard_kwargs(config: EngineConfig, model_config: Any) -> dict[str, Any]:
-    """``from_pretrained``'s arguments that load this rank's shard alone (transformers' tensor-parallel loading:
-    each parameter is read from the checkpoint as the slice this rank holds); ``ModelNotSupported`` in one line if
-    the model cannot be split that way."""
+    """``from_pretrained``'s arguments that load this rank's shard alone (transformers' distributed loading: each
+    parameter of this rank's stage is read from the checkpoint as the slice this rank holds; the other stages'
+    modules are never built); ``ModelNotSupported`` in one line if the model cannot be split that way."""
     from transformers.distributed.configuration_utils import DistributedConfig
 
     from ..errors import ModelNotSupported
 
-    size, experts = config.tensor_parallel_size, config.enable_expert_parallel
-    if problem := split_problem(model_config, size, experts):
+    size, stages, experts = config.tensor_parallel_size, config.pipeline_parallel_size, config.enable_expert_parallel
+    problem = split_problem(model_config, size, experts) if size > 1 else None
+    if problem is None and stages > 1:
+        problem = stage_problem(model_config, stages)
+    if problem:
         architecture = next(iter(getattr(model_config, "architectures", None) or []), model_config.model_type)
         raise ModelNotSupported(architecture, problem)
     # Expert parallelism: the experts' own plan on a mesh as wide as the heads' (each rank runs its experts on the
-    # tokens every rank shares, and the outputs are summed: transformers' all-reduce implementation).
-    return {"distributed_config": DistributedConfig(tp_size=size, ep_size=size if experts else None)}
+    # tokens every rank shares, and the outputs are summed: transformers' all-reduce implementation). The mesh is
+    # (pp, tp): rank r is stage r // tp, and within it TP rank r % tp.
+    distributed = DistributedConfig(tp_size=size, pp_size=stages, ep_size=size if experts else None)
+    return {"distributed_config": distributed}
 
 
 def check_split(config: EngineConfig, path: str) -> None:
-    """Refuse the model at ``path`` if it cannot be split ``--tensor-parallel-size`` ways, before any rank starts
+    """Refuse the model at ``path`` if it cannot be split as the flags ask, before any rank starts
     (its config alone is read); a config that cannot be read is left to the loader's own message."""
     from transformers import AutoConfig
 
@@ -79,3 +105,33 @@ def check_split(config: EngineConfig, path: str) -> None:
     except (OSError, ValueError):
         return
     shard_kwargs(config, model_config)
+
+
+@contextmanager
+def loading(config: EngineConfig) -> Iterator[None]:
+    """Around ``from_pretrained`` with ``shard_kwargs``. transformers 5.24 expands the tensor-parallel plan over every
+    layer, then makes the other stages' layers identities, then shards by the expanded names (a ``KeyError`` on the
+    first layer this stage does not hold): with both TP and PP, its sharding is given the plan's entries this stage
+    holds (an identity's hooks would never run anyway: the stage does not call it)."""
+    if config.tensor_parallel_size == 1 or config.pipeline_parallel_size == 1:
+        yield
+        return
+    from transformers.distributed import mixin
+    from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
+
+    shard: Any = getattr(mixin, "apply_tensor_parallelism")  # noqa: B009 (not re-exported: typed as private)
+
+    def held_only(model: Any, mesh: Any, plan: dict[str, str]) -> Any:
+        modules, parameters = dict(model.named_modules()), dict(model.named_parameters())
+        held = {
+            name: style
+            for name, style in plan.items()
+            if name in parameters or (name in modules and not isinstance(modules[name], PipelineIdentityLayer))
+        }
+        return shard(model, mesh, held)
+
+    setattr(mixin, "apply_tensor_parallelism", held_only)  # noqa: B010
+    try:
+        yield
+    finally:
+        setattr(mixin, "apply_tensor_parallelism", shard)  # noqa: B010

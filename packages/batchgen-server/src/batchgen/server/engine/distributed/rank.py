@@ -40,17 +40,20 @@ def join(
     world: int,
     address: str,
     await_ranks: Callable[[Any], None] | None = None,
+    local_device: int | None = None,
 ) -> tuple[EngineConfig, PreTrainedModel, Any, Channel]:
     """Join the group at ``address`` as ``rank`` and load this rank's shard: every rank calls it at once (the
     driver, rank 0, hosts the meeting point and waits there with ``await_ranks``). Returns the rank's config (its own
-    device on CUDA), its model shard, the tokenizer and the channel."""
+    device on CUDA), its model shard, the tokenizer and the channel. ``local_device``: the CUDA device it takes (by
+    default its rank: the node's devices in rank order; a Ray actor sees its own GPU alone, as 0)."""
     config.apply_torch_threads()
     device = config.resolved_device()
-    if device.type == "cuda":  # one device per rank, in rank order (CUDA_VISIBLE_DEVICES chooses which)
-        device = torch.device("cuda", rank)
+    local = rank if local_device is None else local_device
+    if device.type == "cuda":  # one device per rank (CUDA_VISIBLE_DEVICES chooses which)
+        device = torch.device("cuda", local)
         torch.cuda.set_device(device)
         config = dataclasses.replace(config, device=str(device))
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))  # transformers' mesh reads them
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world))  # transformers' mesh reads them
     host, port = address.rsplit(":", 1)
     store = dist.TCPStore(  # type: ignore[attr-defined]
         host, int(port), world, is_master=rank == 0, timeout=timedelta(seconds=START_TIMEOUT_S), wait_for_workers=False
@@ -76,30 +79,38 @@ def one_line(exc: BaseException) -> str:
     return text if text else type(exc).__name__
 
 
+def start_rank(
+    config: EngineConfig, rank: int, world: int, address: str, local_device: int | None = None
+) -> tuple[ModelRunner, Channel]:
+    """A worker rank's start: join, and build the runner alongside the driver's."""
+    config, model, tokenizer, channel = join(config, rank, world, address, local_device=local_device)
+    vocab = model.config.get_text_config().vocab_size
+    return ModelRunner(model, config, compiler_for(tokenizer, vocab, config.grammar_timeout_s)), channel
+
+
 def serve_rank(config: EngineConfig, rank: int, world: int, address: str, report: BinaryIO) -> None:
-    """A worker rank's process: join, build the runner alongside the driver's, then run the driver's commands. A
+    """A worker rank's process (``--distributed-executor-backend mp``): start, then run the driver's commands. A
     failure to start is written to ``report`` in one line; a failure later ends the process, which the driver sees
     as a broken group."""
     _die_with_parent()
     logging.basicConfig(level=logging.WARNING, format=f"rank {rank}: %(levelname)s %(name)s: %(message)s")
     try:
-        config, model, tokenizer, channel = join(config, rank, world, address)
-        vocab = model.config.get_text_config().vocab_size
-        runner = ModelRunner(model, config, compiler_for(tokenizer, vocab, config.grammar_timeout_s))
+        runner, channel = start_rank(config, rank, world, address)
     except BaseException as exc:  # whatever it is, the driver reports it in one line
         report.write(one_line(exc).encode() + b"\n")
         report.flush()
         sys.exit(1)
     report.close()
     try:
-        _serve(runner, channel)
+        serve(runner, channel)
     except Exception as exc:  # the driver went, or a collective failed: the driver restarts the group
         logger.warning("rank %d leaves the group: %s", rank, one_line(exc))
         sys.exit(1)
 
 
 @torch.no_grad()
-def _serve(runner: ModelRunner, channel: Channel) -> None:
+def serve(runner: ModelRunner, channel: Channel) -> None:
+    """Run the driver's commands until it says stop (a failure raises: the group is broken)."""
     while True:
         received = channel.receive()
         if received.command is Command.STOP:

@@ -1,0 +1,47 @@
+"""``--distributed-executor-backend ray``: a model in two pipeline stages whose second stage is a Ray actor, placed
+by a placement group on the session's local Ray (``conftest.py``: the one Ray the replica tests share), joined
+through ``RAY_ADDRESS``. It passes the engine's self-check at start (the split forward against the model's own) and
+gives the tokens one process gives; the group's end removes its placement group."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from batchgen.server.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams, build_engine
+
+
+def _greedy(engine: LLMEngine) -> list[int]:
+    engine.add_request(EngineRequest("r", list(range(3, 40)), SamplingParams(max_tokens=8, ignore_eos=True)))
+    while engine.has_unfinished_requests():
+        if done := engine.step():
+            return done[0].outputs[0].token_ids
+    raise AssertionError("no result")
+
+
+def test_a_stage_placed_by_ray(ray_address: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import ray  # only now: Ray reads RAY_AUTH_MODE (set by the session's fixture) as it is imported
+
+    from batchgen.server.engine.distributed.ray_ranks import RayRank
+
+    monkeypatch.setenv("RAY_ADDRESS", ray_address)
+    settings = {"dtype": "float32", "device": "cpu", "torch_threads": 1, "num_kv_blocks": 64}
+    engine = build_engine(
+        EngineConfig(**settings, pipeline_parallel_size=2, distributed_executor_backend="ray", distributed_timeout_s=20)
+    )
+    assert isinstance(engine, LLMEngine) and engine.runner.group is not None
+    group = engine.runner.group
+    try:
+        (stage,) = group.processes
+        assert isinstance(stage, RayRank)
+        pid = ray.get(stage.actor.pid.remote(), timeout=30)
+        parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        assert os.getpid() not in (pid, parent)  # a Ray worker's process, not a child of this one
+        assert len(ray.util.placement_group_table()) >= 1
+        tokens = _greedy(engine)
+    finally:
+        group.stop()  # the placement group removed, this process's Ray connection closed
+    assert not ray.is_initialized()
+    assert _greedy(build_engine(EngineConfig(**settings))) == tokens  # one process, the same tokens
