@@ -56,7 +56,7 @@ class RayLauncher:
                     f"--distributed-executor-backend ray: no Ray at {address}: {one_line(exc)}"
                 ) from exc
             self.started = True
-        self.host: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+        self.host: str = ray.util.get_node_ip_address()
         on_gpu = config.resolved_device().type == "cuda"
         self.bundle = {"GPU": 1.0, "CPU": 1.0} if on_gpu else {"CPU": float(config.torch_threads or 1)}
         workers = config.world_size - 1
