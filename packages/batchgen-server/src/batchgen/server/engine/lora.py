@@ -133,11 +133,12 @@ def decoder_linears(model: torch.nn.Module, layers: list[torch.nn.Module]) -> di
 
 
 def build_slots(
-    model: torch.nn.Module, attention_modules: list[torch.nn.Module], graph_rows: int, config: EngineConfig
+    model: torch.nn.Module, mixer_modules: list[torch.nn.Module], graph_rows: int, config: EngineConfig
 ) -> LoRASlots:
-    """The slots over ``model`` (its attention modules found by the probe; ``graph_rows``: the rows of its largest
-    CUDA graph, if any), for ``--max-loras`` adapters of rank up to ``--max-lora-rank``."""
-    linears = decoder_linears(model, decoder_layers(model, attention_modules))
+    """The slots over ``model`` (its attention modules found by the probe and its state layers, which name its
+    decoder layers; ``graph_rows``: the rows of its largest CUDA graph, if any), for ``--max-loras`` adapters of rank
+    up to ``--max-lora-rank``."""
+    linears = decoder_linears(model, decoder_layers(model, mixer_modules))
     if not linears:
         raise ModelNotSupported(type(model).__name__, "LoRA: no linear layers found in its decoder layers")
     if config.max_loras < 1 or config.max_lora_rank < 1:
@@ -190,6 +191,8 @@ class LoRASlots:
         self.reference: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
         """While set, every token runs with these matrices (an adapter's, or none: the base), computed directly (the
         self-check's reference)."""
+        self.selected: torch.Tensor | None = None
+        """While a state layer's own forward runs on some of the step's rows (``rows``): those rows of the mask."""
         self._handles = []
         for name, linear in linears.items():
             weight = linear.weight
@@ -226,7 +229,9 @@ class LoRASlots:
             a, b = matrices
             return output + torch.nn.functional.linear(torch.nn.functional.linear(x, a), b)
         flat = x.reshape(-1, x.shape[-1])
-        off = module.lora_off[: flat.shape[0]]  # type: ignore[index]
+        off = module.lora_off[: flat.shape[0]] if self.selected is None else self.selected  # type: ignore[index]
+        if off.shape[0] != flat.shape[0]:  # a linear on something other than the call's tokens: no row to take
+            raise RuntimeError(f"LoRA: {module.lora_name} ran on {flat.shape[0]} rows in a call on {off.shape[0]}")
         down = torch.mm(flat, module.lora_a.t()).masked_fill_(off, 0)  # type: ignore[operator]
         # The add inside the GEMM (beta 1): one call, no temporary of the output's size.
         return torch.addmm(output.reshape(-1, output.shape[-1]), down, module.lora_b.t()).view(output.shape)  # type: ignore[operator]
@@ -310,6 +315,16 @@ class LoRASlots:
         them keep stale rows, and their outputs are dropped)."""
         slots = indices(token_slots, self.device)
         self.off[: len(token_slots)] = slots[:, None] != self._columns[None, :]
+
+    @contextmanager
+    def rows(self, rows: torch.Tensor | slice) -> Iterator[None]:
+        """The linears run on the step's ``rows`` alone (in that order) until the block ends: a state layer's own
+        forward on a sequence piece or on the step's decodes (``state/mixers.py``), each token with its own slot."""
+        self.selected = self.off[rows]
+        try:
+            yield
+        finally:
+            self.selected = None
 
     @contextmanager
     def referencing(self, adapter: AdapterWeights | None) -> Iterator[None]:
