@@ -1,9 +1,9 @@
 """LoRA adapters on hybrid models (``engine/lora.py`` over ``engine/state/``): adapters made with peft on a tiny
-Qwen3.5 (its Gated DeltaNet layers on the engine's fast path, projections on the whole packed row), a tiny Granite 4
-and a tiny LFM2 (their Mamba2 layers and short convolutions through the layer's own forward per sequence piece and for
-the step's decodes, each call on some of the step's rows), two adapters and the base mixed in one batch with chunked
-prefill: the same greedy tokens as peft's ``generate`` and logprobs within 1e-4 (float32); an adapter on a
-convolution is refused by name.
+Qwen3.5 (its Gated DeltaNet layers on the engine's fast path, projections on the whole packed row), and tiny
+Granite 4, Nemotron-H and LFM2 (their Mamba2 layers and short convolutions through the layer's own forward per
+sequence piece and for the step's decodes, each call on some of the step's rows; Nemotron-H's MLP-only layers), two
+adapters and the base mixed in one batch with chunked prefill: the same greedy tokens as peft's ``generate`` and
+logprobs within 1e-4 (float32); an adapter on a convolution is refused by name.
 """
 
 from __future__ import annotations
@@ -41,6 +41,10 @@ ADAPTERS: dict[str, dict[str, dict[str, Any]]] = {
     "granitemoehybrid": {  # Mamba2 layers through their own forward; the MoE's router and shared MLP
         "attn": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "o_proj", "input_linear", "layer"]},
         "mamba": {"r": 8, "lora_alpha": 4, "target_modules": ["in_proj", "out_proj", "output_linear"]},
+    },
+    "nemotron_h": {  # peft refuses Mamba's out_proj here; its layer 2 is an MLP alone (neither attention nor state)
+        "attn": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "up_proj"]},
+        "mamba": {"r": 8, "lora_alpha": 4, "target_modules": ["in_proj", "down_proj"]},
     },
     "lfm2": {
         "attn": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "k_proj", "w1", "w2"]},
@@ -128,11 +132,17 @@ def test_a_mix_of_adapters_and_the_base_is_peft_token_for_token(family: Any, tok
     assert engine.lora is not None and engine.lora.users == [0, 0, 0]
 
 
+CONVOLUTIONS = {"qwen3_5_text": "conv1d", "lfm2": "conv.conv"}
+"""A state layer's convolution that peft adapts (it refuses Mamba's)."""
+
+
 def test_an_adapter_on_a_convolution_is_refused_by_name(family: Any, tmp_path: Path) -> None:
     name, path, _ = family
-    module = {"qwen3_5_text": "conv1d", "lfm2": "conv.conv", "granitemoehybrid": "conv1d"}[name]
-    # peft takes a grouped (depthwise) convolution at a rank its groups divide (64, 128 or 192 channels here).
-    adapter = make_adapters(path, tmp_path, {"x": {"r": 384, "target_modules": [module, "q_proj"]}})["x"]
+    if name not in CONVOLUTIONS:
+        return  # peft makes no adapter on a Mamba layer's convolution
+    module = CONVOLUTIONS[name]
+    # peft takes a grouped (depthwise) convolution at a rank its groups divide (64 or 128 channels here).
+    adapter = make_adapters(path, tmp_path, {"x": {"r": 128, "target_modules": [module, "q_proj"]}})["x"]
     refusal = f"LoRA adapter 'x' cannot be served: it adapts a convolution \\(.*{module}\\)"
     with pytest.raises(AdapterRefused, match=refusal):
-        adapter_config("x", adapter, 384)
+        adapter_config("x", adapter, 128)

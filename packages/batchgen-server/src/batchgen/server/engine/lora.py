@@ -132,13 +132,21 @@ def decoder_linears(model: torch.nn.Module, layers: list[torch.nn.Module]) -> di
     }
 
 
+def whole_stacks(model: torch.nn.Module, layers: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """Every layer of the ``nn.ModuleList``s that hold ``layers``: a decoder layer with neither attention nor state
+    (Nemotron-H's MLP-only layers) has linears too."""
+    found = {id(layer) for layer in layers}
+    stacks = [module for module in model.modules() if isinstance(module, torch.nn.ModuleList)]
+    return [layer for stack in stacks if any(id(child) in found for child in stack) for layer in stack] or layers
+
+
 def build_slots(
     model: torch.nn.Module, mixer_modules: list[torch.nn.Module], graph_rows: int, config: EngineConfig
 ) -> LoRASlots:
     """The slots over ``model`` (its attention modules found by the probe and its state layers, which name its
     decoder layers; ``graph_rows``: the rows of its largest CUDA graph, if any), for ``--max-loras`` adapters of rank
     up to ``--max-lora-rank``."""
-    linears = decoder_linears(model, decoder_layers(model, mixer_modules))
+    linears = decoder_linears(model, whole_stacks(model, decoder_layers(model, mixer_modules)))
     if not linears:
         raise ModelNotSupported(type(model).__name__, "LoRA: no linear layers found in its decoder layers")
     if config.max_loras < 1 or config.max_lora_rank < 1:
