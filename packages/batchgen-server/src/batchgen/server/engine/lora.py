@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -51,12 +51,18 @@ class AdapterWeights:
     matrices: dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
-def read_adapter(request: LoRARequest, linears: dict[str, torch.nn.Linear], max_rank: int) -> AdapterWeights:
-    """The adapter in ``request.path``, checked against the model's decoder linears ``linears`` (by module name);
-    raises ``AdapterRefused`` naming what the engine cannot apply exactly, whatever is wrong with its files (the
-    adapter fails alone: never the step, nor anyone else's requests)."""
+def read_adapter(
+    request: LoRARequest,
+    linears: dict[str, torch.nn.Linear],
+    max_rank: int,
+    unreached: frozenset[str] = frozenset(),
+) -> AdapterWeights:
+    """The adapter in ``request.path``, checked against the model's decoder linears ``linears`` (by module name; those
+    in ``unreached`` are never called as modules, so a delta there would be skipped); raises ``AdapterRefused``
+    naming what the engine cannot apply exactly, whatever is wrong with its files (the adapter fails alone: never the
+    step, nor anyone else's requests)."""
     try:
-        return _read_adapter(request, linears, max_rank)
+        return _read_adapter(request, linears, max_rank, unreached)
     except AdapterRefused:
         raise
     except Exception as exc:  # a file cut short, a tensor of another kind, no memory for what a header claims
@@ -65,7 +71,9 @@ def read_adapter(request: LoRARequest, linears: dict[str, torch.nn.Linear], max_
         ) from None
 
 
-def _read_adapter(request: LoRARequest, linears: dict[str, torch.nn.Linear], max_rank: int) -> AdapterWeights:
+def _read_adapter(
+    request: LoRARequest, linears: dict[str, torch.nn.Linear], max_rank: int, unreached: frozenset[str]
+) -> AdapterWeights:
     config = adapter_config(request.name, request.path, max_rank)
     directory = Path(request.path)
     if (directory / WEIGHT_FILES[0]).is_file():
@@ -95,6 +103,8 @@ def _read_adapter(request: LoRARequest, linears: dict[str, torch.nn.Linear], max
         linear = linears.get(module)
         if linear is None:
             raise refuse(f"it adapts {module!r}, which is not a linear layer of the model's decoder layers")
+        if module in unreached:
+            raise refuse(f"it adapts {module!r}, whose weight the model's forward reads without calling the layer")
         b = state[key.replace(".lora_A.", ".lora_B.")]
         r = _pattern(ranks, module, rank)
         if a.shape != (r, linear.in_features) or b.shape != (linear.out_features, r):
@@ -199,6 +209,8 @@ class LoRASlots:
         self.reference: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
         """While set, every token runs with these matrices (an adapter's, or none: the base), computed directly (the
         self-check's reference)."""
+        self.unreached: frozenset[str] = frozenset()
+        """The linears the model's forward never calls as modules (``find_unreached``): adapters on them are refused."""
         self.selected: torch.Tensor | None = None
         """While a state layer's own forward runs on some of the step's rows (``rows``): those rows of the mask."""
         self._handles = []
@@ -220,6 +232,22 @@ class LoRASlots:
         self._cache: OrderedDict[tuple[str, int], AdapterWeights | AdapterRefused] = OrderedDict()
         self._cache_lock = threading.Lock()
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchgen-lora")
+
+    def find_unreached(self, forward: Callable[[], object]) -> None:
+        """Run ``forward`` (a probe forward of the model) and keep the linears it never called: a layer that reads a
+        linear's weight itself (Mamba's ``dt_proj`` under mamba-ssm's kernels, say) skips the hook, so an adapter on
+        that linear would be served as if it were not there."""
+        seen: set[str] = set()
+        handles = [
+            linear.register_forward_hook(lambda module, args, output, name=name: seen.add(name))
+            for name, linear in self.linears.items()
+        ]
+        try:
+            forward()
+        finally:
+            for handle in handles:
+                handle.remove()
+        self.unreached = frozenset(self.linears) - seen
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -256,7 +284,7 @@ class LoRASlots:
                 self._cache.move_to_end(key)
         if found is None:
             try:
-                found = read_adapter(request, self.linears, self.max_rank)
+                found = read_adapter(request, self.linears, self.max_rank, self.unreached)
             except AdapterRefused as exc:
                 found = exc
             with self._cache_lock:

@@ -194,6 +194,7 @@ class ModelRunner:
         if config.enable_lora:
             graph_rows = self.graphs.buckets[-1] if self.graphs is not None else 0
             self.lora = build_slots(model, layers, graph_rows, config)
+            self.lora.find_unreached(lambda: self._probe_forward(LayerProbe()))
             if self.states is not None:  # a state layer's own forward runs on some of the rows: their slots
                 self.states.mixers.token_rows = self.lora
         else:
