@@ -142,6 +142,7 @@ def _peft_adapter(demo_path: Path, path: Path, **spec: Any) -> Path:
         ({"r": 4, "target_modules": ["embed_tokens"]}, "it adapts an embedding (base_model.model.model.embed_tokens"),
         ({"r": 16, "target_modules": ["q_proj"]}, "its rank 16 is above --max-lora-rank 8"),
         ({"r": 4, "target_modules": ["q_proj"], "bias": "lora_only"}, "it trains biases"),
+        ({"r": 4, "target_modules": [], "target_parameters": ["mlp.down_proj.weight"]}, "it adapts weights directly"),
     ],
 )
 def test_what_the_engine_cannot_apply_exactly_is_refused_by_name(

@@ -98,6 +98,8 @@ def adapter_config(name: str, path: str | Path, max_rank: int) -> dict[str, Any]
         raise refuse("it targets Conv1D layers (fan_in_fan_out)")
     if config.get("trainable_token_indices"):
         raise refuse("it trains token embeddings (trainable_token_indices)")
+    if config.get("target_parameters"):  # peft's LoRA on a module's weights (MoE experts'), not on a linear
+        raise refuse(f"it adapts weights directly (target_parameters: {config['target_parameters']})")
     if config.get("lora_bias"):
         raise refuse("it has a LoRA bias (lora_bias)")
     rank = _number(config, "r", 8, refuse, rank=True)
