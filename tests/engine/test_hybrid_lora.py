@@ -1,6 +1,6 @@
 """LoRA adapters on hybrid models (``engine/lora.py`` over ``engine/state/``): adapters made with peft on a tiny
 Qwen3.5 (its Gated DeltaNet layers on the engine's fast path, projections on the whole packed row), and tiny
-Granite 4, Nemotron-H and LFM2 (their Mamba2 layers and short convolutions through the layer's own forward per
+Nemotron-H and LFM2 (their Mamba2 layers and short convolutions through the layer's own forward per
 sequence piece and for the step's decodes, each call on some of the step's rows; Nemotron-H's MLP-only layers), two
 adapters and the base mixed in one batch with chunked prefill: the same greedy tokens as peft's ``generate`` and
 logprobs within 1e-4 (float32); an adapter on a convolution is refused by name.
@@ -37,10 +37,6 @@ ADAPTERS: dict[str, dict[str, dict[str, Any]]] = {
             "use_rslora": True,
             "target_modules": ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "up_proj"],
         },
-    },
-    "granitemoehybrid": {  # Mamba2 layers through their own forward; the MoE's router and shared MLP
-        "attn": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "o_proj", "input_linear", "layer"]},
-        "mamba": {"r": 8, "lora_alpha": 4, "target_modules": ["in_proj", "out_proj", "output_linear"]},
     },
     "nemotron_h": {  # peft refuses Mamba's out_proj here; its layer 2 is an MLP alone (neither attention nor state)
         "attn": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "up_proj"]},
