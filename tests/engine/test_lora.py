@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from batchgen.server.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams, model_runner
 from batchgen.server.engine.adapters import AdapterRefused, Adapters, adapter_config
+from batchgen.server.engine.errors import ModelLoadError
 from batchgen.server.engine.self_check import check_engine
 
 NAMES = [None, "alpha", "beta", "gamma"]
@@ -141,6 +142,7 @@ def _peft_adapter(demo_path: Path, path: Path, **spec: Any) -> Path:
         ({"r": 4, "target_modules": ["embed_tokens"]}, "it adapts an embedding (base_model.model.model.embed_tokens"),
         ({"r": 16, "target_modules": ["q_proj"]}, "its rank 16 is above --max-lora-rank 8"),
         ({"r": 4, "target_modules": ["q_proj"], "bias": "lora_only"}, "it trains biases"),
+        ({"r": 4, "target_modules": [], "target_parameters": ["mlp.down_proj.weight"]}, "it adapts weights directly"),
     ],
 )
 def test_what_the_engine_cannot_apply_exactly_is_refused_by_name(
@@ -263,3 +265,34 @@ def test_what_one_adapter_makes_of_a_token_never_reaches_another_row(
     mixed_logprobs = mixed["base"].outputs[0].logprobs
     assert mixed_logprobs is not None and alone.logprobs is not None
     assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(mixed_logprobs, alone.logprobs, strict=True))
+
+
+def test_an_adapter_on_a_linear_the_forward_never_calls_is_refused(
+    demo_path: Path,
+    tokenizer: Any,
+    adapters: dict[str, Path],
+    served: Adapters,
+    run_to_completion: Callable[..., Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A layer that reads a linear's weight itself skips the hook (mamba-ssm's kernels read Mamba's ``dt_proj`` so;
+    faked here on the MLP's ``down_proj``): the load probe finds it, and an adapter on it fails with the reason where
+    it would have been served as if that part were not there (at start, one line; at run time, its requests alone)."""
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    def fused(self: Any, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(self.act_fn(self.gate_proj(x)) * self.up_proj(x), self.down_proj.weight)
+
+    monkeypatch.setattr(LlamaMLP, "forward", fused)
+    with pytest.raises(ModelLoadError, match=r"^--lora-modules: LoRA adapter 'beta' cannot be served: it adapts"):
+        lora_engine(demo_path, tokenizer, adapters, self_check=False)  # at start: one line
+    engine = lora_engine(demo_path, tokenizer, {"alpha": adapters["alpha"]}, self_check=False)
+    assert engine.lora is not None
+    assert engine.lora.unreached and all(name.endswith("mlp.down_proj") for name in engine.lora.unreached)
+    params = SamplingParams(max_tokens=2)
+    requests = [EngineRequest(name, [1, 2, 3], params, lora=served.get(name)) for name in ("gamma", "alpha")]
+    results = run_to_completion(engine, requests)
+    error = results["gamma"].error
+    assert error is not None and error.code == "invalid_adapter"
+    assert "it adapts 'model.layers.0.mlp.down_proj', whose weight the model's forward reads without" in error.message
+    assert results["alpha"].error is None

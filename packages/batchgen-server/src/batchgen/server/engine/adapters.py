@@ -98,6 +98,8 @@ def adapter_config(name: str, path: str | Path, max_rank: int) -> dict[str, Any]
         raise refuse("it targets Conv1D layers (fan_in_fan_out)")
     if config.get("trainable_token_indices"):
         raise refuse("it trains token embeddings (trainable_token_indices)")
+    if config.get("target_parameters"):  # peft's LoRA on a module's weights (MoE experts'), not on a linear
+        raise refuse(f"it adapts weights directly (target_parameters: {config['target_parameters']})")
     if config.get("lora_bias"):
         raise refuse("it has a LoRA bias (lora_bias)")
     rank = _number(config, "r", 8, refuse, rank=True)
@@ -119,6 +121,8 @@ def adapter_config(name: str, path: str | Path, max_rank: int) -> dict[str, Any]
             raise refuse(f"it has {key} but no {twin}")
         if ".lora_A." in key:
             module = key.split(".lora_A.")[0]
+            if len(shape) > 2:  # peft's LoRA on a Conv1d/Conv2d: its A is a convolution (a state layer's, say)
+                raise refuse(f"it adapts a convolution ({module}); the engine applies LoRA to linear layers only")
             r = next((v for k, v in ranks.items() if module == k or module.endswith("." + k)), rank)
             if len(shape) != 2 or len(shapes[twin]) != 2 or shape[0] != r or shapes[twin][1] != r:
                 raise refuse(f"{module} has A {shape} and B {shapes[twin]}: not the matrices of a rank-{r} LoRA")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -51,12 +51,18 @@ class AdapterWeights:
     matrices: dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
-def read_adapter(request: LoRARequest, linears: dict[str, torch.nn.Linear], max_rank: int) -> AdapterWeights:
-    """The adapter in ``request.path``, checked against the model's decoder linears ``linears`` (by module name);
-    raises ``AdapterRefused`` naming what the engine cannot apply exactly, whatever is wrong with its files (the
-    adapter fails alone: never the step, nor anyone else's requests)."""
+def read_adapter(
+    request: LoRARequest,
+    linears: dict[str, torch.nn.Linear],
+    max_rank: int,
+    unreached: frozenset[str] = frozenset(),
+) -> AdapterWeights:
+    """The adapter in ``request.path``, checked against the model's decoder linears ``linears`` (by module name; those
+    in ``unreached`` are never called as modules, so a delta there would be skipped); raises ``AdapterRefused``
+    naming what the engine cannot apply exactly, whatever is wrong with its files (the adapter fails alone: never the
+    step, nor anyone else's requests)."""
     try:
-        return _read_adapter(request, linears, max_rank)
+        return _read_adapter(request, linears, max_rank, unreached)
     except AdapterRefused:
         raise
     except Exception as exc:  # a file cut short, a tensor of another kind, no memory for what a header claims
@@ -65,7 +71,9 @@ def read_adapter(request: LoRARequest, linears: dict[str, torch.nn.Linear], max_
         ) from None
 
 
-def _read_adapter(request: LoRARequest, linears: dict[str, torch.nn.Linear], max_rank: int) -> AdapterWeights:
+def _read_adapter(
+    request: LoRARequest, linears: dict[str, torch.nn.Linear], max_rank: int, unreached: frozenset[str]
+) -> AdapterWeights:
     config = adapter_config(request.name, request.path, max_rank)
     directory = Path(request.path)
     if (directory / WEIGHT_FILES[0]).is_file():
@@ -95,6 +103,8 @@ def _read_adapter(request: LoRARequest, linears: dict[str, torch.nn.Linear], max
         linear = linears.get(module)
         if linear is None:
             raise refuse(f"it adapts {module!r}, which is not a linear layer of the model's decoder layers")
+        if module in unreached:
+            raise refuse(f"it adapts {module!r}, whose weight the model's forward reads without calling the layer")
         b = state[key.replace(".lora_A.", ".lora_B.")]
         r = _pattern(ranks, module, rank)
         if a.shape != (r, linear.in_features) or b.shape != (linear.out_features, r):
@@ -132,12 +142,21 @@ def decoder_linears(model: torch.nn.Module, layers: list[torch.nn.Module]) -> di
     }
 
 
+def whole_stacks(model: torch.nn.Module, layers: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """Every layer of the ``nn.ModuleList``s that hold ``layers``: a decoder layer with neither attention nor state
+    (Nemotron-H's MLP-only layers) has linears too."""
+    found = {id(layer) for layer in layers}
+    stacks = [module for module in model.modules() if isinstance(module, torch.nn.ModuleList)]
+    return [layer for stack in stacks if any(id(child) in found for child in stack) for layer in stack] or layers
+
+
 def build_slots(
-    model: torch.nn.Module, attention_modules: list[torch.nn.Module], graph_rows: int, config: EngineConfig
+    model: torch.nn.Module, mixer_modules: list[torch.nn.Module], graph_rows: int, config: EngineConfig
 ) -> LoRASlots:
-    """The slots over ``model`` (its attention modules found by the probe; ``graph_rows``: the rows of its largest
-    CUDA graph, if any), for ``--max-loras`` adapters of rank up to ``--max-lora-rank``."""
-    linears = decoder_linears(model, decoder_layers(model, attention_modules))
+    """The slots over ``model`` (its attention modules found by the probe and its state layers, which name its
+    decoder layers; ``graph_rows``: the rows of its largest CUDA graph, if any), for ``--max-loras`` adapters of rank
+    up to ``--max-lora-rank``."""
+    linears = decoder_linears(model, whole_stacks(model, decoder_layers(model, mixer_modules)))
     if not linears:
         raise ModelNotSupported(type(model).__name__, "LoRA: no linear layers found in its decoder layers")
     if config.max_loras < 1 or config.max_lora_rank < 1:
@@ -190,6 +209,10 @@ class LoRASlots:
         self.reference: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
         """While set, every token runs with these matrices (an adapter's, or none: the base), computed directly (the
         self-check's reference)."""
+        self.unreached: frozenset[str] = frozenset()
+        """The linears the model's forward never calls as modules (``find_unreached``): adapters on them are refused."""
+        self.selected: torch.Tensor | None = None
+        """While a state layer's own forward runs on some of the step's rows (``rows``): those rows of the mask."""
         self._handles = []
         for name, linear in linears.items():
             weight = linear.weight
@@ -210,6 +233,22 @@ class LoRASlots:
         self._cache_lock = threading.Lock()
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchgen-lora")
 
+    def find_unreached(self, forward: Callable[[], object]) -> None:
+        """Run ``forward`` (a probe forward of the model) and keep the linears it never called: a layer that reads a
+        linear's weight itself (Mamba's ``dt_proj`` under mamba-ssm's kernels, say) skips the hook, so an adapter on
+        that linear would be served as if it were not there."""
+        seen: set[str] = set()
+        handles = [
+            linear.register_forward_hook(lambda module, args, output, name=name: seen.add(name))
+            for name, linear in self.linears.items()
+        ]
+        try:
+            forward()
+        finally:
+            for handle in handles:
+                handle.remove()
+        self.unreached = frozenset(self.linears) - seen
+
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
@@ -226,7 +265,9 @@ class LoRASlots:
             a, b = matrices
             return output + torch.nn.functional.linear(torch.nn.functional.linear(x, a), b)
         flat = x.reshape(-1, x.shape[-1])
-        off = module.lora_off[: flat.shape[0]]  # type: ignore[index]
+        off = module.lora_off[: flat.shape[0]] if self.selected is None else self.selected  # type: ignore[index]
+        if off.shape[0] != flat.shape[0]:  # a linear on something other than the call's tokens: no row to take
+            raise RuntimeError(f"LoRA: {module.lora_name} ran on {flat.shape[0]} rows in a call on {off.shape[0]}")
         down = torch.mm(flat, module.lora_a.t()).masked_fill_(off, 0)  # type: ignore[operator]
         # The add inside the GEMM (beta 1): one call, no temporary of the output's size.
         return torch.addmm(output.reshape(-1, output.shape[-1]), down, module.lora_b.t()).view(output.shape)  # type: ignore[operator]
@@ -243,7 +284,7 @@ class LoRASlots:
                 self._cache.move_to_end(key)
         if found is None:
             try:
-                found = read_adapter(request, self.linears, self.max_rank)
+                found = read_adapter(request, self.linears, self.max_rank, self.unreached)
             except AdapterRefused as exc:
                 found = exc
             with self._cache_lock:
@@ -310,6 +351,16 @@ class LoRASlots:
         them keep stale rows, and their outputs are dropped)."""
         slots = indices(token_slots, self.device)
         self.off[: len(token_slots)] = slots[:, None] != self._columns[None, :]
+
+    @contextmanager
+    def rows(self, rows: torch.Tensor | slice) -> Iterator[None]:
+        """The linears run on the step's ``rows`` alone (in that order) until the block ends: a state layer's own
+        forward on a sequence piece or on the step's decodes (``state/mixers.py``), each token with its own slot."""
+        self.selected = self.off[rows]
+        try:
+            yield
+        finally:
+            self.selected = None
 
     @contextmanager
     def referencing(self, adapter: AdapterWeights | None) -> Iterator[None]:

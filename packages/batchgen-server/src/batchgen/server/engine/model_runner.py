@@ -136,8 +136,6 @@ class ModelRunner:
         self.states: States | None = None
         """The state layers' cache and slots (models with recurrent mixers or short convolutions)."""
         if state_layers:
-            if config.enable_lora:
-                raise ModelLoadError("--enable-lora: LoRA is not served yet on models with state layers")
             interval = config.state_checkpoint_interval
             if interval % self.block_size:
                 raise ModelLoadError("--state-checkpoint-interval must be a multiple of --block-size")
@@ -195,7 +193,10 @@ class ModelRunner:
         self.lora: LoRASlots | None = None
         if config.enable_lora:
             graph_rows = self.graphs.buckets[-1] if self.graphs is not None else 0
-            self.lora = build_slots(model, probe.modules, graph_rows, config)
+            self.lora = build_slots(model, layers, graph_rows, config)
+            self.lora.find_unreached(lambda: self._probe_forward(LayerProbe()))
+            if self.states is not None:  # a state layer's own forward runs on some of the rows: their slots
+                self.states.mixers.token_rows = self.lora
         else:
             detach(model)  # an earlier engine's slots, on a model shared with it
 

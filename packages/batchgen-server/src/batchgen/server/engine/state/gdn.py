@@ -11,7 +11,8 @@ allows only where it is the only way to batch it: ``tests/engine/test_gdn.py`` c
 forward and the kernels against transformers' functions.
 
 It applies only where it is known to be that layer's math: the classes below, on CPU, float32 recurrent state, SiLU,
-no LoRA; and only where the kernels build. Elsewhere (GPU with ``flash-linear-attention`` and ``causal-conv1d`` in
+and only where the kernels build. LoRA adapters apply as on any linear: the projections run on the whole packed row,
+as the step packs it (``lora.py``). Elsewhere (GPU with ``flash-linear-attention`` and ``causal-conv1d`` in
 charge, another layer, no compiler) the generic path runs, unchanged.
 """
 

@@ -74,7 +74,8 @@ class Mixers:
         self.token_rows = rows
         self.own: list[Callable[..., torch.Tensor]] = [_install(layer, index) for index, layer in enumerate(layers)]
         """Each layer's forward as it was before (its class's, or what accelerate laid over it)."""
-        found = [None if rows is not None else fast_path(layer, cache.tensors) for layer in layers]
+        # The fast path needs no rows: it runs the layer's linears on the whole packed row, as the step packs it.
+        found = [fast_path(layer, cache.tensors) for layer in layers]
         self.fast = [step if isinstance(step, GatedDeltaNet) else None for step in found]
         """Each layer's step over the whole packed row where it has one (``gdn.py``: Gated DeltaNet on CPU)."""
         off = "; ".join(sorted({step for step in found if isinstance(step, str)})) or None
