@@ -1,11 +1,15 @@
-"""Interactive (online) requests go ahead of batch work: admitted first, preempting a batch sequence for room."""
+"""Interactive (online) requests go ahead of batch work: admitted first, preempting a batch sequence for room; and a
+step carrying their decodes takes a bounded number of prefill tokens (``StepCosts``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
-from batchgen.server.engine import EngineRequest, LLMEngine, SamplingParams
+import pytest
+
+from batchgen.server.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams
+from batchgen.server.engine.step_costs import StepCosts
 
 Run = Callable[..., Any]
 LONG = SamplingParams(max_tokens=40, ignore_eos=True)
@@ -74,3 +78,52 @@ def test_an_interactive_request_takes_kv_blocks_from_batch_work(
     assert "online" in {seq.state.request.request_id for seq in engine.scheduler.running}
     assert engine.stats().preemptions >= 1
     assert next(iter(_finish(engine))) == "online"
+
+
+def _given(engine: LLMEngine) -> dict[str, int]:
+    """The tokens the next step gives each request (scheduled, not run)."""
+    return {item.seq.state.request.request_id: item.num_tokens for item in engine.scheduler.schedule().scheduled}
+
+
+def test_a_step_with_online_decodes_takes_a_bounded_prefill(
+    make_engine: Callable[..., LLMEngine], random_prompts: Run
+) -> None:
+    prompts = random_prompts(4, 100, 100, seed=34)
+    engine = make_engine(max_num_batched_tokens=512, block_size=16)
+    for i, prompt in enumerate(prompts[:2]):
+        engine.add_request(EngineRequest(f"online{i}", prompt, LONG, interactive=True))
+    engine.step()  # the two prompts, nothing decoding: the whole budget
+    engine.add_request(EngineRequest("batch", prompts[2], LONG))
+    engine.add_request(EngineRequest("online2", prompts[3], LONG, interactive=True))
+    # A decode 2 ms, a prefill token 0.1 ms: beside 2 decodes, a 1.5x step takes 0.5 * 2 * 2 / 0.1 = 20 tokens.
+    engine.step_costs.decode_s, engine.step_costs.prefill_token_s = 2e-3, 1e-4
+    assert _given(engine) == {"online0": 1, "online1": 1, "online2": 20}
+
+
+def test_prefills_beside_batch_decodes_or_unmeasured_costs_are_not_bounded(
+    make_engine: Callable[..., LLMEngine], random_prompts: Run
+) -> None:
+    prompts = random_prompts(3, 100, 100, seed=35)
+    engine = make_engine(max_num_batched_tokens=512)
+    engine.add_request(EngineRequest("batch0", prompts[0], LONG))
+    engine.step()
+    engine.add_request(EngineRequest("online", prompts[1], LONG, interactive=True))
+    engine.add_request(EngineRequest("batch1", prompts[2], LONG))
+    engine.step_costs.decode_s, engine.step_costs.prefill_token_s = 2e-3, 1e-4
+    # Only a batch sequence decodes: an online prompt and a batch one take what the budget allows.
+    assert _given(engine) == {"batch0": 1, "online": 100, "batch1": 100}
+
+
+def test_step_costs_are_learned_from_step_times() -> None:
+    costs = StepCosts(ratio=1.5, floor=16)
+    assert costs.prefill_budget(8) is None  # nothing measured: no bound
+    costs.record(0.016, decodes=8, prefill=0)  # a decode: 2 ms
+    costs.record(0.016 + 0.1, decodes=8, prefill=1000)  # a prefill token: 0.1 ms beyond the decodes
+    assert (costs.decode_s, costs.prefill_token_s) == pytest.approx((2e-3, 1e-4))
+    assert costs.prefill_budget(8) == 80  # 8 decodes' 16 ms, half of it more: 8 ms of prefill
+    assert costs.prefill_budget(1) == 16  # 10 by the ratio: the floor
+    costs.record(0.032 + 0.01, decodes=8, prefill=10)  # too few prefill tokens to tell their cost: not counted
+    costs.record(0.032, decodes=8, prefill=0)  # a slower decode moves the average a fifth of the way
+    assert costs.decode_s == pytest.approx(2.4e-3) and costs.prefill_token_s == 1e-4
+    assert StepCosts(ratio=1.0, floor=16).prefill_budget(8) is None
+    assert "give 1" in (EngineConfig(max_mixed_step_ratio=0.5).usage_problem() or "")

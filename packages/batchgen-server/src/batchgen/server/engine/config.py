@@ -82,6 +82,13 @@ class EngineConfig:
     cpu_kv_cache_gib: float = setting(1.0, "KV cache size on CPU when --num-kv-blocks is unset")
     max_num_seqs: int = setting(256, "most sequences running in one step")
     max_num_batched_tokens: int = setting(2048, "token budget of one step: decode tokens plus prefill chunks")
+    max_mixed_step_ratio: float = setting(
+        1.5,
+        "a step that carries online requests' decodes takes only the prefill tokens that keep it within about this "
+        "many times the same decodes alone (from step times measured as the engine runs): a prompt arriving beside "
+        "streams delays their next token by this factor at most, and continues in the next steps; steps without "
+        "online decodes take prefills up to --max-num-batched-tokens; 1 turns the bound off",
+    )
     enable_prefix_caching: bool = setting(
         True, "reuse the KV cache of shared prompt prefixes", flags=("--prefix-caching",)
     )
@@ -210,6 +217,8 @@ class EngineConfig:
             return f"--runner {self.runner!r}: use auto, generate or pooling"
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             return f"--kv-cache-dtype {self.kv_cache_dtype!r}: use {', '.join(KV_CACHE_DTYPES)}"
+        if not self.max_mixed_step_ratio >= 1:  # (NaN too)
+            return f"--max-mixed-step-ratio {self.max_mixed_step_ratio}: give 1 (no bound) or more"
         if self.tensor_parallel_size < 1:
             return f"--tensor-parallel-size {self.tensor_parallel_size}: give 1 (one process) or more"
         return self._tensor_parallel_problem()
