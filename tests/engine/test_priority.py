@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from batchgen.server.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams
-from batchgen.server.engine.step_costs import StepCosts
+from batchgen.server.engine.step_costs import SMOOTHING, StepCosts
 
 Run = Callable[..., Any]
 LONG = SamplingParams(max_tokens=40, ignore_eos=True)
@@ -80,8 +80,18 @@ def test_an_interactive_request_takes_kv_blocks_from_batch_work(
     assert next(iter(_finish(engine))) == "online"
 
 
-def _given(engine: LLMEngine) -> dict[str, int]:
-    """The tokens the next step gives each request (scheduled, not run)."""
+def _measured(ratio: float = 1.5) -> StepCosts:
+    """Costs as if measured: a step of ``d`` decodes alone 2 + 2d ms, a prefill token 0.11 ms."""
+    costs = StepCosts(ratio, floor=16)
+    costs.record(0.006, decodes=2, prefill=0)
+    costs.record(0.010, decodes=4, prefill=0)
+    costs.record(0.006 + 0.011, decodes=2, prefill=100)
+    return costs
+
+
+def _given(engine: LLMEngine, costs: StepCosts) -> dict[str, int]:
+    """The tokens the next step gives each request, with these costs (scheduled, not run)."""
+    engine.scheduler.step_costs = costs
     return {item.seq.state.request.request_id: item.num_tokens for item in engine.scheduler.schedule().scheduled}
 
 
@@ -95,9 +105,9 @@ def test_a_step_with_online_decodes_takes_a_bounded_prefill(
     engine.step()  # the two prompts, nothing decoding: the whole budget
     engine.add_request(EngineRequest("batch", prompts[2], LONG))
     engine.add_request(EngineRequest("online2", prompts[3], LONG, interactive=True))
-    # A decode 2 ms, a prefill token 0.1 ms: beside 2 decodes, a 1.5x step takes 0.5 * 2 * 2 / 0.1 = 20 tokens.
-    engine.step_costs.decode_s, engine.step_costs.prefill_token_s = 2e-3, 1e-4
-    assert _given(engine) == {"online0": 1, "online1": 1, "online2": 20}
+    # 2 decodes run, 4 will once the two waiting join (10 ms a step): 1.5 x 10 ms less the 2 decodes' 6 ms leaves
+    # 9 ms, 81 prefill tokens; the online prompt takes them, the batch one waits.
+    assert _given(engine, _measured()) == {"online0": 1, "online1": 1, "online2": 81}
 
 
 def test_prefills_beside_batch_decodes_or_unmeasured_costs_are_not_bounded(
@@ -109,21 +119,29 @@ def test_prefills_beside_batch_decodes_or_unmeasured_costs_are_not_bounded(
     engine.step()
     engine.add_request(EngineRequest("online", prompts[1], LONG, interactive=True))
     engine.add_request(EngineRequest("batch1", prompts[2], LONG))
-    engine.step_costs.decode_s, engine.step_costs.prefill_token_s = 2e-3, 1e-4
     # Only a batch sequence decodes: an online prompt and a batch one take what the budget allows.
-    assert _given(engine) == {"batch0": 1, "online": 100, "batch1": 100}
+    assert _given(engine, _measured()) == {"batch0": 1, "online": 100, "batch1": 100}
+    engine = make_engine(max_num_batched_tokens=512)
+    engine.add_request(EngineRequest("online0", prompts[0], LONG, interactive=True))
+    engine.step()
+    engine.add_request(EngineRequest("online1", prompts[1], LONG, interactive=True))
+    assert _given(engine, StepCosts(1.5, floor=16)) == {"online0": 1, "online1": 100}  # nothing measured yet
 
 
 def test_step_costs_are_learned_from_step_times() -> None:
-    costs = StepCosts(ratio=1.5, floor=16)
-    assert costs.prefill_budget(8) is None  # nothing measured: no bound
-    costs.record(0.016, decodes=8, prefill=0)  # a decode: 2 ms
-    costs.record(0.016 + 0.1, decodes=8, prefill=1000)  # a prefill token: 0.1 ms beyond the decodes
-    assert (costs.decode_s, costs.prefill_token_s) == pytest.approx((2e-3, 1e-4))
-    assert costs.prefill_budget(8) == 80  # 8 decodes' 16 ms, half of it more: 8 ms of prefill
-    assert costs.prefill_budget(1) == 16  # 10 by the ratio: the floor
-    costs.record(0.032 + 0.01, decodes=8, prefill=10)  # too few prefill tokens to tell their cost: not counted
-    costs.record(0.032, decodes=8, prefill=0)  # a slower decode moves the average a fifth of the way
-    assert costs.decode_s == pytest.approx(2.4e-3) and costs.prefill_token_s == 1e-4
-    assert StepCosts(ratio=1.0, floor=16).prefill_budget(8) is None
+    costs = _measured()
+    assert costs.decodes_s(3) == pytest.approx(0.008) and costs.decodes_s(1) == pytest.approx(0.004)
+    assert costs.decodes_s(8) == pytest.approx(0.020)  # past the 4 measured: proportional to theirs
+    assert costs.prefill_token_s == pytest.approx(1.1e-4)
+    assert costs.prefill_budget(2, expected=2) == 27  # 1.5 x 6 ms less 6 ms: 3 ms of prefill tokens
+    assert costs.prefill_budget(2, expected=4) == 81  # two prompts waiting: the step they will make is the reference
+    assert _measured(ratio=1.1).prefill_budget(2, expected=2) == 16  # 0.6 ms: 5 tokens, the floor
+    costs.record(0.006 + 0.001, decodes=2, prefill=10)  # too few prefill tokens to tell their cost: not counted
+    costs.record(0.006 + 0.033, decodes=2, prefill=100)  # 0.33 ms a token: the average moves part of the way
+    assert costs.prefill_token_s == pytest.approx(1.1e-4 + SMOOTHING * 2.2e-4)
+    one_size = StepCosts(1.5, floor=16)
+    one_size.record(0.016, decodes=8, prefill=0)
+    assert one_size.decodes_s(4) == pytest.approx(0.008)  # no line through one size: proportional
+    assert one_size.prefill_budget(8, expected=8) is None  # no prefill token measured yet
+    assert StepCosts(ratio=1.0, floor=16).prefill_budget(8, expected=8) is None
     assert "give 1" in (EngineConfig(max_mixed_step_ratio=0.5).usage_problem() or "")

@@ -83,7 +83,7 @@ class EngineConfig:
     max_num_seqs: int = setting(256, "most sequences running in one step")
     max_num_batched_tokens: int = setting(2048, "token budget of one step: decode tokens plus prefill chunks")
     max_mixed_step_ratio: float = setting(
-        1.5,
+        1.25,
         "a step that carries online requests' decodes takes only the prefill tokens that keep it within about this "
         "many times the same decodes alone (from step times measured as the engine runs): a prompt arriving beside "
         "streams delays their next token by this factor at most, and continues in the next steps; steps without "

@@ -10,9 +10,9 @@ Interactive sequences (online requests) come first everywhere: they wait ahead o
 and when one cannot be admitted (the running set is full, or no block is free) the batch sequence admitted last is
 preempted to make room. A batch never makes an online request wait behind it. And a step that carries online
 requests' decodes takes only so many prefill tokens (``StepCosts.prefill_budget``: the step costs at most about
-``--max-mixed-step-ratio`` times its decodes alone), so that a prompt arriving beside streams delays their next token
-by a bounded factor; the rest of it continues in the next steps. Steps without them (a batch, prompts alone) take
-prefills up to the whole budget.
+``--max-mixed-step-ratio`` times a step of decodes alone), so that a prompt arriving beside streams delays their
+next token by a bounded factor; the rest of it continues in the next steps. Steps without them (a batch, prompts
+alone) take prefills up to the whole budget.
 
 The scheduler decides; it owns every change of a sequence's place: admission, the tokens computed as steps run,
 preemption and finishing, the forks of ``n`` choices, and what a running sequence holds: its KV blocks and its LoRA
@@ -158,7 +158,7 @@ class Scheduler:
         decodes = sum(seq.num_uncomputed == 1 for seq in self.running)
         if not any(seq.num_uncomputed == 1 and _is_interactive(seq) for seq in self.running):
             return budget
-        bound = self.step_costs.prefill_budget(decodes)
+        bound = self.step_costs.prefill_budget(decodes, min(self.max_num_seqs, len(self.running) + len(self.waiting)))
         return budget if bound is None else min(bound, budget)
 
     def changes(self) -> SchedulerOutput:
