@@ -98,11 +98,12 @@ class Scheduler:
         """Prefill tokens (chunks of more than one token) the step may still take."""
         while queue and budget > 0:
             seq = queue.popleft()
-            if not seq.num_uncomputed or (seq.num_uncomputed > 1 and not prefill):
+            left = len(seq.token_ids) - seq.num_computed_tokens  # (``num_uncomputed``, read once: a hot loop)
+            chunk = left > 1
+            if not left or (chunk and not prefill):
                 kept.append(seq)  # its last token is being sampled (it waits to be read), or a prompt past the bound
                 continue
-            chunk = seq.num_uncomputed > 1
-            num_tokens = min(seq.num_uncomputed, budget, prefill) if chunk else 1
+            num_tokens = min(left, budget, prefill) if chunk else 1
             if self.block_manager.blocks_needed(seq, num_tokens):  # else a decode within its last block: common
                 while not self.block_manager.can_allocate(seq, num_tokens) and queue:
                     self._preempt(queue.pop())
