@@ -2,6 +2,7 @@
 ``batchgen-server serve`` and ``vllm serve`` on the same model, one after the other.
 
     python benchmarks/online_serving.py [--num-prompts 64] [--max-concurrency 16] [--skip-vllm]
+    python benchmarks/online_serving.py --mixed-step-ratios 1.5 1   # batchgen with the bound, without, then vLLM
 
 Model: engine_throughput.py's ``small`` Llama (random weights) with structured.py's 32,000-token tokenizer, saved
 once in ``$BATCHGEN_CACHE_DIR``. Workload: ``vllm bench serve``'s random dataset (``--input-len`` prompt tokens,
@@ -84,8 +85,10 @@ def bench(args: argparse.Namespace, python: str, base_url: str, model: Path, nam
     return result
 
 
-def run_batchgen(args: argparse.Namespace, python: str, model: Path, work: Path) -> tuple[dict[str, Any], float]:
-    flags = [
+def run_batchgen(
+    args: argparse.Namespace, python: str, model: Path, work: Path, ratio: float | None
+) -> tuple[dict[str, Any], float]:
+    flags = [*(["--max-mixed-step-ratio", str(ratio)] if ratio is not None else []),
         "--model", str(model), "--served-model-name", "small", "--max-num-seqs", str(args.max_concurrency),
         "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--torch-threads", str(args.threads),
         "--cpu-kv-cache-gib", "1", "--no-prefix-caching", "--max-online-sequences", str(4 * args.max_concurrency),
@@ -93,7 +96,8 @@ def run_batchgen(args: argparse.Namespace, python: str, model: Path, work: Path)
     with ServerProcess(work / "batchgen", *flags) as server:
         assert server.process is not None
         before = cpu_seconds(server.process.pid)
-        result = bench(args, python, server.base_url, model, "small", work / "batchgen.json")
+        out = work / ("batchgen.json" if ratio is None else f"batchgen-ratio-{ratio}.json")
+        result = bench(args, python, server.base_url, model, "small", out)
         return result, cpu_seconds(server.process.pid) - before
 
 
@@ -160,6 +164,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-vllm", action="store_true")
+    parser.add_argument(
+        "--mixed-step-ratios",
+        type=float,
+        nargs="*",
+        default=[],
+        help="a batchgen run for each --max-mixed-step-ratio (default: one run with the server's default)",
+    )
     parser.add_argument("--vllm-python", default=None)
     parser.add_argument(
         "--details", type=Path, help="keep each client's detailed results here (every request's ITLs, in the order)"
@@ -180,8 +191,11 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     with tempfile.TemporaryDirectory() as work_dir:
         work = Path(work_dir)
-        result, cpu_s = run_batchgen(args, str(python), model, work)
-        print(row("batchgen", result, cpu_s), flush=True)
+        runs = []  # the first is compared with vLLM's below
+        for ratio in args.mixed_step_ratios or [None]:
+            runs.append(run_batchgen(args, str(python), model, work, ratio))
+            print(row("batchgen" if ratio is None else f"batchgen, ratio {ratio:g}", *runs[-1]), flush=True)
+        result, cpu_s = runs[0]
         if not args.skip_vllm:
             peer, peer_cpu_s = run_vllm(args, str(python), model, work)
             print(row(f"vLLM {peer.get('vllm_version', '')} (vllm serve)".replace("  ", " "), peer, peer_cpu_s))

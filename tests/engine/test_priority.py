@@ -1,11 +1,15 @@
-"""Interactive (online) requests go ahead of batch work: admitted first, preempting a batch sequence for room."""
+"""Interactive (online) requests go ahead of batch work: admitted first, preempting a batch sequence for room; and a
+step carrying their decodes takes a bounded number of prefill tokens (``StepCosts``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
-from batchgen.server.engine import EngineRequest, LLMEngine, SamplingParams
+import pytest
+
+from batchgen.server.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams
+from batchgen.server.engine.step_costs import SMOOTHING, StepCosts
 
 Run = Callable[..., Any]
 LONG = SamplingParams(max_tokens=40, ignore_eos=True)
@@ -74,3 +78,70 @@ def test_an_interactive_request_takes_kv_blocks_from_batch_work(
     assert "online" in {seq.state.request.request_id for seq in engine.scheduler.running}
     assert engine.stats().preemptions >= 1
     assert next(iter(_finish(engine))) == "online"
+
+
+def _measured(ratio: float = 1.5) -> StepCosts:
+    """Costs as if measured: a step of ``d`` decodes alone 2 + 2d ms, a prefill token 0.11 ms."""
+    costs = StepCosts(ratio, floor=16)
+    costs.record(0.006, decodes=2, prefill=0)
+    costs.record(0.010, decodes=4, prefill=0)
+    costs.record(0.006 + 0.011, decodes=2, prefill=100)
+    return costs
+
+
+def _given(engine: LLMEngine, costs: StepCosts) -> dict[str, int]:
+    """The tokens the next step gives each request, with these costs (scheduled, not run)."""
+    engine.scheduler.step_costs = costs
+    return {item.seq.state.request.request_id: item.num_tokens for item in engine.scheduler.schedule().scheduled}
+
+
+def test_a_step_with_online_decodes_takes_a_bounded_prefill(
+    make_engine: Callable[..., LLMEngine], random_prompts: Run
+) -> None:
+    prompts = random_prompts(4, 100, 100, seed=34)
+    engine = make_engine(max_num_batched_tokens=512, block_size=16)
+    for i, prompt in enumerate(prompts[:2]):
+        engine.add_request(EngineRequest(f"online{i}", prompt, LONG, interactive=True))
+    engine.step()  # the two prompts, nothing decoding: the whole budget
+    engine.add_request(EngineRequest("batch", prompts[2], LONG))
+    engine.add_request(EngineRequest("online2", prompts[3], LONG, interactive=True))
+    # 2 decodes run, 4 will once the two waiting join (10 ms a step): 1.5 x 10 ms less the 2 decodes' 6 ms leaves
+    # 9 ms, 81 prefill tokens; the online prompt takes them, the batch one waits.
+    assert _given(engine, _measured()) == {"online0": 1, "online1": 1, "online2": 81}
+
+
+def test_prefills_beside_batch_decodes_or_unmeasured_costs_are_not_bounded(
+    make_engine: Callable[..., LLMEngine], random_prompts: Run
+) -> None:
+    prompts = random_prompts(3, 100, 100, seed=35)
+    engine = make_engine(max_num_batched_tokens=512)
+    engine.add_request(EngineRequest("batch0", prompts[0], LONG))
+    engine.step()
+    engine.add_request(EngineRequest("online", prompts[1], LONG, interactive=True))
+    engine.add_request(EngineRequest("batch1", prompts[2], LONG))
+    # Only a batch sequence decodes: an online prompt and a batch one take what the budget allows.
+    assert _given(engine, _measured()) == {"batch0": 1, "online": 100, "batch1": 100}
+    engine = make_engine(max_num_batched_tokens=512)
+    engine.add_request(EngineRequest("online0", prompts[0], LONG, interactive=True))
+    engine.step()
+    engine.add_request(EngineRequest("online1", prompts[1], LONG, interactive=True))
+    assert _given(engine, StepCosts(1.5, floor=16)) == {"online0": 1, "online1": 100}  # nothing measured yet
+
+
+def test_step_costs_are_learned_from_step_times() -> None:
+    costs = _measured()
+    assert costs.decodes_s(3) == pytest.approx(0.008) and costs.decodes_s(1) == pytest.approx(0.004)
+    assert costs.decodes_s(8) == pytest.approx(0.020)  # past the 4 measured: proportional to theirs
+    assert costs.prefill_token_s == pytest.approx(1.1e-4)
+    assert costs.prefill_budget(2, expected=2) == 27  # 1.5 x 6 ms less 6 ms: 3 ms of prefill tokens
+    assert costs.prefill_budget(2, expected=4) == 81  # two prompts waiting: the step they will make is the reference
+    assert _measured(ratio=1.1).prefill_budget(2, expected=2) == 16  # 0.6 ms: 5 tokens, the floor
+    costs.record(0.006 + 0.001, decodes=2, prefill=10)  # too few prefill tokens to tell their cost: not counted
+    costs.record(0.006 + 0.033, decodes=2, prefill=100)  # 0.33 ms a token: the average moves part of the way
+    assert costs.prefill_token_s == pytest.approx(1.1e-4 + SMOOTHING * 2.2e-4)
+    one_size = StepCosts(1.5, floor=16)
+    one_size.record(0.016, decodes=8, prefill=0)
+    assert one_size.decodes_s(4) == pytest.approx(0.008)  # no line through one size: proportional
+    assert one_size.prefill_budget(8, expected=8) is None  # no prefill token measured yet
+    assert StepCosts(ratio=1.0, floor=16).prefill_budget(8, expected=8) is None
+    assert "give 1" in (EngineConfig(max_mixed_step_ratio=0.5).usage_problem() or "")

@@ -82,6 +82,13 @@ class EngineConfig:
     cpu_kv_cache_gib: float = setting(1.0, "KV cache size on CPU when --num-kv-blocks is unset")
     max_num_seqs: int = setting(256, "most sequences running in one step")
     max_num_batched_tokens: int = setting(2048, "token budget of one step: decode tokens plus prefill chunks")
+    max_mixed_step_ratio: float = setting(
+        1.25,
+        "a step that carries online requests' decodes takes only the prefill tokens that keep it within about this "
+        "many times the same decodes alone (from step times measured as the engine runs): a prompt arriving beside "
+        "streams delays their next token by this factor at most, and continues in the next steps; steps without "
+        "online decodes take prefills up to --max-num-batched-tokens; 1 turns the bound off",
+    )
     enable_prefix_caching: bool = setting(
         True, "reuse the KV cache of shared prompt prefixes", flags=("--prefix-caching",)
     )
@@ -227,6 +234,8 @@ class EngineConfig:
                 return f"{flag} {size}: give 1 (one process) or more"
         if self.distributed_executor_backend not in ("mp", "ray"):
             return f"--distributed-executor-backend {self.distributed_executor_backend!r}: use mp or ray"
+        if not self.max_mixed_step_ratio >= 1:  # (NaN too)
+            return f"--max-mixed-step-ratio {self.max_mixed_step_ratio}: give 1 (no bound) or more"
         return self._tensor_parallel_problem()
 
     @property

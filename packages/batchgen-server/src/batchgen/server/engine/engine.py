@@ -29,6 +29,7 @@ from .request import EngineError, EngineRequest, EngineResult, GrammarError, Tas
 from .scheduler import Scheduler
 from .scheduler_output import ScheduledSeq
 from .sequence import RequestState, Sequence, Status
+from .step_costs import StepCosts
 
 
 class LLMEngine:
@@ -68,6 +69,9 @@ class LLMEngine:
         self._seeds = random.Random(config.seed)
         self._requests: dict[str, RequestState] = {}
         self.lora: LoRASlots | None = self.runner.lora
+        self.step_costs = StepCosts(config.max_mixed_step_ratio, config.block_size)
+        # On CPU the step is this thread's work: its CPU time, which other processes on shared cores do not swing.
+        self._step_clock = time.thread_time if self.runner.device.type == "cpu" else time.perf_counter
         self.scheduler = Scheduler(
             self._fresh_cache(),
             self.runner.max_num_seqs,
@@ -75,6 +79,7 @@ class LLMEngine:
             self.runner.copy_block,
             self.lora,
             pooled_from_last=pooler.mode == "last",
+            step_costs=self.step_costs,
         )
         self.outputs = OutputProcessor(tokenizer, self.scheduler, self._requests, pooler)
         self._ready: list[EngineResult] = []
@@ -229,6 +234,7 @@ class LLMEngine:
         step ends on a stop token or string computes one more token in the next for nothing (one that ends by
         length does not: that is known at launch). Steps after which the next one needs the host to know their
         tokens (penalties, ``n`` > 1 forks, embeddings) are read before the next is scheduled."""
+        started = self._step_clock()
         finished, self._ready = self._ready, []
         if self._in_flight is not None and not self._in_flight.overlappable:
             self._settle(finished)
@@ -248,6 +254,7 @@ class LLMEngine:
             self._settle(finished)  # one step at a time; or every request ended, and what runs is not wanted
         self.runner.update_states(self.scheduler.changes())  # the rows of the sequences the step ended go back now
         self._step = None  # it went through (and holds no finished request's state past its step)
+        self.step_costs.observe(self._step_clock() - started, scheduled)
         return finished
 
     def _launch(self, scheduled: list[ScheduledSeq], finished: list[EngineResult]) -> Launched | None:

@@ -8,7 +8,11 @@ stay in the prefix cache) and it goes back to the front of the queue, to be reco
 
 Interactive sequences (online requests) come first everywhere: they wait ahead of batch ones, run first in a step,
 and when one cannot be admitted (the running set is full, or no block is free) the batch sequence admitted last is
-preempted to make room. A batch never makes an online request wait behind it.
+preempted to make room. A batch never makes an online request wait behind it. And a step that carries online
+requests' decodes takes only so many prefill tokens (``StepCosts.prefill_budget``: the step costs at most about
+``--max-mixed-step-ratio`` times a step of decodes alone), so that a prompt arriving beside streams delays their
+next token by a bounded factor; the rest of it continues in the next steps. Steps without them (a batch, prompts
+alone) take prefills up to the whole budget.
 
 The scheduler decides; it owns every change of a sequence's place: admission, the tokens computed as steps run,
 preemption and finishing, the forks of ``n`` choices, and what a running sequence holds: its KV blocks and its LoRA
@@ -25,6 +29,7 @@ from typing import TYPE_CHECKING, Protocol
 from .block_manager import BlockManager
 from .scheduler_output import ScheduledSeq, SchedulerOutput
 from .sequence import PENDING, Sequence, Status
+from .step_costs import StepCosts
 
 if TYPE_CHECKING:
     from .adapters import LoRARequest
@@ -49,6 +54,7 @@ class Scheduler:
         copy_block: Callable[[int, int], None],
         adapters: AdapterSlots | None = None,
         pooled_from_last: bool = False,
+        step_costs: StepCosts | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.pooled_from_last = pooled_from_last
@@ -59,6 +65,8 @@ class Scheduler:
         """Copies a cache block's contents (a fork's partly filled last block)."""
         self.adapters = adapters
         """The LoRA slots: a sequence runs once its adapter holds one."""
+        self.step_costs = step_costs
+        """What bounds the prefill tokens of a step that carries online requests' decodes (``None``: nothing)."""
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -84,13 +92,18 @@ class Scheduler:
         scheduled: list[ScheduledSeq] = []
         kept: list[Sequence] = []
         # Interactive first (a stable sort keeps admission order within each kind), so ``queue.pop()`` preempts batch.
-        queue = deque(sorted(self.running, key=_is_batch) if any(map(_is_interactive, self.running)) else self.running)
+        interactive = any(map(_is_interactive, self.running))
+        queue = deque(sorted(self.running, key=_is_batch) if interactive else self.running)
+        prefill = self._prefill_budget(budget) if interactive else budget
+        """Prefill tokens (chunks of more than one token) the step may still take."""
         while queue and budget > 0:
             seq = queue.popleft()
-            if not seq.num_uncomputed:  # its last token is being sampled: it only waits for its step to be read
-                kept.append(seq)
+            left = len(seq.token_ids) - seq.num_computed_tokens  # (``num_uncomputed``, read once: a hot loop)
+            chunk = left > 1
+            if not left or (chunk and not prefill):
+                kept.append(seq)  # its last token is being sampled (it waits to be read), or a prompt past the bound
                 continue
-            num_tokens = _chunk(seq, min(seq.num_uncomputed, budget))
+            num_tokens = _chunk(seq, min(left, budget, prefill)) if chunk else 1
             if self.block_manager.blocks_needed(seq, num_tokens):  # else a decode within its last block: common
                 while not self.block_manager.can_allocate(seq, num_tokens) and queue:
                     self._preempt(queue.pop())
@@ -101,15 +114,17 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, num_tokens))
             kept.append(seq)
             budget -= num_tokens
+            if chunk:
+                prefill -= num_tokens
         kept.extend(queue)  # not reached this step (budget spent): they keep their blocks and run next step
         self.running = kept
 
-        while self.waiting and budget > 0:
+        while self.waiting and budget > 0 and prefill > 0:
             seq = self.waiting[0]
             if len(self.running) >= self.max_num_seqs:
                 if not _is_interactive(seq) or (refund := self._preempt_batch(scheduled)) is None:
                     break
-                budget += refund
+                budget, prefill = budget + refund, prefill + (refund if refund > 1 else 0)
             lora = seq.state.request.lora
             if lora is not None and self.adapters is not None and not self.adapters.can_take(lora):
                 break  # every slot holds another adapter that runs: it waits for one to be released
@@ -118,12 +133,12 @@ class Scheduler:
             request = seq.state.request
             reads_cache = self.pooled_from_last if request.task == "embed" else not seq.state.wants_prompt_logprobs(seq)
             cached = self.block_manager.match_prefix(seq) if reads_cache else 0
-            num_tokens = _chunk(seq, min(seq.num_uncomputed, budget))
+            num_tokens = _chunk(seq, min(seq.num_uncomputed, budget, prefill))
             while not self.block_manager.can_allocate(seq, num_tokens):
                 if not _is_interactive(seq) or (refund := self._preempt_batch(scheduled)) is None:
                     break
-                budget += refund
-                num_tokens = _chunk(seq, min(seq.num_uncomputed, budget))
+                budget, prefill = budget + refund, prefill + (refund if refund > 1 else 0)
+                num_tokens = _chunk(seq, min(seq.num_uncomputed, budget, prefill))
             if not self.block_manager.can_allocate(seq, num_tokens):
                 self.block_manager.free_seq(seq)  # a waiting sequence holds no blocks
                 break
@@ -134,7 +149,18 @@ class Scheduler:
             self._run(seq)
             scheduled.append(ScheduledSeq(seq, num_tokens))
             budget -= num_tokens
+            prefill -= num_tokens
         return self._output(scheduled)
+
+    def _prefill_budget(self, budget: int) -> int:
+        """The prefill tokens a step may take while online requests run: bounded where they decode."""
+        if self.step_costs is None:
+            return budget
+        decodes = sum(seq.num_uncomputed == 1 for seq in self.running)
+        if not any(seq.num_uncomputed == 1 and _is_interactive(seq) for seq in self.running):
+            return budget
+        bound = self.step_costs.prefill_budget(decodes, min(self.max_num_seqs, len(self.running) + len(self.waiting)))
+        return budget if bound is None else min(bound, budget)
 
     def changes(self) -> SchedulerOutput:
         """The sequences that started and stopped running since the last report, with nothing scheduled: the engine
