@@ -391,3 +391,64 @@ def gemma4(path: Path) -> Path:
 
 
 BUILDERS["gemma4"] = gemma4
+
+
+def llava_next(path: Path, onevision: bool = False) -> Path:
+    """LLaVA-NeXT ("anyres"): each picture resized into the best grid of 28-pixel tiles for its size, the tiles plus
+    a base view through the tower, the grid's features unpadded back to the picture's aspect ratio with an
+    ``image_newline`` ending each row, so pictures of other sizes take other numbers of placeholders. LLaVA-OneVision
+    (``onevision``): the same on SigLIP and Qwen2, its grid's features pooled down past ``anyres_max_1``."""
+    from transformers import CLIPVisionConfig, LlamaConfig, Qwen2Config, SiglipVisionConfig
+
+    if onevision:
+        from transformers import LlavaOnevisionConfig as Config
+        from transformers import LlavaOnevisionForConditionalGeneration as Model
+        from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
+            LlavaOnevisionImageProcessorPil as Pil,
+        )
+    else:
+        from transformers import LlavaNextConfig as Config  # type: ignore[assignment]
+        from transformers import LlavaNextForConditionalGeneration as Model  # type: ignore[assignment]
+        from transformers.models.llava_next.image_processing_pil_llava_next import (  # type: ignore[assignment]
+            LlavaNextImageProcessorPil as Pil,
+        )
+
+    tok = byte_tokenizer(["<image>", "<video>"], LLAVA_TEMPLATE)
+    tower = SiglipVisionConfig if onevision else CLIPVisionConfig
+    vision = tower(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28, patch_size=14
+    )
+    pinpoints = [[28, 56], [56, 28], [56, 56], [28, 84], [84, 28]]
+    text = (Qwen2Config if onevision else LlamaConfig)(**TEXT, vocab_size=len(tok))
+    extra = {"vision_aspect_ratio": "anyres_max_1", "video_token_index": tok.convert_tokens_to_ids("<video>")}
+    config = Config(
+        vision_config=vision, text_config=text, image_token_index=tok.convert_tokens_to_ids("<image>"),
+        vision_feature_layer=-1, image_grid_pinpoints=pinpoints,
+        vision_feature_select_strategy="full" if onevision else "default", **(extra if onevision else {}),
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Model(config).float()
+    with torch.no_grad():  # a newline unlike the other rows (initialised small)
+        model.model.image_newline.normal_(0, 1.0)
+    if onevision:
+        ip = Pil(size={"height": 28, "width": 28}, image_grid_pinpoints=pinpoints)
+        processor = {
+            "processor_class": "LlavaOnevisionProcessor", "num_image_tokens": 4,
+            "vision_feature_select_strategy": "full", "vision_aspect_ratio": "anyres_max_1", "image_token": "<image>",
+            "video_token": "<video>",
+        }  # fmt: skip
+    else:
+        ip = Pil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}, image_grid_pinpoints=pinpoints)
+        processor = {
+            "processor_class": "LlavaNextProcessor", "patch_size": 14, "vision_feature_select_strategy": "default",
+            "num_additional_image_tokens": 1, "image_token": "<image>",
+        }  # fmt: skip
+    return _save(path, model, tok, ip, processor)
+
+
+def llava_onevision(path: Path) -> Path:
+    return llava_next(path, onevision=True)
+
+
+BUILDERS["llava_next"] = llava_next
+BUILDERS["llava_onevision"] = llava_onevision

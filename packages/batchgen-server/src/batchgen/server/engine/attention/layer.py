@@ -13,8 +13,11 @@ from typing import Any
 import torch
 
 IRRELEVANT = frozenset(
-    {"position_ids", "use_cache", "output_attentions", "output_router_logits", "output_hidden_states", "return_dict"}
-)
+    {
+        "position_ids", "use_cache", "output_attentions", "output_router_logits", "output_hidden_states", "return_dict",
+        "logits_to_keep",  # LLaVA-OneVision hands it to its language model too; only the head slices by it
+    }
+)  # fmt: skip
 """Keywords the layers pass along that do not change what attention computes."""
 
 

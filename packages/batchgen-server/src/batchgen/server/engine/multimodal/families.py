@@ -133,6 +133,64 @@ class Idefics3(Family):
         return list(model.model.get_image_features(pixel_values=pixels, pixel_attention_mask=masks).pooler_output)
 
 
+class LlavaNext(Family):
+    """LLaVA-NeXT ("anyres"): each picture a grid of tiles plus a base view (``pixel_values`` padded to the prompt's
+    most tiles), its placeholders as many as the processor's own expansion gives for its size; the model's
+    ``get_image_features`` packs each picture's rows itself (grid unpadded to the picture's aspect ratio, an
+    ``image_newline`` ending each row, after the base view's rows)."""
+
+    name = "LLaVA-NeXT"
+
+    def counts(self, out: Mapping[str, Any], num_images: int, positions: np.ndarray, processor: Any) -> list[int]:
+        return [len(processor.replace_image_token(out, i)) // len(processor.image_token) for i in range(num_images)]
+
+    def split(self, out: Mapping[str, Any], counts: list[int], processor: Any) -> list[dict[str, Any]]:
+        from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
+
+        tile = out["pixel_values"].shape[-1]  # the tower's image size, which the model tiles by
+        pinpoints = processor.image_processor.image_grid_pinpoints
+        return [
+            {
+                "pixel_values": out["pixel_values"][i, : image_size_to_num_patches(size, pinpoints, tile)],
+                "image_sizes": out["image_sizes"][i : i + 1],
+            }
+            for i, size in enumerate(out["image_sizes"].tolist())
+        ]
+
+    @torch.no_grad()
+    def encode(self, model: Any, images: Sequence[Mapping[str, Any]]) -> list[torch.Tensor]:
+        """The pictures' tiles padded to the most tiles (the model slices each picture's own back by its size)."""
+        most = max(image["pixel_values"].shape[0] for image in images)
+        pixels = torch.stack([
+            torch.cat([image["pixel_values"], image["pixel_values"].new_zeros(most - image["pixel_values"].shape[0],
+                                                                              *image["pixel_values"].shape[1:])])
+            for image in images
+        ]).to(model.device, model.dtype)  # fmt: skip
+        sizes = torch.cat([image["image_sizes"] for image in images]).to(model.device)
+        return list(
+            model.model.get_image_features(pixel_values=pixels, image_sizes=sizes, **self._kwargs(images)).pooler_output
+        )
+
+    def _kwargs(self, images: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        return {}
+
+
+class LlavaOnevision(LlavaNext):
+    """LLaVA-OneVision: LLaVA-NeXT's anyres, its grid's features pooled down past ``vision_aspect_ratio``. The
+    processor is handed a prompt's pictures as one flat list, which it (and ``generate`` on the same call) tiles
+    each as a single image (``batch_num_images`` all ones), so each picture's rows are its own."""
+
+    name = "LLaVA-OneVision"
+
+    def split(self, out: Mapping[str, Any], counts: list[int], processor: Any) -> list[dict[str, Any]]:
+        if any(int(n) != 1 for n in out["batch_num_images"]):  # prompt_inputs passes a flat list: never
+            raise ValueError("LLaVA-OneVision's multi-image layout (untiled pictures) is not driven")
+        return super().split(out, counts, processor)
+
+    def _kwargs(self, images: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        return {"batch_num_images": torch.ones(len(images), dtype=torch.long)}
+
+
 class Qwen3VL(Qwen2_5VL):
     """Qwen3-VL: Qwen2.5-VL's grids and M-RoPE, plus deepstack features (one ``[rows, hidden]`` per layer), which
     each image's encoder output carries after its embedding columns and the language model adds to its first
@@ -232,7 +290,8 @@ class Gemma4(Family):
 
 
 FAMILIES: dict[str, type[Family]] = {
-    "gemma3": Gemma3, "gemma4": Gemma4, "idefics3": Idefics3, "llava": Family, "mistral3": Mistral3,
+    "gemma3": Gemma3, "gemma4": Gemma4, "idefics3": Idefics3, "llava": Family, "llava_next": LlavaNext,
+    "llava_onevision": LlavaOnevision, "mistral3": Mistral3,
     "qwen2_5_vl": Qwen2_5VL, "qwen3_5": Qwen2_5VL, "qwen3_vl": Qwen3VL, "smolvlm": Idefics3,
 }  # fmt: skip
 """The families the engine drives exactly (tests/engine/test_images.py checks each against ``generate``)."""
