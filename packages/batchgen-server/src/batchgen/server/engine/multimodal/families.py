@@ -294,7 +294,7 @@ FAMILIES: dict[str, type[Family]] = {
     "llava_onevision": LlavaOnevision, "mistral3": Mistral3,
     "qwen2_5_vl": Qwen2_5VL, "qwen3_5": Qwen2_5VL, "qwen3_vl": Qwen3VL, "smolvlm": Idefics3,
 }  # fmt: skip
-"""The families the engine drives exactly (tests/engine/test_images.py checks each against ``generate``)."""
+"""The families the engine drives exactly (tests/engine/test_vision_language.py checks each against ``generate``)."""
 
 
 def family_of(config: Any) -> Family | None:
