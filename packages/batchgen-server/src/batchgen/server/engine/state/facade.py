@@ -1,6 +1,7 @@
 """What a state layer calls on its ``cache`` argument: transformers' state API (``cache_utils.py``: ``Cache.
-get_conv_state``, ``update_conv_state``, ``get_recurrent_state``, ``update_recurrent_state``, ``is_recording_past``),
-over one call's states: a batch of sequences (dimension 0) that all start fresh, or all continue.
+get_conv_state``, ``update_conv_state``, ``get_recurrent_state``, ``update_recurrent_state``, ``is_recording_past``,
+and 5.25's ``get_recurrent_states_to_keep`` and ``increase_count``), over one call's states: a batch of sequences
+(dimension 0) that all start fresh, or all continue.
 
 Every recurrent mixer of transformers 5 (Gated DeltaNet, Kimi Delta Attention, Mamba 1 and 2, short convolutions)
 reads and writes its state only through these methods, so the engine runs the layer's own forward over its own
@@ -78,3 +79,12 @@ class StateFacade:
     def is_recording_past(self, layer_idx: int | None = None) -> bool:
         """Speculative decoding's rollback, which the engine does not use."""
         return False
+
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        """How many states after the last tokens a multi-token call keeps for that rollback (transformers 5.25):
+        none."""
+        return 0
+
+    def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
+        """A one-token call updated its convolution state in place (transformers 5.25 counts the tokens a layer has
+        seen): the engine knows its sequences' positions itself."""
