@@ -59,9 +59,10 @@ class States:
                 # unless the prompt is a whole number of blocks.
                 ends = (prompt // bs * bs, (prompt - 1) // bs * bs, seq.state_reuse)
                 for boundary in range((start // bs + 1) * bs, min(end, prompt) + 1, bs):
-                    wanted = boundary in ends or (self.interval and boundary % self.interval == 0)
-                    key = seq.block_hashes[boundary // bs - 1]  # hashed at admission (``BlockManager.allocate``)
-                    if wanted and (slot := self.slots.take(key)) is not None:
+                    if not (boundary in ends or (self.interval and boundary % self.interval == 0)):
+                        continue
+                    # Keyed by the hash of the block ending there (hashed at admission: ``BlockManager.allocate``).
+                    if (slot := self.slots.take(seq.block_hashes[boundary // bs - 1])) is not None:
                         checkpoints.append((boundary, slot))
                 seq.state_checkpoints += checkpoints
             step.add(piece.row, piece.num_tokens, start, seq.state_slot, tuple(checkpoints))
