@@ -503,6 +503,7 @@ def main() -> None:
 
     if "prefix" not in args.skip and args.family != "llama":
         shared_prefix_of_hybrid(model, tokenizer, workload, config, args.seed, on_cpu)
+        exact_repeats_of_hybrid(model, tokenizer, workload, config, on_cpu)
     elif "prefix" not in args.skip:
         rng = random.Random(args.seed + 1)
         system = [rng.randrange(3, 32000) for _ in range(1000)]
@@ -548,6 +549,29 @@ def shared_prefix_of_hybrid(
         f"{vllm_hits:,} cached tokens: {total - vllm_hits:,} prompt tokens computed of {total:,}; with Qwen3.5-4B's "
         f"layers its blocks are 528 tokens: no hit, {total:,} computed"
     )
+
+
+def exact_repeats_of_hybrid(
+    model: Any, tokenizer: Any, workload: list[tuple[list[int], int]], config: EngineConfig, cpu: bool
+) -> None:
+    """16 prompts, 4 lines each (eval repeats: the set again; n samples as lines: each in a row), at the workload's
+    lengths and cut to whole blocks (a repeat resumes one block before such a prompt's end): prompt tokens computed
+    on a hybrid model, against the least possible (the first pass, then each repeat's last block)."""
+    block = config.block_size
+    rows = []
+    for cut in (False, True):
+        prompts = [(p[: len(p) // block * block] if cut else p, min(out, 32)) for p, out in workload[:16]]
+        least = sum(len(p) for p, _ in prompts) + 3 * sum(len(p) - (len(p) - 1) // block * block for p, _ in prompts)
+        for in_a_row in (False, True):
+            lines = [line for line in prompts for _ in range(4)] if in_a_row else prompts * 4
+            total = sum(len(p) for p, _ in lines)
+            row, _, stats, _ = run_engine(model, tokenizer, lines, config)
+            order = "each 4x in a row" if in_a_row else "set 4x"
+            row.name = f"{'whole blocks' if cut else 'workload lengths'}, {order}"
+            row.note = f"{total - stats.cached_tokens:,} prompt tokens computed of {total:,} (least {least:,})"
+            rows.append(row)
+    print()
+    print_table("Exact repeats, hybrid model (16 prompts x 4 lines)", rows, rows[0], cpu)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,9 @@ from typing import Any
 
 import pytest
 import torch
+import transformers
 from graph_helpers import Rerun
+from packaging.version import Version
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from batchgen.server import cli
@@ -74,10 +76,15 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "gpt_bigcode": {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 512},
 }
 
+FALCON = {"num_kv_heads": 2, "new_decoder_architecture": True}
 REFUSED: dict[str, tuple[dict[str, Any], str]] = {
-    "falcon": ({"num_kv_heads": 2, "new_decoder_architecture": True}, "does not run through transformers' Attention"),
     "bloom": ({"n_embed": 64, "n_layer": 2, "n_head": 4}, "does not run through transformers' Attention"),
 }
+# Falcon's attention runs through the AttentionInterface from transformers 5.25 on: served (exactly) there.
+if Version(transformers.__version__) >= Version("5.25"):
+    ARCHITECTURES["falcon"] = FALCON
+else:
+    REFUSED["falcon"] = (FALCON, "does not run through transformers' Attention")
 
 QK_GAIN = {"gemma2": 8.0}
 """Attention logits of random weights are tiny; these make them large enough for the soft-cap to bite."""
@@ -252,7 +259,7 @@ def test_the_commands_refuse_in_one_line(
     command: str, tokenizer: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``serve`` and ``run-batch`` print the refusal as one line and exit 1, with no traceback."""
-    path = _build("falcon", REFUSED["falcon"][0], tokenizer, tmp_path / "falcon")
+    path = _build("bloom", REFUSED["bloom"][0], tokenizer, tmp_path / "bloom")
     common = ["--model", str(path), "--served-model-name", "demo", "--device", "cpu", "--num-kv-blocks", "64"]
     if command == "serve":
         args = ["serve", *common, "--storage", str(tmp_path / "data"), "--port", "0"]
@@ -264,7 +271,7 @@ def test_the_commands_refuse_in_one_line(
     err = capsys.readouterr().err
     assert "Traceback" not in err  # transformers' own loading progress may come before the line
     assert err.strip().splitlines()[-1] == (
-        "batchgen-server: batchgen cannot serve FalconForCausalLM models: its attention does not run through "
+        "batchgen-server: batchgen cannot serve BloomForCausalLM models: its attention does not run through "
         "transformers' AttentionInterface, so the engine cannot give it a paged KV cache"
     )
 

@@ -193,6 +193,23 @@ def test_a_shared_system_prompt_is_computed_once_or_twice(qwen3_5: tuple[Path, R
         assert results[f"p{i}"].outputs[0].token_ids == reference.greedy(prompt)[0][:4]
 
 
+def test_an_exact_repeat_of_a_whole_blocks_prompt_hits(qwen3_5: tuple[Path, Reference], tokenizer: Any) -> None:
+    """The same 40-token prompt (5 blocks of 8) as four lines, two at a time (n samples as separate lines): a repeat
+    must recompute at least the last token, so it resumes at the last block boundary before the prompt's end (32),
+    where the first line left a checkpoint beside the one at its end (40, for longer prompts extending it)."""
+    path, reference = qwen3_5
+    engine = _engine(path, tokenizer, block_size=8, max_num_seqs=2)
+    prompt = _prompts()[4]
+    assert len(prompt) == 40
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    results = _run(engine, [EngineRequest(f"p{i}", list(prompt), params) for i in range(4)])
+    assert [results[f"p{i}"].cached_tokens for i in range(4)] == [0, 0, 32, 32]
+    stats = engine.stats()
+    assert stats.prompt_tokens - stats.cached_tokens == 40 + 40 + 8 + 8
+    for i in range(4):
+        assert results[f"p{i}"].outputs[0].token_ids == reference.greedy(prompt)[0][:4]
+
+
 def test_a_failing_step_recomputes_the_states_it_advanced(
     qwen3_5: tuple[Path, Reference], tokenizer: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -275,14 +292,31 @@ def test_cache_sizes_share_one_budget() -> None:
 def test_checkpoints_are_kept_least_recently_used_and_dropped_with_their_block() -> None:
     copies: list[tuple[int, int]] = []
     slots = StateSlots(live=2, checkpoints=2, copy=lambda src, dst: copies.append((src, dst)))
-    first, second = slots.take(), slots.take()
+    first, second = slots.take(101), slots.take(102)
     assert first is not None and second is not None
     slots.publish(101, first)
     slots.publish(102, second)
     assert slots.longest([101, 102]) == (2, second)
     assert slots.longest([101, 999]) == (1, first)  # 101 is now the most recently used
-    third = slots.take()  # none free: 102, least recently used, is evicted
+    third = slots.take(103)  # none free: 102, least recently used, is evicted
     assert third == second and slots.longest([101, 102]) == (1, first)
     slots.discard(third)
     slots.forget(101)  # its block was recycled
     assert slots.longest([101]) == (0, None) and slots.published == 0
+
+
+def test_a_checkpoint_kept_or_being_written_is_not_taken_twice() -> None:
+    """Lines repeating a prompt cross the same boundaries: only the first takes a slot there, so repeats never evict
+    other prefixes' checkpoints for a copy they would drop."""
+    slots = StateSlots(live=2, checkpoints=2, copy=lambda src, dst: None)
+    writing = slots.take(101)
+    assert writing is not None and slots.take(101) is None  # being written
+    other = slots.take(102)
+    assert other is not None
+    slots.publish(102, other)
+    slots.publish(101, writing)
+    assert slots.take(101) is None and slots.take(102) is None  # kept: no slot evicted for a copy
+    assert slots.published == 2
+    assert slots.take(103) == writing  # 101, least recently used (102 was touched after it), is evicted
+    slots.discard(writing)
+    assert slots.take(101) is not None  # no longer kept nor written: taken again

@@ -115,6 +115,7 @@ def test_revision_and_remote_code_at_load(hub: Path, monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     model, _ = load_model(EngineConfig(model=REPO, device="cpu"))
     assert model.config.max_position_embeddings == 2048  # main
+    assert not model.use_kernels  # no Hub kernels, which transformers 5.25 turns on by default
     with pytest.raises(ModelLoadError) as refused:
         load_model(EngineConfig(model=REPO, revision="custom", device="cpu"))
     assert str(refused.value) == (

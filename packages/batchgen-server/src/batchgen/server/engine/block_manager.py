@@ -60,6 +60,8 @@ class BlockManager:
         for _ in range(self.blocks_needed(seq, num_new_tokens)):
             self.tables.append(seq, self._take_free())
         if self.states is not None:
+            if self.states.checkpoints:  # the keys of the state checkpoints its prompt may leave
+                self._full_block_hashes(seq, seq.num_prompt_tokens // self.block_size)
             self.states.admit(seq)
 
     def match_prefix(self, seq: Sequence) -> int:

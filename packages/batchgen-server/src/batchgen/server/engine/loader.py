@@ -61,7 +61,9 @@ def load_model(config: EngineConfig, model_class: Any = None) -> tuple[PreTraine
     ``AutoModelForCausalLM``)."""
     path = resolve_model_path(config.model)
     hub: dict[str, Any] = {"revision": config.revision, "trust_remote_code": config.trust_remote_code}
-    kwargs: dict[str, Any] = {"dtype": config.resolved_dtype(), **hub}
+    # No Hub kernels (``kernels``, on by default from transformers 5.25): they would be fetched from the Hub at load and
+    # swap layers' code for theirs; the engine runs the model's own layers (and the kernel packages installed here).
+    kwargs: dict[str, Any] = {"dtype": config.resolved_dtype(), "use_kernels": False, **hub}
     if config.device_map is not None:
         kwargs["device_map"] = config.device_map
     try:

@@ -54,10 +54,15 @@ class States:
             checkpoints: list[tuple[int, int]] = []
             if self.slots.checkpoints and start < seq.num_prompt_tokens:
                 prompt = seq.num_prompt_tokens
-                tail = prompt // bs * bs
+                # The prompt's last block boundary (what a longer prompt extending it resumes from) and the last one
+                # before its end (what a repeat resumes from: a hit leaves the last token to compute); one boundary
+                # unless the prompt is a whole number of blocks.
+                ends = (prompt // bs * bs, (prompt - 1) // bs * bs, seq.state_reuse)
                 for boundary in range((start // bs + 1) * bs, min(end, prompt) + 1, bs):
-                    wanted = boundary in (tail, seq.state_reuse) or (self.interval and boundary % self.interval == 0)
-                    if wanted and (slot := self.slots.take()) is not None:
+                    if not (boundary in ends or (self.interval and boundary % self.interval == 0)):
+                        continue
+                    # Keyed by the hash of the block ending there (hashed at admission: ``BlockManager.allocate``).
+                    if (slot := self.slots.take(seq.block_hashes[boundary // bs - 1])) is not None:
                         checkpoints.append((boundary, slot))
                 seq.state_checkpoints += checkpoints
             step.add(piece.row, piece.num_tokens, start, seq.state_slot, tuple(checkpoints))

@@ -5,9 +5,9 @@
   slot: a sequence that finds none free waits.
 - **Checkpoints**: a slot holding every state layer's state at a block boundary, keyed by the hash of the KV block
   that ends there (so by the whole prefix, LoRA salt included, as blocks are). Taken for a step that crosses the
-  boundary, published once that step is settled, found by later admissions (restored into their live slot: a
-  prefix hit); kept least recently used first within their budget, and dropped with their block when the block
-  manager recycles it.
+  boundary (unless that key is already kept or being written: repeats of a prompt evict nothing), published once
+  that step is settled, found by later admissions (restored into their live slot: a prefix hit); kept least
+  recently used first within their budget, and dropped with their block when the block manager recycles it.
 
 Slot numbers: live slots first, then the checkpoints, all rows of one ``StateCache``.
 """
@@ -32,6 +32,8 @@ class StateSlots:
         self._free_checkpoints: list[int] = []
         self._published: OrderedDict[int, int] = OrderedDict()
         """Block hash -> checkpoint slot, least recently used first."""
+        self._writing: dict[int, int] = {}
+        """Checkpoint slot -> block hash, taken by a step and not yet published or discarded."""
         self._last_prompt: list[int] = []
         """The prompt of the sequence admitted last: what the next one is compared with (``hit``)."""
         self.reset()
@@ -41,6 +43,7 @@ class StateSlots:
         self._free_live = list(range(self.live - 1, -1, -1))
         self._free_checkpoints = list(range(self.live + self.checkpoints - 1, self.live - 1, -1))
         self._published.clear()
+        self._writing.clear()
         self._last_prompt = []
 
     # ---- live slots ----------------------------------------------------------------------------------------------
@@ -70,17 +73,29 @@ class StateSlots:
                 return blocks, slot
         return 0, None
 
-    def take(self) -> int | None:
-        """A checkpoint slot for a step to write (the least recently used checkpoint evicted for it where none is
-        free); ``None`` when every one is being written."""
+    def take(self, block_hash: int) -> int | None:
+        """A checkpoint slot for a step to write the state after the block ``block_hash`` into (the least recently
+        used checkpoint evicted for it where none is free); ``None`` when that block's checkpoint is already kept
+        (which counts as a use) or being written (one copy is enough: a repeated prompt must not evict others), or
+        when every slot is being written."""
+        if block_hash in self._published:
+            self._published.move_to_end(block_hash)
+            return None
+        if block_hash in self._writing.values():
+            return None
         if not self._free_checkpoints and self._published:
             _, slot = self._published.popitem(last=False)
             self._free_checkpoints.append(slot)
-        return self._free_checkpoints.pop() if self._free_checkpoints else None
+        if not self._free_checkpoints:
+            return None
+        slot = self._free_checkpoints.pop()
+        self._writing[slot] = block_hash
+        return slot
 
     def publish(self, block_hash: int, slot: int) -> None:
         """The step that wrote ``slot`` is settled: it holds the state after the block ``block_hash``."""
-        if block_hash in self._published:  # two sequences computed the same prefix: one checkpoint is enough
+        self._writing.pop(slot, None)
+        if block_hash in self._published:  # kept meanwhile (a block recycled and computed again): one is enough
             self._published.move_to_end(block_hash)
             self._free_checkpoints.append(slot)
         else:
@@ -88,6 +103,7 @@ class StateSlots:
 
     def discard(self, slot: int) -> None:
         """A checkpoint slot taken and never published (its sequence stopped, or its step failed)."""
+        self._writing.pop(slot, None)
         self._free_checkpoints.append(slot)
 
     def forget(self, block_hash: int) -> None:
@@ -103,11 +119,13 @@ class StateSlots:
         the longest that ends at a checkpoint (the recurrent layers need the state there), which its live slot starts
         from. Where the KV blocks reach further, that boundary is a prefix shared with an earlier prompt: the
         sequence leaves a checkpoint there as it computes it (a reuse point). So does the prefix it shares with the
-        prompt admitted just before it (a batch's lines under one system prompt, before any of them is cached)."""
+        prompt admitted just before it (a batch's lines under one system prompt, before any of them is cached), up
+        to where a repeat of it resumes (the same prompt again: its last token is always computed)."""
         blocks, slot = self.longest(hashes)
         seq.state_source = slot
         prompt = seq.token_ids[: seq.num_prompt_tokens]
-        shared = _common_prefix(prompt, self._last_prompt) // block_size * block_size
+        # Where a line repeating this prompt can resume: a hit leaves its last token to compute.
+        shared = min(_common_prefix(prompt, self._last_prompt), len(prompt) - 1) // block_size * block_size
         self._last_prompt = prompt
         reuse = max(len(hashes) * block_size, shared)
         seq.state_reuse = reuse if reuse > blocks * block_size else 0
