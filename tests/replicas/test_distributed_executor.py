@@ -1,7 +1,8 @@
 """``--distributed-executor-backend ray``: a model in two pipeline stages whose second stage is a Ray actor, placed
 by a placement group on the session's local Ray (``conftest.py``: the one Ray the replica tests share), joined
 through ``RAY_ADDRESS``. It passes the engine's self-check at start (the split forward against the model's own) and
-gives the tokens one process gives; the group's end removes its placement group."""
+gives the tokens one process gives; the group's end removes its placement group. And replicas of a split model:
+servers with ``--replicas`` and ``--tensor-parallel-size``."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 from pathlib import Path
 
 import pytest
+from server_helpers import LiveServer, ServerProcess, assert_exactly_once
 
 from batchgen.server.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams, build_engine
 
@@ -45,3 +47,40 @@ def test_a_stage_placed_by_ray(ray_address: str, monkeypatch: pytest.MonkeyPatch
         group.stop()  # the placement group removed, this process's Ray connection closed
     assert not ray.is_initialized()
     assert _greedy(build_engine(EngineConfig(**settings))) == tokens  # one process, the same tokens
+
+
+def test_replicas_of_a_split_model(
+    replica_flags: tuple[str, ...], live_server: LiveServer, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """``--replicas 2 --tensor-parallel-size 2``: each replica a group of two ranks (the actor's own processes, on
+    the CPUs Ray reserved for it); a batch spread over both replicas gives the tokens one process gives."""
+    flags = (*replica_flags, "--tensor-parallel-size", "2")
+    with ServerProcess(tmp_path_factory.mktemp("replicas-tp"), *flags) as process:
+        server = LiveServer(process)
+        bodies = [
+            {
+                "model": "demo",
+                "prompt": [7 * i % 256 for i in range(3 + j, 20 + j)],
+                "max_tokens": 6,
+                "ignore_eos": True,
+            }
+            for j in range(6)
+        ]
+        lines = [
+            {"custom_id": f"tp-{j}", "method": "POST", "url": "/v1/completions", "body": body}
+            for j, body in enumerate(bodies)
+        ]
+        batch = server.run(lines, endpoint="/v1/completions")
+        assert_exactly_once(server, batch, lines)
+        served = [replica["served_requests"] for replica in server.http.get("/v1/pool/status").json()["replicas"]]
+        assert len(served) == 2 and min(served) >= 1, served
+        texts = {
+            line["custom_id"]: line["response"]["body"]["choices"][0]["text"]
+            for line in server.lines(batch["output_file_id"])
+        }
+        server.http.close()
+    one_process = {
+        f"tp-{j}": live_server.http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        for j, body in enumerate(bodies)
+    }
+    assert texts == one_process

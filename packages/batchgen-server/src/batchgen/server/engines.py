@@ -20,8 +20,11 @@ if TYPE_CHECKING:
 def load_engine(config: EngineConfig, cluster: ClusterConfig) -> EngineClient:
     """The model loaded, in this process (behind a worker thread) or on every replica; ``ModelLoadError`` (one
     line) if it cannot be."""
-    if cluster.replicas and config.world_size > 1:  # a replica hosting a group: not built yet (docs/scaling.md)
-        raise ModelLoadError(f"--replicas with {config.split_flags} is not supported yet: give one of them")
+    if cluster.replicas and config.world_size > 1 and config.distributed_executor_backend == "ray":
+        raise ModelLoadError(
+            f"--replicas with {config.split_flags} --distributed-executor-backend ray: each replica starts its "
+            "group's ranks as its own processes, on the devices Ray gives it; drop --distributed-executor-backend"
+        )
     if not cluster.replicas:
         from .engine import EngineWorker, build_engine
 

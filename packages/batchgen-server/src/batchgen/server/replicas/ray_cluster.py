@@ -37,13 +37,14 @@ def start_pool(config: EngineConfig, cluster: ClusterConfig) -> ReplicaPool:
     load it, or the cluster cannot hold them); a private local Ray is started unless ``cluster.ray_address`` names
     one, or this process is connected to one already."""
     on_gpu = config.device.startswith("cuda") if config.device else None
-    cpus = config.torch_threads or 1
+    ranks = config.world_size  # a replica holding a split model runs its group's ranks: it reserves them all
+    cpus = (config.torch_threads or 1) * ranks
     started = _connect(cluster, cpus if not on_gpu else 0)
     actors: list[ray.actor.ActorHandle[Replica]] = []
     try:
         gpus = ray.cluster_resources().get("GPU", 0)
         on_gpu = on_gpu if on_gpu is not None else gpus > 0
-        resources = {"num_gpus": 1} if on_gpu else {"num_cpus": cpus}
+        resources = {"num_gpus": ranks} if on_gpu else {"num_cpus": cpus}
         _check_room(cluster.replicas, resources)
         # Ray types an actor class's options() as the class itself: its actors are ActorHandles.
         actor_class: Any = ray.remote(Replica).options(
@@ -53,7 +54,7 @@ def start_pool(config: EngineConfig, cluster: ClusterConfig) -> ReplicaPool:
             scheduling_strategy="SPREAD",
             **resources,
         )
-        device = "cuda" if on_gpu else config.device  # Ray shows each GPU replica its own GPU only, as cuda:0
+        device = "cuda" if on_gpu else config.device  # Ray shows each GPU replica its own GPUs only, from cuda:0
         environ = {name: value for name, value in os.environ.items() if name.startswith(FORWARDED_ENVIRON)}
         for index in range(cluster.replicas):
             replica_config = dataclasses.replace(config, device=device, seed=config.seed + index)
