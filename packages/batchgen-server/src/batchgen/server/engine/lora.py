@@ -21,6 +21,7 @@ their directory when needed.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -33,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .adapters import WEIGHT_FILES, AdapterRefused, LoRARequest, adapter_config
+from .distributed.lora_split import add_before_reduce, local, shard_adapter
 from .errors import ModelNotSupported
 from .fast_forward import decoder_layers
 from .transfer import indices
@@ -118,7 +120,8 @@ def _read_adapter(
         a, b = a.to(dtype), (b.double() * scaling).to(dtype)
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):  # NaN x 0 is NaN: no mask could contain it
             raise refuse(f"its weights for {module} hold NaN or infinite values (in the model's {dtype})")
-        matrices[module] = (a, b)
+        # Checked whole, then split: every rank of a tensor-parallel group reaches the same verdict.
+        matrices[module] = shard_adapter(linear.weight, a, b)
     if not matrices:
         raise AdapterRefused(f"LoRA adapter {request.name!r} holds no LoRA weights")
     return AdapterWeights(request, matrices)
@@ -198,7 +201,7 @@ class LoRASlots:
         self.shape = (list(linears.values()), max_loras, max_rank)
         self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_rank, max(max_cpu_loras, max_loras)
         width = max_loras * max_rank
-        first = next(iter(linears.values())).weight
+        first = local(next(iter(linears.values())).weight)
         self.device, self.dtype = first.device, first.dtype
         self.off = torch.ones(max_tokens, width, dtype=torch.bool, device=self.device)
         """Row ``t``: true over every column but token ``t``'s slot's (all of them for the base). Those columns are
@@ -214,12 +217,17 @@ class LoRASlots:
         self.selected: torch.Tensor | None = None
         """While a state layer's own forward runs on some of the step's rows (``rows``): those rows of the mask."""
         self._handles = []
+        self._undo: list[Callable[[], None]] = []
         for name, linear in linears.items():
-            weight = linear.weight
-            linear.register_buffer("lora_a", weight.new_zeros(width, linear.in_features), persistent=False)
-            linear.register_buffer("lora_b", weight.new_zeros(linear.out_features, width), persistent=False)
+            weight = local(linear.weight)  # this rank's rows or columns of a split weight (its adapters' likewise)
+            linear.register_buffer("lora_a", weight.new_zeros(width, weight.shape[1]), persistent=False)
+            linear.register_buffer("lora_b", weight.new_zeros(weight.shape[0], width), persistent=False)
             linear.register_buffer("lora_off", self.off, persistent=False)
             linear.lora_name = name  # type: ignore[assignment]
+            undo = add_before_reduce(linear, functools.partial(self._add, linear))
+            linear.lora_inside = undo is not None  # type: ignore[assignment]
+            if undo is not None:
+                self._undo.append(undo)
             self._handles.append(linear.register_forward_hook(self._hook))
         model._batchgen_lora = self  # type: ignore[assignment]
         torch.compiler.reset()  # layers compiled before (by another engine on this model) ran without the hooks
@@ -232,6 +240,13 @@ class LoRASlots:
         self._cache: OrderedDict[tuple[str, int], AdapterWeights | AdapterRefused] = OrderedDict()
         self._cache_lock = threading.Lock()
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchgen-lora")
+        self.on_load: Callable[[int, LoRARequest], None] | None = None
+        """Told of each adapter copied into a slot: a tensor-parallel group's driver sends it to the other ranks,
+        which copy in their own shards of it (``distributed/rank.py``)."""
+        self.token_slots: list[int] = []
+        """The step's tokens' slots (``prepare``), which the other ranks of a group receive with the step."""
+        self.referenced: LoRARequest | None = None
+        """The adapter ``referencing`` applies, while it does."""
 
     def find_unreached(self, forward: Callable[[], object]) -> None:
         """Run ``forward`` (a probe forward of the model) and keep the linears it never called: a layer that reads a
@@ -252,12 +267,18 @@ class LoRASlots:
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
+        for undo in self._undo:
+            undo()
         for linear in self.linears.values():
             for buffer in ("lora_a", "lora_b", "lora_off"):
                 linear._buffers.pop(buffer, None)
 
     def _hook(self, module: torch.nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
-        x = args[0]
+        if getattr(module, "lora_inside", False):  # added already, to the partial output of a row-parallel linear
+            return output
+        return self._add(module, args[0], output)
+
+    def _add(self, module: torch.nn.Module, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
         if self.reference is not None:
             matrices = self.reference.get(str(module.lora_name))
             if matrices is None:
@@ -314,8 +335,7 @@ class LoRASlots:
             slot = self.held.index(request)
         else:
             slot = next(iter(self._idle))
-            self._load(slot, self.weights(request))
-            self.held[slot] = request
+            self.load(slot, request)
         self._idle.pop(slot, None)
         self.users[slot] += 1
         return slot
@@ -330,6 +350,13 @@ class LoRASlots:
         """No row runs (the engine reset): every slot idle, the adapters left in them."""
         self.users = [0] * len(self.users)
         self._idle = OrderedDict((slot, None) for slot in range(1, self.max_loras + 1))
+
+    def load(self, slot: int, request: LoRARequest) -> None:
+        """Copy ``request``'s adapter into ``slot`` (its weights read if they are not in host memory)."""
+        self._load(slot, self.weights(request))
+        self.held[slot] = request
+        if self.on_load is not None:
+            self.on_load(slot, request)
 
     @torch.no_grad()
     def _load(self, slot: int, adapter: AdapterWeights) -> None:
@@ -349,6 +376,7 @@ class LoRASlots:
     def prepare(self, token_slots: list[int]) -> None:
         """The step's tokens, each with its sequence's slot: the mask's first rows (a graph's padding rows beyond
         them keep stale rows, and their outputs are dropped)."""
+        self.token_slots = token_slots
         slots = indices(token_slots, self.device)
         self.off[: len(token_slots)] = slots[:, None] != self._columns[None, :]
 
@@ -367,7 +395,9 @@ class LoRASlots:
         """Every token through ``adapter`` (``None``: the base alone), computed directly (not through the slots): the
         self-check's reference."""
         self.reference = adapter.matrices if adapter is not None else {}
+        self.referenced = adapter.request if adapter is not None else None
         try:
             yield
         finally:
             self.reference = None
+            self.referenced = None

@@ -1,0 +1,74 @@
+"""LoRA adapters on a model split over tensor-parallel ranks, by vLLM's rule: each rank holds its share of every
+adapter as it holds its share of the weight beside it. A column-parallel linear (its weight's output rows split)
+keeps A whole and takes its rows of B: its delta is its share of the output, as its own output is. A row-parallel
+linear (its weight's input columns split) takes its columns of A and keeps B whole: its delta is a partial sum, added
+to the layer's partial output before the layer's own all-reduce, which sums both. A packed projection (gate and up
+in one weight: transformers' ``_StridedShard``) splits B per its parts, as the weight. The split is the weight's own
+placement applied to the matrix (``distribute_tensor`` without communication), so no rule is copied here."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a weight the plan split (a ``DTensor``), or the weight itself."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def split_dims(weight: torch.Tensor) -> set[int]:
+    """The dimensions of ``weight`` (0: output rows, 1: input columns) split across the ranks."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(weight, DTensor):
+        return set()
+    return {placement.dim % 2 for placement in weight.placements if hasattr(placement, "dim")}
+
+
+def shard_adapter(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's part of an adapter's A ``[r, in]`` and B ``[out, r]`` for the linear whose weight is ``weight``:
+    B split as the weight's rows, A as its columns, each on the host."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    dims = split_dims(weight)
+    if not dims:
+        return a, b
+    assert isinstance(weight, DTensor)
+
+    def like_weight(matrix: torch.Tensor) -> torch.Tensor:
+        part = distribute_tensor(matrix, weight.device_mesh, weight.placements, src_data_rank=None).to_local()
+        return part.to("cpu").contiguous()
+
+    return (like_weight(a) if 1 in dims else a), (like_weight(b) if 0 in dims else b)
+
+
+def add_before_reduce(
+    linear: torch.nn.Linear, delta: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+) -> Callable[[], None] | None:
+    """For a row-parallel linear: ``delta(x, partial)`` runs on the layer's partial output, inside transformers'
+    tensor-parallel forward and before its all-reduce (which then sums the adapters' partial products with the
+    weight's). Returns what undoes it, or ``None`` if the linear is not split by its input columns. Raises
+    ``RuntimeError`` if its forward is not transformers' (``TensorParallelLayer.install_forward``)."""
+    if 1 not in split_dims(linear.weight):
+        return None
+    forward: Any = vars(linear).get("forward")
+    code = getattr(forward, "__code__", None)
+    if code is None or "original_forward" not in code.co_freevars:
+        raise RuntimeError(f"its row-parallel {type(linear).__name__} runs a forward the engine cannot reach into")
+    cell = forward.__closure__[code.co_freevars.index("original_forward")]
+    original = cell.cell_contents
+
+    def partial(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return delta(args[0], original(*args, **kwargs))
+
+    cell.cell_contents = partial
+
+    def undo() -> None:
+        cell.cell_contents = original
+
+    return undo
