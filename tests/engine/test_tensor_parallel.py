@@ -16,11 +16,12 @@ from typing import Any
 
 import pytest
 import torch
-from lora_helpers import ADAPTERS, make_adapters
+from lora_helpers import make_adapters
 from test_architectures import Reference, _build, _check, _run
 
 from batchgen.schemas.requests import JsonSchemaFormat, ResponseFormat
 from batchgen.server.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams, build_engine
+from batchgen.server.engine.adapters import Adapters
 from batchgen.server.engine.demo_model import build_tokenizer
 from batchgen.server.engine.errors import ModelNotSupported
 from batchgen.server.serving.structured import format_constraint
@@ -44,15 +45,15 @@ def config_of(path: Path, **overrides: Any) -> EngineConfig:
 
 @pytest.fixture(scope="module")
 def adapters(llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Two of peft's adapters on the Llama: one on q and v (column-parallel), one on every projection (rsLoRA)."""
-    return make_adapters(llama, tmp_path_factory.mktemp("adapters"), {n: ADAPTERS[n] for n in ("alpha", "beta")})
+    """peft's adapters on the Llama: on q and v (column-parallel), on every projection (rsLoRA), on o, up and down."""
+    return make_adapters(llama, tmp_path_factory.mktemp("adapters"))
 
 
 @pytest.fixture(scope="module")
 def split(llama: Path, adapters: dict[str, Path]) -> Iterator[LLMEngine]:
     """One group of two ranks for the module, serving the adapters (its self-check, of the base and through an
     adapter's slot, runs at start)."""
-    modules = tuple(f"{name}={path}" for name, path in adapters.items())
+    modules = tuple(f"{name}={adapters[name]}" for name in ("alpha", "beta"))  # gamma: loaded at run time
     engine = build_engine(config_of(llama, enable_lora=True, lora_modules=modules, max_loras=2, max_lora_rank=8))
     assert isinstance(engine, LLMEngine)
     yield engine
@@ -84,7 +85,8 @@ def peft_steps(llama: Path, adapters: dict[str, Path]) -> Callable[[list[int], s
 
     base = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32, attn_implementation="eager")
     model = PeftModel.from_pretrained(base, adapters["alpha"], adapter_name="alpha")
-    model.load_adapter(adapters["beta"], adapter_name="beta")
+    for name in ("beta", "gamma"):
+        model.load_adapter(adapters[name], adapter_name=name)
     model.eval()
 
     @torch.no_grad()
@@ -102,20 +104,22 @@ def peft_steps(llama: Path, adapters: dict[str, Path]) -> Callable[[list[int], s
 
 
 def test_adapters_mixed_with_the_base_give_pefts_tokens_and_logprobs(
-    split: LLMEngine, peft_steps: Callable[[list[int], str | None], list[torch.Tensor]]
+    split: LLMEngine, adapters: dict[str, Path], peft_steps: Callable[[list[int], str | None], list[torch.Tensor]]
 ) -> None:
     """Each rank holds its rows of B beside a column-parallel weight, its columns of A beside a row-parallel one
     (summed by the layer's all-reduce); a 30-token prompt is prefilled in chunks, and its second round hits the
-    prefix cache under each adapter's own salt."""
+    prefix cache under each adapter's own salt. Three adapters share two slots, so the ranks copy one over another
+    mid-batch; the third is loaded at run time (as ``/v1/load_lora_adapter`` does): every rank reads its own shard."""
     assert split.lora is not None
     served = {adapter.name: adapter for adapter in split.served_adapters}
+    served["gamma"] = Adapters("llama", 8).add("gamma", str(adapters["gamma"]))
     prompts = [[(7 * i + 3) % 250 for i in range(30)], [11, 12, 13, 14, 15]]
     params = SamplingParams(max_tokens=LORA_TOKENS, ignore_eos=True, logprobs=True, top_logprobs=2)
     for round_ in range(2):
         requests = [
             EngineRequest(f"lora-{round_}-{i}-{name}", prompt, params, lora=served.get(name or ""))
             for i, prompt in enumerate(prompts)
-            for name in (None, "alpha", "beta")
+            for name in (None, "alpha", "beta", "gamma")
         ]
         results = _run(split, requests)
         for request in requests:
