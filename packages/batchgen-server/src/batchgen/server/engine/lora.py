@@ -24,17 +24,18 @@ from __future__ import annotations
 import functools
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .adapters import WEIGHT_FILES, AdapterRefused, LoRARequest, adapter_config
-from .distributed.lora_split import add_before_reduce, local, shard_adapter
+from .distributed.lora_split import add_before_reduce, local, other_stages_linears, shard_adapter
 from .errors import ModelNotSupported
 from .fast_forward import decoder_layers
 from .transfer import indices
@@ -58,13 +59,15 @@ def read_adapter(
     linears: dict[str, torch.nn.Linear],
     max_rank: int,
     unreached: frozenset[str] = frozenset(),
+    elsewhere: Mapping[str, tuple[int, int]] = MappingProxyType({}),
 ) -> AdapterWeights:
     """The adapter in ``request.path``, checked against the model's decoder linears ``linears`` (by module name; those
-    in ``unreached`` are never called as modules, so a delta there would be skipped); raises ``AdapterRefused``
+    in ``unreached`` are never called as modules, so a delta there would be skipped) and those other pipeline stages
+    hold (``elsewhere``: their input and output widths; checked alike, kept by their stage); raises ``AdapterRefused``
     naming what the engine cannot apply exactly, whatever is wrong with its files (the adapter fails alone: never the
     step, nor anyone else's requests)."""
     try:
-        return _read_adapter(request, linears, max_rank, unreached)
+        return _read_adapter(request, linears, max_rank, unreached, elsewhere)
     except AdapterRefused:
         raise
     except Exception as exc:  # a file cut short, a tensor of another kind, no memory for what a header claims
@@ -74,7 +77,11 @@ def read_adapter(
 
 
 def _read_adapter(
-    request: LoRARequest, linears: dict[str, torch.nn.Linear], max_rank: int, unreached: frozenset[str]
+    request: LoRARequest,
+    linears: dict[str, torch.nn.Linear],
+    max_rank: int,
+    unreached: frozenset[str],
+    elsewhere: Mapping[str, tuple[int, int]],
 ) -> AdapterWeights:
     config = adapter_config(request.name, request.path, max_rank)
     directory = Path(request.path)
@@ -98,31 +105,37 @@ def _read_adapter(
         twin = key.replace(".lora_A.", ".lora_B.") if ".lora_A." in key else key.replace(".lora_B.", ".lora_A.")
         if twin not in state:
             raise refuse(f"it has {key} but no {twin}")
+    model_dtype = next(iter(linears.values())).weight.dtype
+    adapted = 0
     for key, a in state.items():
         if ".lora_A." not in key:
             continue
         module = key.removeprefix(PEFT_PREFIX).split(".lora_A.")[0]
         linear = linears.get(module)
-        if linear is None:
+        widths = (linear.in_features, linear.out_features) if linear is not None else elsewhere.get(module)
+        if widths is None:
             raise refuse(f"it adapts {module!r}, which is not a linear layer of the model's decoder layers")
         if module in unreached:
             raise refuse(f"it adapts {module!r}, whose weight the model's forward reads without calling the layer")
         b = state[key.replace(".lora_A.", ".lora_B.")]
         r = _pattern(ranks, module, rank)
-        if a.shape != (r, linear.in_features) or b.shape != (linear.out_features, r):
+        if a.shape != (r, widths[0]) or b.shape != (widths[1], r):
             raise AdapterRefused(
                 f"LoRA adapter {request.name!r} does not fit the model: {module} has A {tuple(a.shape)} and B "
-                f"{tuple(b.shape)} for a linear of {linear.in_features} -> {linear.out_features} at rank {r}"
+                f"{tuple(b.shape)} for a linear of {widths[0]} -> {widths[1]} at rank {r}"
             )
         a_alpha = float(_pattern(alphas, module, alpha))
         scaling = a_alpha / (r**0.5 if rslora else r)
-        dtype = linear.weight.dtype
+        dtype = linear.weight.dtype if linear is not None else model_dtype
         a, b = a.to(dtype), (b.double() * scaling).to(dtype)
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):  # NaN x 0 is NaN: no mask could contain it
             raise refuse(f"its weights for {module} hold NaN or infinite values (in the model's {dtype})")
-        # Checked whole, then split: every rank of a tensor-parallel group reaches the same verdict.
-        matrices[module] = shard_adapter(linear.weight, a, b)
-    if not matrices:
+        adapted += 1
+        # Checked whole, then split (a tensor-parallel rank's share; another stage's linear left to its stage):
+        # every rank of a group reaches the same verdict.
+        if linear is not None:
+            matrices[module] = shard_adapter(linear.weight, a, b)
+    if not adapted:
         raise AdapterRefused(f"LoRA adapter {request.name!r} holds no LoRA weights")
     return AdapterWeights(request, matrices)
 
@@ -213,6 +226,9 @@ class LoRASlots:
         """While set, every token runs with these matrices (an adapter's, or none: the base), computed directly (the
         self-check's reference)."""
         self.unreached: frozenset[str] = frozenset()
+        self.elsewhere = other_stages_linears(model)
+        """The decoder linears other pipeline stages hold, with their widths: an adapter's matrices for them are
+        checked here as there, and left to their stage."""
         """The linears the model's forward never calls as modules (``find_unreached``): adapters on them are refused."""
         self.selected: torch.Tensor | None = None
         """While a state layer's own forward runs on some of the step's rows (``rows``): those rows of the mask."""
@@ -305,7 +321,7 @@ class LoRASlots:
                 self._cache.move_to_end(key)
         if found is None:
             try:
-                found = read_adapter(request, self.linears, self.max_rank, self.unreached)
+                found = read_adapter(request, self.linears, self.max_rank, self.unreached, self.elsewhere)
             except AdapterRefused as exc:
                 found = exc
             with self._cache_lock:

@@ -4,7 +4,10 @@ keeps A whole and takes its rows of B: its delta is its share of the output, as 
 linear (its weight's input columns split) takes its columns of A and keeps B whole: its delta is a partial sum, added
 to the layer's partial output before the layer's own all-reduce, which sums both. A packed projection (gate and up
 in one weight: transformers' ``_StridedShard``) splits B per its parts, as the weight. The split is the weight's own
-placement applied to the matrix (``distribute_tensor`` without communication), so no rule is copied here."""
+placement applied to the matrix (``distribute_tensor`` without communication), so no rule is copied here.
+
+In pipeline stages each stage holds its own layers' adapters; every stage checks an adapter's matrices for every
+stage's layers (``other_stages_linears``), so that all reach the same verdict."""
 
 from __future__ import annotations
 
@@ -72,3 +75,20 @@ def add_before_reduce(
         cell.cell_contents = original
 
     return undo
+
+
+def other_stages_linears(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
+    """The linears other pipeline stages hold (where this stage has transformers' ``PipelineIdentityLayer``), by
+    name, with their input and output widths: read from the model's layout built on the meta device (no memory)."""
+    from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
+
+    gone = [name for name, module in model.named_modules() if isinstance(module, PipelineIdentityLayer)]
+    if not gone:
+        return {}
+    with torch.device("meta"):
+        whole = type(model)(model.config)
+    return {
+        name: (module.in_features, module.out_features)
+        for name, module in whole.named_modules()
+        if isinstance(module, torch.nn.Linear) and any(name.startswith(prefix + ".") for prefix in gone)
+    }
