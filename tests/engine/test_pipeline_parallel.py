@@ -86,10 +86,13 @@ def test_an_embedding_is_the_last_stages(staged: LLMEngine, llama: Path) -> None
     assert np.abs(np.asarray(split.embedding) - np.asarray(whole.embedding)).max() < 1e-5
 
 
-def test_a_killed_stage_fails_the_group_which_comes_back_whole(staged: LLMEngine, llama: Path) -> None:
+def test_a_killed_stage_fails_the_group_which_comes_back_whole(
+    staged: LLMEngine, llama: Path, peft_steps: Callable[[list[int], str | None], list[torch.Tensor]]
+) -> None:
     """The same fault path as a killed tensor-parallel rank (the server's side of it, every line answered once:
     ``tests/reliability/test_tensor_parallel_faults.py``): the step fails as the group's, naming the stage's rank,
-    and the engine's reset starts both stages again, which then give the same tokens."""
+    and the engine's reset starts both stages again, which then give the same tokens, the adapter's included (its
+    slots are the new shards')."""
     group = staged.runner.group
     assert group is not None
     prompt = _prompts()[1]
@@ -107,6 +110,10 @@ def test_a_killed_stage_fails_the_group_which_comes_back_whole(staged: LLMEngine
     assert staged.runner.group is not group and not staged.runner.group.broken
     (result,) = _run(staged, [EngineRequest("again", list(prompt), params)]).values()
     assert result.outputs[0].token_ids == Reference(llama).greedy(prompt)[0]
+    short = [11, 12, 13, 14, 15, 16]
+    lora = EngineRequest("beta", short, SamplingParams(max_tokens=LORA_TOKENS), lora=staged.served_adapters[0])
+    (result,) = _run(staged, [lora]).values()
+    assert result.outputs[0].token_ids == [int(step.argmax()) for step in peft_steps(short, "beta")]
 
 
 def test_a_layout_that_cannot_be_split_is_refused_in_one_line(llama: Path) -> None:
