@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .adapters import WEIGHT_FILES, AdapterRefused, LoRARequest, adapter_config
-from .distributed.lora_split import add_before_reduce, local, other_stages_linears, shard_adapter
+from .distributed.lora_split import add_inside, local, other_stages_linears, shard_adapter
 from .errors import ModelNotSupported
 from .fast_forward import decoder_layers
 from .transfer import indices
@@ -240,7 +240,7 @@ class LoRASlots:
             linear.register_buffer("lora_b", weight.new_zeros(weight.shape[0], width), persistent=False)
             linear.register_buffer("lora_off", self.off, persistent=False)
             linear.lora_name = name  # type: ignore[assignment]
-            undo = add_before_reduce(linear, functools.partial(self._add, linear))
+            undo = add_inside(linear, functools.partial(self._add, linear))
             linear.lora_inside = undo is not None  # type: ignore[assignment]
             if undo is not None:
                 self._undo.append(undo)
@@ -290,7 +290,7 @@ class LoRASlots:
                 linear._buffers.pop(buffer, None)
 
     def _hook(self, module: torch.nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
-        if getattr(module, "lora_inside", False):  # added already, to the partial output of a row-parallel linear
+        if getattr(module, "lora_inside", False):  # added already, to a split linear's local output
             return output
         return self._add(module, args[0], output)
 

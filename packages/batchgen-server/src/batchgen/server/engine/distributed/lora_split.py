@@ -2,7 +2,8 @@
 adapter as it holds its share of the weight beside it. A column-parallel linear (its weight's output rows split)
 keeps A whole and takes its rows of B: its delta is its share of the output, as its own output is. A row-parallel
 linear (its weight's input columns split) takes its columns of A and keeps B whole: its delta is a partial sum, added
-to the layer's partial output before the layer's own all-reduce, which sums both. A packed projection (gate and up
+to the layer's partial output before the layer's own all-reduce, which sums both. Every split linear's delta is added
+inside transformers' tensor-parallel forward, to the local output (``add_inside``). A packed projection (gate and up
 in one weight: transformers' ``_StridedShard``) splits B per its parts, as the weight. The split is the weight's own
 placement applied to the matrix (``distribute_tensor`` without communication), so no rule is copied here.
 
@@ -50,26 +51,28 @@ def shard_adapter(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tup
     return (like_weight(a) if 1 in dims else a), (like_weight(b) if 0 in dims else b)
 
 
-def add_before_reduce(
+def add_inside(
     linear: torch.nn.Linear, delta: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 ) -> Callable[[], None] | None:
-    """For a row-parallel linear: ``delta(x, partial)`` runs on the layer's partial output, inside transformers'
-    tensor-parallel forward and before its all-reduce (which then sums the adapters' partial products with the
-    weight's). Returns what undoes it, or ``None`` if the linear is not split by its input columns. Raises
-    ``RuntimeError`` if its forward is not transformers' (``TensorParallelLayer.install_forward``)."""
-    if 1 not in split_dims(linear.weight):
+    """For a linear the plan splits: ``delta(x, output)`` runs on the layer's local output, inside transformers'
+    tensor-parallel forward (``TensorParallelLayer.install_forward``), where the input and the weight are this rank's
+    and before the output is reduced or gathered: a row-parallel layer's all-reduce then sums the adapters' partial
+    products with the weight's, and a column-parallel one that gathers its output (``colwise_gather_output``) gathers
+    the deltas with it. Returns what undoes it, or ``None`` for a linear the plan does not split (its output, whole,
+    takes the delta in the forward hook). ``RuntimeError`` if its forward is not transformers'."""
+    if not split_dims(linear.weight):
         return None
     forward: Any = vars(linear).get("forward")
     code = getattr(forward, "__code__", None)
     if code is None or "original_forward" not in code.co_freevars:
-        raise RuntimeError(f"its row-parallel {type(linear).__name__} runs a forward the engine cannot reach into")
+        raise RuntimeError(f"its split {type(linear).__name__} runs a forward the engine cannot reach into")
     cell = forward.__closure__[code.co_freevars.index("original_forward")]
     original = cell.cell_contents
 
-    def partial(*args: Any, **kwargs: Any) -> torch.Tensor:
+    def local_forward(*args: Any, **kwargs: Any) -> torch.Tensor:
         return delta(args[0], original(*args, **kwargs))
 
-    cell.cell_contents = partial
+    cell.cell_contents = local_forward
 
     def undo() -> None:
         cell.cell_contents = original
