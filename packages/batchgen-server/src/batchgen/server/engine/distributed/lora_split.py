@@ -44,8 +44,11 @@ def shard_adapter(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tup
         return a, b
     assert isinstance(weight, DTensor)
 
+    device = local(weight).device  # this rank's own (a reader thread's current CUDA device may be another's)
+
     def like_weight(matrix: torch.Tensor) -> torch.Tensor:
-        part = distribute_tensor(matrix, weight.device_mesh, weight.placements, src_data_rank=None).to_local()
+        whole = matrix.to(device)
+        part = distribute_tensor(whole, weight.device_mesh, weight.placements, src_data_rank=None).to_local()
         return part.to("cpu").contiguous()
 
     return (like_weight(a) if 1 in dims else a), (like_weight(b) if 0 in dims else b)
