@@ -263,8 +263,6 @@ class EngineConfig:
         flags = self.split_flags
         if self.enable_expert_parallel and self.pipeline_parallel_size > 1:
             return f"--enable-expert-parallel with {flags}: experts are spread within one stage only; drop one"
-        if self.enable_lora:
-            return f"{flags} with --enable-lora: LoRA slots are not split across ranks yet"
         if self.device_map is not None:
             return f"{flags} with --device-map: give one or the other"
         if self.quantization is not None:

@@ -102,6 +102,7 @@ class LLMEngine:
         failed is started again whole, every rank's shard loaded again."""
         if (group := self.runner.group) is not None and group.broken:
             self.runner = group.restarted(self.grammars)
+            self.lora = self.scheduler.adapters = self.runner.lora  # the new shards' slots (empty: read again)
         self.scheduler.reset(self._fresh_cache())
         self.runner.reset()
         self._requests.clear()

@@ -21,18 +21,21 @@ their directory when needed.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .adapters import WEIGHT_FILES, AdapterRefused, LoRARequest, adapter_config
+from .distributed.lora_split import add_inside, local, other_stages_linears, shard_adapter
 from .errors import ModelNotSupported
 from .fast_forward import decoder_layers
 from .transfer import indices
@@ -56,13 +59,15 @@ def read_adapter(
     linears: dict[str, torch.nn.Linear],
     max_rank: int,
     unreached: frozenset[str] = frozenset(),
+    elsewhere: Mapping[str, tuple[int, int]] = MappingProxyType({}),
 ) -> AdapterWeights:
     """The adapter in ``request.path``, checked against the model's decoder linears ``linears`` (by module name; those
-    in ``unreached`` are never called as modules, so a delta there would be skipped); raises ``AdapterRefused``
+    in ``unreached`` are never called as modules, so a delta there would be skipped) and those other pipeline stages
+    hold (``elsewhere``: their input and output widths; checked alike, kept by their stage); raises ``AdapterRefused``
     naming what the engine cannot apply exactly, whatever is wrong with its files (the adapter fails alone: never the
     step, nor anyone else's requests)."""
     try:
-        return _read_adapter(request, linears, max_rank, unreached)
+        return _read_adapter(request, linears, max_rank, unreached, elsewhere)
     except AdapterRefused:
         raise
     except Exception as exc:  # a file cut short, a tensor of another kind, no memory for what a header claims
@@ -72,7 +77,11 @@ def read_adapter(
 
 
 def _read_adapter(
-    request: LoRARequest, linears: dict[str, torch.nn.Linear], max_rank: int, unreached: frozenset[str]
+    request: LoRARequest,
+    linears: dict[str, torch.nn.Linear],
+    max_rank: int,
+    unreached: frozenset[str],
+    elsewhere: Mapping[str, tuple[int, int]],
 ) -> AdapterWeights:
     config = adapter_config(request.name, request.path, max_rank)
     directory = Path(request.path)
@@ -96,30 +105,37 @@ def _read_adapter(
         twin = key.replace(".lora_A.", ".lora_B.") if ".lora_A." in key else key.replace(".lora_B.", ".lora_A.")
         if twin not in state:
             raise refuse(f"it has {key} but no {twin}")
+    model_dtype = next(iter(linears.values())).weight.dtype
+    adapted = 0
     for key, a in state.items():
         if ".lora_A." not in key:
             continue
         module = key.removeprefix(PEFT_PREFIX).split(".lora_A.")[0]
         linear = linears.get(module)
-        if linear is None:
+        widths = (linear.in_features, linear.out_features) if linear is not None else elsewhere.get(module)
+        if widths is None:
             raise refuse(f"it adapts {module!r}, which is not a linear layer of the model's decoder layers")
         if module in unreached:
             raise refuse(f"it adapts {module!r}, whose weight the model's forward reads without calling the layer")
         b = state[key.replace(".lora_A.", ".lora_B.")]
         r = _pattern(ranks, module, rank)
-        if a.shape != (r, linear.in_features) or b.shape != (linear.out_features, r):
+        if a.shape != (r, widths[0]) or b.shape != (widths[1], r):
             raise AdapterRefused(
                 f"LoRA adapter {request.name!r} does not fit the model: {module} has A {tuple(a.shape)} and B "
-                f"{tuple(b.shape)} for a linear of {linear.in_features} -> {linear.out_features} at rank {r}"
+                f"{tuple(b.shape)} for a linear of {widths[0]} -> {widths[1]} at rank {r}"
             )
         a_alpha = float(_pattern(alphas, module, alpha))
         scaling = a_alpha / (r**0.5 if rslora else r)
-        dtype = linear.weight.dtype
+        dtype = linear.weight.dtype if linear is not None else model_dtype
         a, b = a.to(dtype), (b.double() * scaling).to(dtype)
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):  # NaN x 0 is NaN: no mask could contain it
             raise refuse(f"its weights for {module} hold NaN or infinite values (in the model's {dtype})")
-        matrices[module] = (a, b)
-    if not matrices:
+        adapted += 1
+        # Checked whole, then split (a tensor-parallel rank's share; another stage's linear left to its stage):
+        # every rank of a group reaches the same verdict.
+        if linear is not None:
+            matrices[module] = shard_adapter(linear.weight, a, b)
+    if not adapted:
         raise AdapterRefused(f"LoRA adapter {request.name!r} holds no LoRA weights")
     return AdapterWeights(request, matrices)
 
@@ -198,7 +214,7 @@ class LoRASlots:
         self.shape = (list(linears.values()), max_loras, max_rank)
         self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_rank, max(max_cpu_loras, max_loras)
         width = max_loras * max_rank
-        first = next(iter(linears.values())).weight
+        first = local(next(iter(linears.values())).weight)
         self.device, self.dtype = first.device, first.dtype
         self.off = torch.ones(max_tokens, width, dtype=torch.bool, device=self.device)
         """Row ``t``: true over every column but token ``t``'s slot's (all of them for the base). Those columns are
@@ -210,16 +226,24 @@ class LoRASlots:
         """While set, every token runs with these matrices (an adapter's, or none: the base), computed directly (the
         self-check's reference)."""
         self.unreached: frozenset[str] = frozenset()
+        self.elsewhere = other_stages_linears(model)
+        """The decoder linears other pipeline stages hold, with their widths: an adapter's matrices for them are
+        checked here as there, and left to their stage."""
         """The linears the model's forward never calls as modules (``find_unreached``): adapters on them are refused."""
         self.selected: torch.Tensor | None = None
         """While a state layer's own forward runs on some of the step's rows (``rows``): those rows of the mask."""
         self._handles = []
+        self._undo: list[Callable[[], None]] = []
         for name, linear in linears.items():
-            weight = linear.weight
-            linear.register_buffer("lora_a", weight.new_zeros(width, linear.in_features), persistent=False)
-            linear.register_buffer("lora_b", weight.new_zeros(linear.out_features, width), persistent=False)
+            weight = local(linear.weight)  # this rank's rows or columns of a split weight (its adapters' likewise)
+            linear.register_buffer("lora_a", weight.new_zeros(width, weight.shape[1]), persistent=False)
+            linear.register_buffer("lora_b", weight.new_zeros(weight.shape[0], width), persistent=False)
             linear.register_buffer("lora_off", self.off, persistent=False)
             linear.lora_name = name  # type: ignore[assignment]
+            undo = add_inside(linear, functools.partial(self._add, linear))
+            linear.lora_inside = undo is not None  # type: ignore[assignment]
+            if undo is not None:
+                self._undo.append(undo)
             self._handles.append(linear.register_forward_hook(self._hook))
         model._batchgen_lora = self  # type: ignore[assignment]
         torch.compiler.reset()  # layers compiled before (by another engine on this model) ran without the hooks
@@ -232,6 +256,13 @@ class LoRASlots:
         self._cache: OrderedDict[tuple[str, int], AdapterWeights | AdapterRefused] = OrderedDict()
         self._cache_lock = threading.Lock()
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchgen-lora")
+        self.on_load: Callable[[int, LoRARequest], None] | None = None
+        """Told of each adapter copied into a slot: a tensor-parallel group's driver sends it to the other ranks,
+        which copy in their own shards of it (``distributed/rank.py``)."""
+        self.token_slots: list[int] = []
+        """The step's tokens' slots (``prepare``), which the other ranks of a group receive with the step."""
+        self.referenced: LoRARequest | None = None
+        """The adapter ``referencing`` applies, while it does."""
 
     def find_unreached(self, forward: Callable[[], object]) -> None:
         """Run ``forward`` (a probe forward of the model) and keep the linears it never called: a layer that reads a
@@ -252,12 +283,18 @@ class LoRASlots:
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
+        for undo in self._undo:
+            undo()
         for linear in self.linears.values():
             for buffer in ("lora_a", "lora_b", "lora_off"):
                 linear._buffers.pop(buffer, None)
 
     def _hook(self, module: torch.nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
-        x = args[0]
+        if getattr(module, "lora_inside", False):  # added already, to a split linear's local output
+            return output
+        return self._add(module, args[0], output)
+
+    def _add(self, module: torch.nn.Module, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
         if self.reference is not None:
             matrices = self.reference.get(str(module.lora_name))
             if matrices is None:
@@ -284,7 +321,7 @@ class LoRASlots:
                 self._cache.move_to_end(key)
         if found is None:
             try:
-                found = read_adapter(request, self.linears, self.max_rank, self.unreached)
+                found = read_adapter(request, self.linears, self.max_rank, self.unreached, self.elsewhere)
             except AdapterRefused as exc:
                 found = exc
             with self._cache_lock:
@@ -314,8 +351,7 @@ class LoRASlots:
             slot = self.held.index(request)
         else:
             slot = next(iter(self._idle))
-            self._load(slot, self.weights(request))
-            self.held[slot] = request
+            self.load(slot, request)
         self._idle.pop(slot, None)
         self.users[slot] += 1
         return slot
@@ -330,6 +366,13 @@ class LoRASlots:
         """No row runs (the engine reset): every slot idle, the adapters left in them."""
         self.users = [0] * len(self.users)
         self._idle = OrderedDict((slot, None) for slot in range(1, self.max_loras + 1))
+
+    def load(self, slot: int, request: LoRARequest) -> None:
+        """Copy ``request``'s adapter into ``slot`` (its weights read if they are not in host memory)."""
+        self._load(slot, self.weights(request))
+        self.held[slot] = request
+        if self.on_load is not None:
+            self.on_load(slot, request)
 
     @torch.no_grad()
     def _load(self, slot: int, adapter: AdapterWeights) -> None:
@@ -349,6 +392,7 @@ class LoRASlots:
     def prepare(self, token_slots: list[int]) -> None:
         """The step's tokens, each with its sequence's slot: the mask's first rows (a graph's padding rows beyond
         them keep stale rows, and their outputs are dropped)."""
+        self.token_slots = token_slots
         slots = indices(token_slots, self.device)
         self.off[: len(token_slots)] = slots[:, None] != self._columns[None, :]
 
@@ -367,7 +411,9 @@ class LoRASlots:
         """Every token through ``adapter`` (``None``: the base alone), computed directly (not through the slots): the
         self-check's reference."""
         self.reference = adapter.matrices if adapter is not None else {}
+        self.referenced = adapter.request if adapter is not None else None
         try:
             yield
         finally:
             self.reference = None
+            self.referenced = None

@@ -15,6 +15,7 @@ import torch
 from transformers import PreTrainedModel
 
 from . import dsa
+from .adapters import LoRARequest
 from .attention import (
     ATTENTION_NAME,
     PROBE_NAME,
@@ -69,9 +70,13 @@ class StepMirror(Protocol):
         """A rank died or a mirrored forward failed: the group must be started again (``restarted``)."""
         ...
 
-    def send_step(self, packed: PackedInputs, sample_rows: list[int], want_hidden: bool) -> None: ...
+    def send_step(
+        self, packed: PackedInputs, sample_rows: list[int], want_hidden: bool, adapter_slots: list[int] | None = None
+    ) -> None: ...
 
-    def send_reference(self, tokens: torch.Tensor) -> None: ...
+    def send_reference(self, tokens: torch.Tensor, adapter: LoRARequest | None = None) -> None: ...
+
+    def send_adapter(self, slot: int, adapter: LoRARequest) -> None: ...
 
     def failed(self, exc: BaseException) -> Exception:
         """The group is broken by ``exc`` (raised within a mirrored forward): the ``GroupFailed`` to raise."""
@@ -195,6 +200,8 @@ class ModelRunner:
             graph_rows = self.graphs.buckets[-1] if self.graphs is not None else 0
             self.lora = build_slots(model, layers, graph_rows, config)
             self.lora.find_unreached(lambda: self._probe_forward(LayerProbe()))
+            if group is not None:  # the other ranks copy each adapter into the same slot, and run with the same mask
+                self.lora.on_load = group.send_adapter
             if self.states is not None:  # a state layer's own forward runs on some of the rows: their slots
                 self.states.mixers.token_rows = self.lora
         else:
@@ -328,7 +335,7 @@ class ModelRunner:
         engine's own fault isolation deals with it."""
         if self.group is not None:  # every rank runs it; any failure leaves the ranks out of step
             try:
-                self.group.send_step(packed, sample_rows, want_hidden)
+                self.group.send_step(packed, sample_rows, want_hidden, self.lora.token_slots if self.lora else None)
                 return self._forward(packed, sample_rows, want_hidden)
             except Exception as exc:
                 raise self.group.failed(exc) from exc

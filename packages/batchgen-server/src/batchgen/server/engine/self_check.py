@@ -174,7 +174,7 @@ def _reference_logprobs(engine: LLMEngine, tokens: list[int]) -> torch.Tensor:
     if runner.group is None:
         return torch.log_softmax(reference_logits(runner, ids), dim=-1)
     try:  # a split model: every rank runs its forward
-        runner.group.send_reference(ids)
+        runner.group.send_reference(ids, runner.lora.referenced if runner.lora is not None else None)
         return torch.log_softmax(reference_logits(runner, ids), dim=-1)
     except Exception as exc:
         raise runner.group.failed(exc) from exc

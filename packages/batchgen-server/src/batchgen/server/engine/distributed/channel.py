@@ -9,6 +9,7 @@ group with ``--distributed-timeout-s``."""
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..adapters import LoRARequest
 from ..attention import SeqSlice
 from ..inputs import PackedInputs
 
@@ -29,6 +31,8 @@ class Command(enum.IntEnum):
     REFERENCE = 2
     """Run the model's own forward over a row of tokens (the self-check's reference)."""
     STOP = 3
+    ADAPTER = 4
+    """Copy an adapter into a LoRA slot (each rank its own shard of it: ``LoRASlots.load``)."""
 
 
 @dataclass(slots=True)
@@ -38,6 +42,11 @@ class Received:
     sample_rows: list[int] | None = None
     want_hidden: bool = False
     tokens: torch.Tensor | None = None
+    adapter_slots: list[int] | None = None
+    """Each packed token's LoRA slot, with LoRA on."""
+    adapter: LoRARequest | None = None
+    """The adapter of an ADAPTER command, or the one a REFERENCE runs with."""
+    slot: int = 0
 
 
 class Channel:
@@ -49,7 +58,9 @@ class Channel:
         self.device = device
         self.block_size = block_size
 
-    def send_step(self, packed: PackedInputs, sample_rows: list[int], want_hidden: bool) -> None:
+    def send_step(
+        self, packed: PackedInputs, sample_rows: list[int], want_hidden: bool, adapter_slots: list[int] | None = None
+    ) -> None:
         seqs = packed.seqs
         bs_cols = max((-(-seq.end // self.block_size) for seq in seqs), default=0)
         rows = [seq.table_row for seq in seqs]
@@ -63,13 +74,19 @@ class Channel:
                 torch.from_numpy(slices),
                 torch.tensor(sample_rows, dtype=torch.int64),
                 torch.from_numpy(np.ascontiguousarray(tables, dtype=np.int64)).reshape(-1),
+                torch.tensor(adapter_slots or [], dtype=torch.int64),
             ]
         )
         header = [Command.STEP, packed.input_ids.numel(), len(seqs), len(sample_rows), int(want_hidden), bs_cols]
-        self._send(header, payload)
+        self._send([*header, adapter_slots is not None], payload)
 
-    def send_reference(self, tokens: torch.Tensor) -> None:
-        self._send([Command.REFERENCE, tokens.numel()], tokens.reshape(-1).to("cpu", torch.int64))
+    def send_reference(self, tokens: torch.Tensor, adapter: LoRARequest | None = None) -> None:
+        named = _encoded(adapter)
+        payload = torch.cat([tokens.reshape(-1).to("cpu", torch.int64), named])
+        self._send([Command.REFERENCE, tokens.numel()], payload)
+
+    def send_adapter(self, slot: int, adapter: LoRARequest) -> None:
+        self._send([Command.ADAPTER, slot], _encoded(adapter))
 
     def send_stop(self) -> None:
         self._send([Command.STOP], None)
@@ -91,14 +108,35 @@ class Channel:
         if size:
             dist.broadcast(payload, 0, group=self.group)
         if command is Command.REFERENCE:
-            return Received(command, tokens=payload.to(self.device))
+            tokens = fields[1]
+            return Received(command, tokens=payload[:tokens].to(self.device), adapter=_decoded(payload[tokens:]))
+        if command is Command.ADAPTER:
+            return Received(command, adapter=_decoded(payload), slot=fields[1])
         if command is not Command.STEP:
             return Received(command)
-        tokens, num_seqs, num_sample, want_hidden, cols = fields[1:6]
-        parts = torch.split(payload, [tokens, tokens, tokens, 3 * num_seqs, num_sample, num_seqs * cols])
+        tokens, num_seqs, num_sample, want_hidden, cols, with_slots = fields[1:7]
+        sizes = [tokens, tokens, tokens, 3 * num_seqs, num_sample, num_seqs * cols, tokens * with_slots]
+        parts = torch.split(payload, sizes)
         ids, positions, slots = (part.to(self.device) for part in parts[:3])
         slices = parts[3].view(num_seqs, 3).tolist()
         seqs = [SeqSlice(row, count, start, index) for index, (row, count, start) in enumerate(slices)]
         tables = parts[5].view(num_seqs, cols).numpy()
         packed = PackedInputs(ids, positions, slots, seqs, tables)
-        return Received(command, packed, parts[4].tolist(), bool(want_hidden))
+        adapter_slots = parts[6].tolist() if with_slots else None
+        return Received(command, packed, parts[4].tolist(), bool(want_hidden), adapter_slots=adapter_slots)
+
+
+def _encoded(adapter: LoRARequest | None) -> torch.Tensor:
+    """An adapter request as int64s (its JSON's bytes, one each): what names it to every rank, which each read their
+    own shard of its weights from its directory; none for ``None``."""
+    if adapter is None:
+        return torch.zeros(0, dtype=torch.int64)
+    text = json.dumps([adapter.name, adapter.path, adapter.salt]).encode()
+    return torch.tensor(list(text), dtype=torch.int64)
+
+
+def _decoded(payload: torch.Tensor) -> LoRARequest | None:
+    if not payload.numel():
+        return None
+    name, path, salt = json.loads(bytes(payload.tolist()).decode())
+    return LoRARequest(name, path, int(salt))

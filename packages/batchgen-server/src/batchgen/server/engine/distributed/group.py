@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from transformers import PreTrainedModel
 
+from ..adapters import LoRARequest
 from ..config import EngineConfig
 from ..errors import GroupFailed, ModelLoadError
 from ..grammar import GrammarCompiler
@@ -105,15 +106,27 @@ class RankGroup:
     def broken(self) -> bool:
         return self._failed or any(process.ended() is not None for process in self.processes)
 
-    def send_step(self, packed: PackedInputs, sample_rows: list[int], want_hidden: bool) -> None:
+    def send_step(
+        self, packed: PackedInputs, sample_rows: list[int], want_hidden: bool, adapter_slots: list[int] | None = None
+    ) -> None:
         assert self.channel is not None
         if self.broken:
             raise self.failed(RuntimeError("a rank is gone"))
-        self.channel.send_step(packed, sample_rows, want_hidden)
+        self.channel.send_step(packed, sample_rows, want_hidden, adapter_slots)
 
-    def send_reference(self, tokens: torch.Tensor) -> None:
+    def send_reference(self, tokens: torch.Tensor, adapter: LoRARequest | None = None) -> None:
         assert self.channel is not None
-        self.channel.send_reference(tokens)
+        self.channel.send_reference(tokens, adapter)
+
+    def send_adapter(self, slot: int, adapter: LoRARequest) -> None:
+        """An adapter copied into a slot on the driver: into the same slot on every rank (each its own shard)."""
+        assert self.channel is not None
+        try:
+            if self.broken:
+                raise RuntimeError("a rank is gone")
+            self.channel.send_adapter(slot, adapter)
+        except Exception as exc:
+            raise self.failed(exc) from exc
 
     def failed(self, exc: BaseException) -> GroupFailed:
         if isinstance(exc, GroupFailed):

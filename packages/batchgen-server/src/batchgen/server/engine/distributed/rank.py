@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any, BinaryIO
 
@@ -116,11 +117,20 @@ def serve(runner: ModelRunner, channel: Channel) -> None:
         if received.command is Command.STOP:
             dist.destroy_process_group()
             return
+        lora = runner.lora
+        if received.command is Command.ADAPTER:  # this rank's shard of it, read from its directory (then cached)
+            assert lora is not None and received.adapter is not None
+            lora.load(received.slot, received.adapter)
+            continue
         if received.command is Command.REFERENCE:
             assert received.tokens is not None
-            reference_logits(runner, received.tokens.unsqueeze(0))
+            adapter = lora.weights(received.adapter) if lora is not None and received.adapter is not None else None
+            with lora.referencing(adapter) if lora is not None else nullcontext():
+                reference_logits(runner, received.tokens.unsqueeze(0))
             continue
         assert received.packed is not None and received.sample_rows is not None
+        if lora is not None and received.adapter_slots is not None:
+            lora.prepare(received.adapter_slots)
         runner.forward(received.packed, received.sample_rows, received.want_hidden)
 
 
