@@ -64,12 +64,14 @@ class StateSlots:
     def published(self) -> int:
         return len(self._published)
 
-    def longest(self, hashes: list[int]) -> tuple[int, int | None]:
-        """The most leading blocks of ``hashes`` that end at a checkpoint, and its slot (``(0, None)``: none)."""
+    def longest(self, hashes: list[int], touch: bool = True) -> tuple[int, int | None]:
+        """The most leading blocks of ``hashes`` that end at a checkpoint, and its slot (``(0, None)``: none); it
+        counts as a use unless ``touch`` is false (a look only)."""
         for blocks in range(len(hashes), 0, -1):
             slot = self._published.get(hashes[blocks - 1])
             if slot is not None:
-                self._published.move_to_end(hashes[blocks - 1])
+                if touch:
+                    self._published.move_to_end(hashes[blocks - 1])
                 return blocks, slot
         return 0, None
 
@@ -171,6 +173,7 @@ class StateSlots:
             self.discard(slot)
         seq.state_checkpoints = []
         seq.state_source = None
+        seq.state_marks.clear()
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
