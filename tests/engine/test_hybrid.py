@@ -211,6 +211,25 @@ def test_an_exact_repeat_of_a_whole_blocks_prompt_hits(qwen3_5: tuple[Path, Refe
         assert results[f"p{i}"].outputs[0].token_ids == reference.greedy(prompt)[0][:4]
 
 
+def test_a_repeat_waits_for_a_chunked_prompt_and_resumes_where_it_leaves_a_checkpoint(
+    qwen3_5: tuple[Path, Reference], tokenizer: Any
+) -> None:
+    """An unrelated 10-token line, then three lines of the 40-token prompt, 24 tokens a step: the first line's first
+    chunk (14 tokens) publishes a block with no checkpoint of the state, so the repeats keep waiting while it computes
+    the rest (a hit cannot start there), and it leaves a checkpoint where they resume (32): each computes 8 tokens."""
+    path, reference = qwen3_5
+    engine = _engine(path, tokenizer, block_size=8, max_num_batched_tokens=24)
+    prompt, other = _prompts()[4], _prompts()[0][:10]
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    requests = [EngineRequest("other", list(other), params)]
+    requests += [EngineRequest(f"p{i}", list(prompt), params) for i in range(3)]
+    results = _run(engine, requests)
+    assert [results[f"p{i}"].cached_tokens for i in range(3)] == [0, 32, 32]
+    for i in range(3):
+        assert results[f"p{i}"].outputs[0].token_ids == reference.greedy(prompt)[0][:4]
+    assert results["other"].outputs[0].token_ids == reference.greedy(other)[0][:4]
+
+
 def test_a_failing_step_recomputes_the_states_it_advanced(
     qwen3_5: tuple[Path, Reference], tokenizer: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -93,10 +93,10 @@ class BlockManager:
         return seq.num_computed_tokens
 
     def twin(self, seq: Sequence) -> Sequence | None:
-        """The running sequence computing the first block a prefix hit of waiting ``seq`` would leave it to compute
-        (``None``: none): ``seq`` should wait for that block to be published rather than compute it again. With state
-        layers the hit ends at a checkpoint, so that sequence is asked to leave one where ``seq``'s prefix it computes
-        ends."""
+        """The running sequence computing the first block of waiting ``seq``'s prompt that is not cached (``None``:
+        none): ``seq`` should wait for that block to be published rather than compute it again. With state layers a
+        hit ends at a checkpoint, so that sequence is asked to leave one where the prefix of ``seq`` it computes ends
+        (and a line finding the blocks before it published without one waits too: its hit will reach there)."""
         owner = self.claims.owner
         if not owner or not self.enable_prefix_caching or seq.block_table:
             return None
@@ -106,8 +106,6 @@ class BlockManager:
         cached = 0
         while cached < len(hashes) and hashes[cached] in self.hash_to_block:
             cached += 1
-        if self.states is not None:
-            cached = self.states.longest(hashes[:cached], touch=False)[0]
         twin = owner.get(hashes[cached]) if cached < len(hashes) else None
         if twin is None or twin is seq:
             return None

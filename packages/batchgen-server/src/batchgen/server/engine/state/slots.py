@@ -64,14 +64,12 @@ class StateSlots:
     def published(self) -> int:
         return len(self._published)
 
-    def longest(self, hashes: list[int], touch: bool = True) -> tuple[int, int | None]:
-        """The most leading blocks of ``hashes`` that end at a checkpoint, and its slot (``(0, None)``: none); it
-        counts as a use unless ``touch`` is false (a look only)."""
+    def longest(self, hashes: list[int]) -> tuple[int, int | None]:
+        """The most leading blocks of ``hashes`` that end at a checkpoint, and its slot (``(0, None)``: none)."""
         for blocks in range(len(hashes), 0, -1):
             slot = self._published.get(hashes[blocks - 1])
             if slot is not None:
-                if touch:
-                    self._published.move_to_end(hashes[blocks - 1])
+                self._published.move_to_end(hashes[blocks - 1])
                 return blocks, slot
         return 0, None
 
