@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
 from batchgen.server.engine import EngineRequest, LLMEngine, SamplingParams
 
 MAX_NEW = 4
@@ -16,16 +18,19 @@ def _computed(engine: LLMEngine) -> int:
     return stats.prompt_tokens - stats.cached_tokens
 
 
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
 def test_identical_prompts_submitted_together_compute_the_prompt_once(
+    async_scheduling: str,
     make_engine: Callable[..., LLMEngine],
     run_to_completion: Callable[..., Any],
     random_prompts: Callable[..., Any],
     hf_greedy: Callable[..., list[int]],
 ) -> None:
     """8 lines of one 200-token prompt (n samples as separate lines): the first computes it, the other 7 resume at
-    its last block boundary (192) and compute the 8 tokens after it: 256 tokens, not 1,600."""
+    its last block boundary (192) and compute the 8 tokens after it: 256 tokens, not 1,600. With async scheduling
+    too (the blocks are published a step later)."""
     prompt = random_prompts(1, 200, 200, seed=7)[0]
-    engine = make_engine(block_size=16)
+    engine = make_engine(block_size=16, async_scheduling=async_scheduling)
     params = SamplingParams(max_tokens=MAX_NEW)
     results = run_to_completion(engine, [EngineRequest(f"r{i}", prompt, params) for i in range(8)])
     assert [results[f"r{i}"].cached_tokens for i in range(8)] == [0] + [192] * 7
