@@ -394,7 +394,13 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    parser.add_argument("--skip", nargs="*", default=(), choices=("generate", "generate_batch", "prefix", "vllm"))
+    parser.add_argument(
+        "--skip",
+        nargs="*",
+        default=(),
+        choices=("throughput", "generate", "generate_batch", "prefix", "vllm"),
+        help="rows or tables to leave out (throughput: the first table, for the prefix workloads alone)",
+    )
     parser.add_argument("--vllm-python", default=None, help="the python of a virtualenv with vLLM (see above)")
     parser.add_argument("--rounds", type=int, default=1, help="engine and vLLM runs each, alternating (the best)")
     parser.add_argument("--seed", type=int, default=0)
@@ -441,6 +447,27 @@ def main() -> None:
     print(header, flush=True)
 
     run_engine(model, tokenizer, workload[:8], config)  # warm-up (and compilation)
+    if "throughput" not in args.skip:
+        throughput(model, tokenizer, workload, config, args, header)
+    if "prefix" not in args.skip and args.family != "llama":
+        shared_prefix_of_hybrid(model, tokenizer, workload, config, args.seed, on_cpu)
+    elif "prefix" not in args.skip:
+        shared_prefix(model, tokenizer, workload, config, args, on_cpu)
+    if "prefix" not in args.skip:
+        exact_repeats(model, tokenizer, workload, config, on_cpu, args.family)
+
+
+def throughput(
+    model: Any,
+    tokenizer: Any,
+    workload: list[tuple[list[int], int]],
+    config: EngineConfig,
+    args: argparse.Namespace,
+    header: str,
+) -> None:
+    """The first table: the engine against the same-size Llama, vLLM and transformers' own loops."""
+    dtype = getattr(torch, args.dtype)
+    on_cpu = not args.device.startswith("cuda")
     python = None if "vllm" in args.skip else vllm_python(args.vllm_python)
     runs: dict[str, list[Row]] = {}
     outputs: dict[str, list[list[int]]] = {}
@@ -501,26 +528,34 @@ def main() -> None:
     if python is None and "vllm" not in args.skip:
         print("vLLM: skipped, no interpreter with vLLM (set BATCHGEN_VLLM_PYTHON or --vllm-python)")
 
-    if "prefix" not in args.skip and args.family != "llama":
-        shared_prefix_of_hybrid(model, tokenizer, workload, config, args.seed, on_cpu)
-        exact_repeats_of_hybrid(model, tokenizer, workload, config, on_cpu)
-    elif "prefix" not in args.skip:
-        rng = random.Random(args.seed + 1)
-        system = [rng.randrange(3, 32000) for _ in range(1000)]
-        shared = [
-            (system + prompt[: rng.randint(16, 64)], min(out, 64))
-            for prompt, out in workload[: max(32, args.requests // 4)]
-        ]
-        prefix_rows = []
-        for enabled in (True, False):
-            row, _, stats, _ = run_engine(
-                model, tokenizer, shared, dataclasses.replace(config, enable_prefix_caching=enabled)
-            )
-            row.name = f"engine, prefix cache {'on' if enabled else 'off'}"
-            row.note = f"{stats.cached_tokens} prompt tokens from the cache"
-            prefix_rows.append(row)
-        print()
-        print_table(f"Shared 1,000-token system prompt ({len(shared)} requests)", prefix_rows, prefix_rows[0], on_cpu)
+
+def shared_prefix(
+    model: Any,
+    tokenizer: Any,
+    workload: list[tuple[list[int], int]],
+    config: EngineConfig,
+    args: argparse.Namespace,
+    cpu: bool,
+) -> None:
+    """A 1,000-token system prompt before each question, on an attention-only model: the prefix cache on and off."""
+    rng = random.Random(args.seed + 1)
+    system = [rng.randrange(3, 32000) for _ in range(1000)]
+    shared = [
+        (system + prompt[: rng.randint(16, 64)], min(out, 64))
+        for prompt, out in workload[: max(32, args.requests // 4)]
+    ]
+    total = sum(len(prompt) for prompt, _ in shared)
+    least = total - (len(shared) - 1) * (len(system) // config.block_size * config.block_size)
+    prefix_rows = []
+    for enabled in (True, False):
+        row, _, stats, _ = run_engine(
+            model, tokenizer, shared, dataclasses.replace(config, enable_prefix_caching=enabled)
+        )
+        row.name = f"engine, prefix cache {'on' if enabled else 'off'}"
+        row.note = f"{total - stats.cached_tokens:,} prompt tokens computed of {total:,} (least {least:,})"
+        prefix_rows.append(row)
+    print()
+    print_table(f"Shared 1,000-token system prompt ({len(shared)} requests)", prefix_rows, prefix_rows[0], cpu)
 
 
 def shared_prefix_of_hybrid(
@@ -551,12 +586,12 @@ def shared_prefix_of_hybrid(
     )
 
 
-def exact_repeats_of_hybrid(
-    model: Any, tokenizer: Any, workload: list[tuple[list[int], int]], config: EngineConfig, cpu: bool
+def exact_repeats(
+    model: Any, tokenizer: Any, workload: list[tuple[list[int], int]], config: EngineConfig, cpu: bool, family: str
 ) -> None:
     """16 prompts, 4 lines each (eval repeats: the set again; n samples as lines: each in a row), at the workload's
-    lengths and cut to whole blocks (a repeat resumes one block before such a prompt's end): prompt tokens computed
-    on a hybrid model, against the least possible (the first pass, then each repeat's last block)."""
+    lengths and cut to whole blocks (a repeat resumes one block before such a prompt's end): prompt tokens computed,
+    against the least possible (the first pass, then each repeat's last block)."""
     block = config.block_size
     rows = []
     for cut in (False, True):
@@ -571,7 +606,8 @@ def exact_repeats_of_hybrid(
             row.note = f"{total - stats.cached_tokens:,} prompt tokens computed of {total:,} (least {least:,})"
             rows.append(row)
     print()
-    print_table("Exact repeats, hybrid model (16 prompts x 4 lines)", rows, rows[0], cpu)
+    kind = "attention-only" if family == "llama" else "hybrid"
+    print_table(f"Exact repeats, {kind} model (16 prompts x 4 lines)", rows, rows[0], cpu)
 
 
 if __name__ == "__main__":

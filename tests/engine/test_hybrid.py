@@ -177,10 +177,10 @@ def test_preemption_recomputes_the_state(qwen3_5: tuple[Path, Reference], tokeni
     assert slots.can_take() and len(slots._free_live) == slots.live  # every live slot back
 
 
-def test_a_shared_system_prompt_is_computed_once_or_twice(qwen3_5: tuple[Path, Reference], tokenizer: Any) -> None:
-    """Lines under one 27-token system prompt, two at a time: the second line, admitted beside the first, leaves a
-    checkpoint of the state at the prefix they share (24 tokens, 3 blocks of 8: far below vLLM's 528-token blocks),
-    and every later line starts from it."""
+def test_a_shared_system_prompt_is_computed_once(qwen3_5: tuple[Path, Reference], tokenizer: Any) -> None:
+    """Lines under one 27-token system prompt, two at a time: the second line waits for the first's blocks (a twin:
+    ``engine/twins.py``), which leaves a checkpoint of the state where their shared prefix ends (24 tokens, 3 blocks
+    of 8: far below vLLM's 528-token blocks), and it and every later line start from there."""
     path, reference = qwen3_5
     engine = _engine(path, tokenizer, block_size=8, max_num_seqs=2)
     system = list(_prompts()[4][:27])
@@ -188,26 +188,46 @@ def test_a_shared_system_prompt_is_computed_once_or_twice(qwen3_5: tuple[Path, R
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     results = _run(engine, [EngineRequest(f"p{i}", list(p), params) for i, p in enumerate(prompts)])
     cached = [results[f"p{i}"].cached_tokens for i in range(len(prompts))]
-    assert cached[:2] == [0, 0] and all(c >= 24 for c in cached[2:]), cached  # 32: a longer shared prefix
+    assert cached[0] == 0 and all(c >= 24 for c in cached[1:]), cached  # 32: a longer shared prefix
     for i, prompt in enumerate(prompts):
         assert results[f"p{i}"].outputs[0].token_ids == reference.greedy(prompt)[0][:4]
 
 
 def test_an_exact_repeat_of_a_whole_blocks_prompt_hits(qwen3_5: tuple[Path, Reference], tokenizer: Any) -> None:
-    """The same 40-token prompt (5 blocks of 8) as four lines, two at a time (n samples as separate lines): a repeat
-    must recompute at least the last token, so it resumes at the last block boundary before the prompt's end (32),
-    where the first line left a checkpoint beside the one at its end (40, for longer prompts extending it)."""
+    """The same 40-token prompt (5 blocks of 8) as four lines, two at a time (n samples as separate lines): the
+    second waits for the first's blocks rather than compute them beside it, and a repeat must recompute at least the
+    last token, so each resumes at the last block boundary before the prompt's end (32), where the first line left
+    a checkpoint beside the one at its end (40, for longer prompts extending it)."""
     path, reference = qwen3_5
     engine = _engine(path, tokenizer, block_size=8, max_num_seqs=2)
     prompt = _prompts()[4]
     assert len(prompt) == 40
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     results = _run(engine, [EngineRequest(f"p{i}", list(prompt), params) for i in range(4)])
-    assert [results[f"p{i}"].cached_tokens for i in range(4)] == [0, 0, 32, 32]
+    assert [results[f"p{i}"].cached_tokens for i in range(4)] == [0, 32, 32, 32]
     stats = engine.stats()
-    assert stats.prompt_tokens - stats.cached_tokens == 40 + 40 + 8 + 8
+    assert stats.prompt_tokens - stats.cached_tokens == 40 + 8 + 8 + 8
     for i in range(4):
         assert results[f"p{i}"].outputs[0].token_ids == reference.greedy(prompt)[0][:4]
+
+
+def test_a_repeat_waits_for_a_chunked_prompt_and_resumes_where_it_leaves_a_checkpoint(
+    qwen3_5: tuple[Path, Reference], tokenizer: Any
+) -> None:
+    """An unrelated 10-token line, then three lines of the 40-token prompt, 24 tokens a step: the first line's first
+    chunk (14 tokens) publishes a block with no checkpoint of the state, so the repeats keep waiting while it computes
+    the rest (a hit cannot start there), and it leaves a checkpoint where they resume (32): each computes 8 tokens."""
+    path, reference = qwen3_5
+    engine = _engine(path, tokenizer, block_size=8, max_num_batched_tokens=24)
+    prompt, other = _prompts()[4], _prompts()[0][:10]
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    requests = [EngineRequest("other", list(other), params)]
+    requests += [EngineRequest(f"p{i}", list(prompt), params) for i in range(3)]
+    results = _run(engine, requests)
+    assert [results[f"p{i}"].cached_tokens for i in range(3)] == [0, 32, 32]
+    for i in range(3):
+        assert results[f"p{i}"].outputs[0].token_ids == reference.greedy(prompt)[0][:4]
+    assert results["other"].outputs[0].token_ids == reference.greedy(other)[0][:4]
 
 
 def test_a_failing_step_recomputes_the_states_it_advanced(

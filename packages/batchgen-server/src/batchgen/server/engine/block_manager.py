@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from .block_tables import BlockTables
 from .sequence import Sequence
+from .twins import Claims
 
 if TYPE_CHECKING:
     from .state.slots import StateSlots
@@ -41,6 +42,8 @@ class BlockManager:
             states.reset()
         self.tables = BlockTables()
         """The sequences' block tables as rows of one array: every change to a ``block_table`` goes through it."""
+        self.claims = Claims()
+        """The prompt blocks running sequences compute and have not published yet (``twin``)."""
 
     @property
     def num_free_blocks(self) -> int:
@@ -89,6 +92,36 @@ class BlockManager:
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
         return seq.num_computed_tokens
 
+    def twin(self, seq: Sequence) -> Sequence | None:
+        """The running sequence computing the first block of waiting ``seq``'s prompt that is not cached (``None``:
+        none): ``seq`` should wait for that block to be published rather than compute it again. With state layers a
+        hit ends at a checkpoint, so that sequence is asked to leave one where the prefix of ``seq`` it computes ends
+        (and a line finding the blocks before it published without one waits too: its hit will reach there)."""
+        owner = self.claims.owner
+        if not owner or not self.enable_prefix_caching or seq.block_table:
+            return None
+        if self.states is not None and not self.states.checkpoints:
+            return None  # no state checkpoints: a hybrid model's prefix is never a hit
+        hashes = self._full_block_hashes(seq, (len(seq) - 1) // self.block_size)
+        cached = 0
+        while cached < len(hashes) and hashes[cached] in self.hash_to_block:
+            cached += 1
+        twin = owner.get(hashes[cached]) if cached < len(hashes) else None
+        if twin is None or twin is seq:
+            return None
+        if self.states is not None:
+            end = cached
+            while end < len(hashes) and owner.get(hashes[end]) is twin:
+                end += 1
+            twin.state_marks.add(end * self.block_size)
+        return twin
+
+    def claim(self, seq: Sequence) -> None:
+        """``seq`` is admitted: it claims the prompt blocks it is to compute (``twin``)."""
+        if self.enable_prefix_caching:
+            hashes = self._full_block_hashes(seq, seq.num_prompt_tokens // self.block_size)
+            self.claims.claim(seq, hashes, seq.num_computed_tokens // self.block_size)
+
     def register_full_blocks(self, seq: Sequence, first_block: int) -> None:
         """Publish the blocks of ``seq`` from ``first_block`` on that are now full, for reuse by other requests."""
         num_full = seq.num_computed_tokens // self.block_size
@@ -97,6 +130,7 @@ class BlockManager:
         hashes = self._full_block_hashes(seq, num_full)
         if self.states is not None:
             self.states.settle(seq, hashes, self.block_size)
+        self.claims.settle(seq, hashes, num_full)
         for i in range(first_block, num_full):
             block = seq.block_table[i]
             if self.block_hash[block] is None:
@@ -131,6 +165,7 @@ class BlockManager:
             if self.ref_counts[block] == 0:
                 self.free[block] = None
         self.tables.release(seq)
+        self.claims.release(seq, seq.block_hashes)
         seq.num_computed_tokens = 0
         if self.states is not None:
             self.states.leave(seq)

@@ -6,6 +6,11 @@ order they arrived) while the budget, the running-sequence cap and free KV block
 needs a block and none is free, the most recently admitted sequence is preempted: its blocks are freed (full ones
 stay in the prefix cache) and it goes back to the front of the queue, to be recomputed later.
 
+Twins: a batch line whose prefix hit would stop at a block that a running sequence is computing (lines repeating a
+prompt, or under one system prompt, admitted together) is not admitted while that block is computed: it keeps its
+place and the lines behind it are admitted meanwhile, and once the block is published it is admitted first, as a
+prefix hit (``twins.py``). The prefix is computed once, not once per line.
+
 Interactive sequences (online requests) come first everywhere: they wait ahead of batch ones, run first in a step,
 and when one cannot be admitted (the running set is full, or no block is free) the batch sequence admitted last is
 preempted to make room. A batch never makes an online request wait behind it. And a step that carries online
@@ -119,8 +124,10 @@ class Scheduler:
         kept.extend(queue)  # not reached this step (budget spent): they keep their blocks and run next step
         self.running = kept
 
-        while self.waiting and budget > 0 and prefill > 0:
-            seq = self.waiting[0]
+        place = 0
+        """The place in the queue of the next sequence to admit: those before it wait for a twin's blocks."""
+        while place < len(self.waiting) and budget > 0 and prefill > 0:
+            seq = self.waiting[place]
             if len(self.running) >= self.max_num_seqs:
                 if not _is_interactive(seq) or (refund := self._preempt_batch(scheduled)) is None:
                     break
@@ -132,6 +139,11 @@ class Scheduler:
             # no hidden state (last-token pooling needs only the last, which is always computed).
             request = seq.state.request
             reads_cache = self.pooled_from_last if request.task == "embed" else not seq.state.wants_prompt_logprobs(seq)
+            if reads_cache and _is_batch(seq) and self.block_manager.twin(seq) is not None:
+                place += 1  # it waits for the blocks another computes, in its place; those behind it may run
+                if place >= self.max_num_seqs:
+                    break  # (a bound on this step's look at a long queue of lines under one prompt)
+                continue
             cached = self.block_manager.match_prefix(seq) if reads_cache else 0
             num_tokens = _chunk(seq, min(seq.num_uncomputed, budget, prefill))
             while not self.block_manager.can_allocate(seq, num_tokens):
@@ -144,8 +156,9 @@ class Scheduler:
                 break
             if len(seq) == seq.num_prompt_tokens and not seq.forked:  # its first admission
                 seq.state.cached_tokens = cached
-            self.waiting.popleft()
+            del self.waiting[place]
             self.block_manager.allocate(seq, num_tokens)
+            self.block_manager.claim(seq)
             self._run(seq)
             scheduled.append(ScheduledSeq(seq, num_tokens))
             budget -= num_tokens

@@ -107,6 +107,9 @@ class Sequence:
     """(boundary, checkpoint slot): checkpoints its steps write, published once settled."""
     state_reuse: int = 0
     """A boundary its prompt shares with an earlier one that has no checkpoint: it leaves one there."""
+    state_marks: set[int] = field(default_factory=set)
+    """Boundaries where lines waiting for its prompt's blocks resume (``BlockManager.twin``): it leaves a checkpoint
+    at each."""
     block_hashes: list[int] = field(default_factory=list)
     """Content hashes of the full blocks, in order (filled lazily, kept across preemption)."""
     finish_reason: FinishReason | None = None

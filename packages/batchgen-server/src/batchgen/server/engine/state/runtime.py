@@ -56,8 +56,8 @@ class States:
                 prompt = seq.num_prompt_tokens
                 # The prompt's last block boundary (what a longer prompt extending it resumes from) and the last one
                 # before its end (what a repeat resumes from: a hit leaves the last token to compute); one boundary
-                # unless the prompt is a whole number of blocks.
-                ends = (prompt // bs * bs, (prompt - 1) // bs * bs, seq.state_reuse)
+                # unless the prompt is a whole number of blocks. And where lines waiting for its blocks resume.
+                ends = (prompt // bs * bs, (prompt - 1) // bs * bs, seq.state_reuse, *seq.state_marks)
                 for boundary in range((start // bs + 1) * bs, min(end, prompt) + 1, bs):
                     if not (boundary in ends or (self.interval and boundary % self.interval == 0)):
                         continue

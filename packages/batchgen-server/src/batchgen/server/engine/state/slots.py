@@ -171,6 +171,7 @@ class StateSlots:
             self.discard(slot)
         seq.state_checkpoints = []
         seq.state_source = None
+        seq.state_marks.clear()
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
