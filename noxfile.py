@@ -24,7 +24,7 @@ WINDOWS = sys.platform == "win32"
 BIN = ENV / ("Scripts" if WINDOWS else "bin")
 PYTHON = str(BIN / ("python.exe" if WINDOWS else "python"))
 
-PARALLEL = ["-n", "auto", "--dist", "loadgroup", "--no-loadscope-reorder"]
+PARALLEL = ["-n", "auto", "--no-loadscope-reorder"]
 """pytest-xdist: a worker per core, each running whole modules, longest first (tests/conftest.py groups and orders
 them)."""
 TORCH_CPU = "torch==2.13.0"  # what the test suite runs on

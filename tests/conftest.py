@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import settings
@@ -33,24 +34,38 @@ LONGEST_FIRST = (
     "test_demo_model.py",
     "test_api_schemathesis.py",
 )
-"""Groups of 10 s or more (the stop notes time them), started first. xdist orders groups by their number of tests
-(``--no-loadscope-reorder`` turns that off): a 20 s module of one test started last and ran alone at the end."""
+"""Groups of 10 s or more (the stop notes time them), started first; the others follow by their number of tests."""
+
+
+def group_of(nodeid: str) -> str:
+    """A worker runs whole modules (their module-scoped servers start once), and whole directories whose tests share
+    a costly session fixture."""
+    path = nodeid.split("::", 1)[0]
+    return SHARED_BY_DIRECTORY.get(Path(path).parent.name, path)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """pytest-xdist's scheduling by scope, the scope being ``group_of`` the test: its own ``loadgroup`` reads groups
+    from suffixes of the tests' ids, which pytest 9.2 no longer lets a plugin write (every test ran alone, module
+    fixtures started on both workers)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid)
+
+    return ByGroup(config, log)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """With pytest-xdist (``-n 2 --dist loadgroup``), a worker runs whole modules (their module-scoped servers start
-    once), and whole directories where a session fixture is costly; the longest groups go first, then the others by
-    their number of tests."""
-    groups: dict[pytest.Item, str] = {}
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(SHARED_BY_DIRECTORY.get(item.path.parent.name, str(item.path))))
-        groups[item] = item.get_closest_marker("xdist_group").args[0]
-    sizes = Counter(groups.values())
+    """The longest groups first, then the others by their number of tests (``--no-loadscope-reorder`` keeps this
+    order: xdist's own puts many-test groups first, so a 20 s module of one test started last and ran alone)."""
+    sizes = Counter(group_of(item.nodeid) for item in items)
 
     def start_order(item: pytest.Item) -> tuple[int, int]:
-        name = Path(groups[item]).name
-        return (LONGEST_FIRST.index(name), 0) if name in LONGEST_FIRST else (len(LONGEST_FIRST), -sizes[groups[item]])
+        group = group_of(item.nodeid)
+        name = Path(group).name
+        return (LONGEST_FIRST.index(name), 0) if name in LONGEST_FIRST else (len(LONGEST_FIRST), -sizes[group])
 
     items.sort(key=start_order)  # stable: a group's tests keep their order
 
