@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -68,6 +69,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return (LONGEST_FIRST.index(name), 0) if name in LONGEST_FIRST else (len(LONGEST_FIRST), -sizes[group])
 
     items.sort(key=start_order)  # stable: a group's tests keep their order
+
+
+@pytest.fixture(scope="module", autouse=True)
+def root_logging_kept() -> Iterator[None]:
+    """A module that runs the server's CLI in its own process leaves the server's log handler on the root logger (at
+    INFO): the next module's captured output (the client CLI's) would carry httpx's request lines."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 @pytest.fixture(scope="session", autouse=True)

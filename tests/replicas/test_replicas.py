@@ -52,7 +52,7 @@ def test_a_batch_is_spread_over_both_replicas(replica_server: LiveServer) -> Non
 
     shares = [after - earlier for after, earlier in zip(_served(server), before, strict=True)]
     assert sum(shares) == len(lines)  # each result delivered once, from one replica
-    assert min(shares) >= len(lines) // 4, shares  # both served a share
+    assert min(shares) >= 2, shares  # both served a share (the least loaded takes more: one may be slower)
     pool = server.http.get("/v1/pool/status").json()
     assert pool["kv_blocks_total"] == sum(r["kv_blocks_total"] for r in pool["replicas"]) == 2 * 256
     assert all(r["assigned_requests"] == 0 for r in pool["replicas"])

@@ -99,6 +99,9 @@ class EncoderEngine:
         self._ready.clear()
         self._step = []
 
+    def close(self) -> None:
+        """Nothing outlives it (one process, no group)."""
+
     def step(self) -> list[EngineResult]:
         """Embed the next batch of queued requests; return the requests that finished."""
         finished, self._ready = self._ready, []

@@ -110,6 +110,12 @@ class LLMEngine:
         self._step = None
         self._in_flight = None
 
+    def close(self) -> None:
+        """A split model's worker ranks stopped and its process group left now, not when this process ends (a server
+        that stops its engine and goes on, as the tests' in-process servers do, may start another group)."""
+        if self.runner.group is not None:
+            self.runner.group.stop()
+
     def idle_fault(self) -> Exception | None:
         """Between steps: a rank of its tensor-parallel group that exited meanwhile, as the failure the worker restarts
         the engine for (so ``/health`` says so at once, and the group is back before the next request)."""

@@ -110,6 +110,10 @@ class SteppingEngine(ServedModel, Protocol):
         """Forget every request (the weights stay): how the worker recovers from a step that raised."""
         ...
 
+    def close(self) -> None:
+        """Let go of what outlives the engine object: a split model's worker ranks and its process group."""
+        ...
+
     def stats(self) -> EngineStats: ...
 
 

@@ -82,6 +82,10 @@ class StepMirror(Protocol):
         """The group is broken by ``exc`` (raised within a mirrored forward): the ``GroupFailed`` to raise."""
         ...
 
+    def stop(self) -> None:
+        """Stop the other ranks and leave the process group (another may start in this process)."""
+        ...
+
     def restarted(self, grammars: GrammarCompiler) -> ModelRunner:
         """Every rank started again, its shard loaded: the driver's new runner."""
         ...

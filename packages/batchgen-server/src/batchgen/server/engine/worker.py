@@ -110,6 +110,8 @@ class EngineWorker:
             self._stopping = True
             self._cond.notify()
         self._thread.join(timeout)
+        if not self._thread.is_alive():  # (else its step still runs: the ranks go with this process)
+            self.engine.close()
 
     def submit(self, requests: list[EngineRequest], on_result: ResultCallback) -> None:
         """Queue ``requests``; returns at once, whatever they hold (a grammar that compiles for seconds), and never
