@@ -42,8 +42,8 @@ def make_adapters(model_dir: Path, root: Path, specs: dict[str, dict[str, Any]] 
     return paths
 
 
-def peft_reference(model_dir: Path, adapters: dict[str, Path]) -> Any:
-    """One peft model holding every adapter (float32, eager attention): ``greedy(prompt, tokens, adapter)``."""
+def peft_model(model_dir: Path, adapters: dict[str, Path]) -> Any:
+    """One peft model holding every adapter (float32, eager attention), in eval mode."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -53,7 +53,14 @@ def peft_reference(model_dir: Path, adapters: dict[str, Path]) -> Any:
     model = PeftModel.from_pretrained(base, adapters[names[0]], adapter_name=names[0])
     for name in names[1:]:
         model.load_adapter(adapters[name], adapter_name=name)
-    model.eval()
+    return model.eval()
+
+
+def peft_reference(model_dir: Path, adapters: dict[str, Path]) -> Any:
+    """``peft_model``'s greedy tokens: ``greedy(prompt, tokens, adapter)``."""
+    import torch
+
+    model = peft_model(model_dir, adapters)
 
     @functools.cache
     @torch.no_grad()

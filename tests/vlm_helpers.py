@@ -214,26 +214,41 @@ def qwen3_vl(path: Path) -> Path:
     """Qwen3-VL: Qwen2.5-VL's dynamic resolution and M-RoPE (interleaved), plus deepstack: the vision tower's
     intermediate features added to the first decoder layers' outputs at the image positions."""
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     tok = byte_tokenizer(QWEN_SPECIALS, QWEN_TEMPLATE)
-    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3], "mrope_interleaved": True}
     config = Qwen3VLConfig(
         text_config={**TEXT, "head_dim": 16, "vocab_size": len(tok), "rope_parameters": rope},
-        vision_config={
-            "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
-            "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2, "num_position_embeddings": 16,
-            "deepstack_visual_indexes": [0, 1],
-        },
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-    )  # fmt: skip
+        vision_config={**QWEN3_VISION, "deepstack_visual_indexes": [0, 1]},
+        **_qwen_image_tokens(tok),
+    )
     torch.manual_seed(0)
-    model = Qwen3VLForConditionalGeneration(config).float()
+    return _save_qwen3_vision(path, Qwen3VLForConditionalGeneration(config), tok)
+
+
+QWEN3_VISION = {
+    "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64, "patch_size": 16,
+    "spatial_merge_size": 2, "temporal_patch_size": 2, "num_position_embeddings": 16,
+}  # fmt: skip
+"""Qwen3-VL's vision tower, tiny (Qwen3.5's too)."""
+
+
+def _qwen_image_tokens(tok: Any) -> dict[str, int]:
+    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
+    return {
+        "image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"], "vision_end_token_id": ids["<|vision_end|>"],
+    }  # fmt: skip
+
+
+def _save_qwen3_vision(path: Path, model: Any, tok: Any) -> Path:
+    """``model`` (built under seed 0 by its caller) with Qwen2-VL's Pillow image processor, as Qwen3VLProcessor
+    reads it."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
     pixels = {"shortest_edge": 32 * 32 * 4, "longest_edge": 32 * 32 * 16}
     ip = Qwen2VLImageProcessorPil(size=pixels, patch_size=16, merge_size=2, temporal_patch_size=2)
-    return _save(path, model, tok, ip, {"processor_class": "Qwen3VLProcessor"})
+    return _save(path, model.float(), tok, ip, {"processor_class": "Qwen3VLProcessor"})
 
 
 BUILDERS["qwen3_vl"] = qwen3_vl
@@ -279,10 +294,8 @@ def qwen3_5(path: Path) -> Path:
     """Qwen3.5's ConditionalGeneration: Qwen3-VL's tower without deepstack, M-RoPE, and the hybrid text model
     (Gated DeltaNet layers beside full attention: the engine's state cache)."""
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     tok = byte_tokenizer(QWEN_SPECIALS, QWEN_TEMPLATE)
-    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
     rope = {
         "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1], "mrope_interleaved": True,
         "partial_rotary_factor": 0.5,
@@ -293,18 +306,11 @@ def qwen3_5(path: Path) -> Path:
     }  # fmt: skip
     config = Qwen3_5Config(
         text_config={**TEXT, **gdn, "vocab_size": len(tok), "rope_parameters": rope},
-        vision_config={
-            "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
-            "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2, "num_position_embeddings": 16,
-        },
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-    )  # fmt: skip
+        vision_config=QWEN3_VISION,
+        **_qwen_image_tokens(tok),
+    )
     torch.manual_seed(0)
-    model = Qwen3_5ForConditionalGeneration(config).float()
-    pixels = {"shortest_edge": 32 * 32 * 4, "longest_edge": 32 * 32 * 16}
-    ip = Qwen2VLImageProcessorPil(size=pixels, patch_size=16, merge_size=2, temporal_patch_size=2)
-    return _save(path, model, tok, ip, {"processor_class": "Qwen3VLProcessor"})
+    return _save_qwen3_vision(path, Qwen3_5ForConditionalGeneration(config), tok)
 
 
 BUILDERS["qwen3_5"] = qwen3_5

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from lora_helpers import make_adapters
+from lora_helpers import make_adapters, peft_model
 from test_architectures import _build
 from test_hybrid import FAMILIES
 from transformers import AutoModelForCausalLM
@@ -62,16 +62,8 @@ def family(request: pytest.FixtureRequest, tokenizer: Any, tmp_path_factory: pyt
 
 
 def peft_generate(path: Path, adapters: dict[str, Path]) -> Callable[[tuple[int, ...], str | None], Any]:
-    """peft's model holding every adapter (float32, eager attention): ``generate`` greedy, the tokens and the
-    log-softmax of the logits that chose each."""
-    from peft import PeftModel
-
-    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
-    names = list(adapters)
-    model = PeftModel.from_pretrained(base, adapters[names[0]], adapter_name=names[0])
-    for name in names[1:]:
-        model.load_adapter(adapters[name], adapter_name=name)
-    model.eval()
+    """``peft_model``'s ``generate``, greedy: the tokens and the log-softmax of the logits that chose each."""
+    model = peft_model(path, adapters)
 
     @torch.no_grad()
     def generate(prompt: tuple[int, ...], adapter: str | None) -> tuple[list[int], torch.Tensor]:
