@@ -35,7 +35,7 @@ def staged(llama: Path, adapters: dict[str, Path]) -> Iterator[LLMEngine]:
     assert isinstance(engine, LLMEngine)
     yield engine
     assert engine.runner.group is not None
-    engine.runner.group.stop()
+    engine.close()
 
 
 def test_two_stages_give_transformers_tokens_and_logprobs(staged: LLMEngine, llama: Path) -> None:

@@ -58,7 +58,7 @@ def split(llama: Path, adapters: dict[str, Path]) -> Iterator[LLMEngine]:
     assert isinstance(engine, LLMEngine)
     yield engine
     assert engine.runner.group is not None
-    engine.runner.group.stop()
+    engine.close()
 
 
 def test_two_ranks_give_transformers_tokens_and_logprobs(split: LLMEngine, llama: Path) -> None:

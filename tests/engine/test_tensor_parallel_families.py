@@ -67,7 +67,7 @@ def test_other_architectures_split_two_ways(model_type: str, tmp_path: Path) -> 
     try:
         _check(engine, Reference(path))
     finally:
-        engine.runner.group.stop()
+        engine.close()
 
 
 def test_an_moe_model_in_two_stages(tmp_path: Path) -> None:
@@ -81,4 +81,4 @@ def test_an_moe_model_in_two_stages(tmp_path: Path) -> None:
         assert engine.scheduler.num_preemptions > 0
         assert len(engine.runner.cache.k) == 1  # the driver's stage: one of the two layers
     finally:
-        engine.runner.group.stop()
+        engine.close()

@@ -44,11 +44,16 @@ RESERVED_KWARGS = frozenset(
 """Arguments of ``apply_chat_template`` itself, or request fields of their own: not template variables."""
 
 
+def check_chat_template(tokenizer: Any, model: str, param: str | None = None) -> None:
+    """400 ``unsupported_endpoint`` where the model has no chat template (it serves completions alone)."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise RequestRejected("unsupported_endpoint", f"model {model!r} has no chat template", param)
+
+
 def render_chat(tokenizer: Any, body: ChatCompletionRequest, model: str) -> str:
     """The prompt text of ``body``; ``RequestRejected`` when the template cannot render it as asked."""
-    template = getattr(tokenizer, "chat_template", None)
-    if template is None:
-        raise RequestRejected("unsupported_endpoint", f"model {model!r} has no chat template", "messages")
+    check_chat_template(tokenizer, model, "messages")
+    template = tokenizer.chat_template
     source = template if isinstance(template, str) else "\n".join(template.values())  # named templates
     facts = _facts(tokenizer, source)
     tools, variables = _tools(body, facts), _variables(body, facts)

@@ -24,7 +24,7 @@ from ..engine.adapters import LoRARequest, ServedNames
 from ..engine.pooling_spec import PoolingSpec
 from ..engine.request import EngineRequest, SamplingParams, Task, vocabulary_problem
 from ..ids import engine_request_id
-from .chat_template import render_chat
+from .chat_template import check_chat_template, render_chat
 from .config import ServingConfig
 from .errors import RequestRejected
 from .images import ImagePrompter, media_of
@@ -136,11 +136,8 @@ class RequestPreparer:
             self.pooling.check_endpoint(path, self.model_name)
             return
         self._check_generates(path)
-        if path != "/v1/completions" and getattr(self.tokenizer, "chat_template", None) is None:
-            raise RequestRejected(
-                "unsupported_endpoint",
-                f"model {self.model_name!r} has no chat template: it serves /v1/completions, not {path}",
-            )
+        if path != "/v1/completions":
+            check_chat_template(self.tokenizer, self.model_name)
 
     def _check_generates(self, path: str) -> None:
         if "generate" not in self.tasks:
