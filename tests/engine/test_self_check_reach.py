@@ -69,6 +69,8 @@ def test_the_check_runs_past_the_window(mistral: Path, tokenizer: Any) -> None:
     engine.add_request = recorded  # type: ignore[method-assign]
     check_engine(engine)
     assert max(lengths) == WINDOW + 16 + 3  # past the window by more than a block: its start moves across blocks
+    # Its steps (compilations, logprobs, a small budget) are not serving's: the mixed-step bound learns nothing.
+    assert engine.step_costs.prefill_token_s is None and engine.step_costs.decodes_s(1) == 0
 
 
 def test_a_wrong_window_is_refused(mistral: Path, tokenizer: Any, window_one_too_wide: None) -> None:

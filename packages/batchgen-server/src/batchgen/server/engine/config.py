@@ -83,11 +83,12 @@ class EngineConfig:
     max_num_seqs: int = setting(256, "most sequences running in one step")
     max_num_batched_tokens: int = setting(2048, "token budget of one step: decode tokens plus prefill chunks")
     max_mixed_step_ratio: float = setting(
-        1.0,
+        1.25,
         "a step that carries online requests' decodes takes only the prefill tokens that keep it within about this "
         "many times the same decodes alone (from step times measured as the engine runs): a prompt arriving beside "
         "streams delays their next token by this factor at most, and continues in the next steps; steps without "
-        "online decodes take prefills up to --max-num-batched-tokens; 1 (the default) is no bound, 1.25 a tight one",
+        "online decodes, or with online prompts at least half as many as the streams (a burst), take prefills up to "
+        "--max-num-batched-tokens; 1 is no bound",
     )
     enable_prefix_caching: bool = setting(
         True, "reuse the KV cache of shared prompt prefixes", flags=("--prefix-caching",)

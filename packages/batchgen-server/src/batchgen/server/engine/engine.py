@@ -204,8 +204,10 @@ class LLMEngine:
         return bool(self._requests or self._ready)
 
     def reset_stats(self) -> None:
+        """Forget the steps run so far (the load-time self-check's): their counts, and the step costs they taught."""
         self.outputs.totals = dict.fromkeys(self.outputs.totals, 0)
         self.scheduler.num_preemptions = 0
+        self.step_costs.forget()
 
     def stats(self) -> EngineStats:
         scheduler, totals, states = self.scheduler, self.outputs.totals, self.runner.states

@@ -17,9 +17,13 @@ the running and waiting sequences, up to ``--max-num-seqs``): a step of ``d`` de
 fill ``ratio`` times that step, less its own decodes' time, at least ``floor``. With a full running set a step costs
 about ``ratio`` times a decode step; with a few streams and many prompts waiting (a burst of arrivals) the prompts
 move faster, as they would delay few streams by less than the stall the full set will see anyway. Until the costs
-are measured, nothing is bounded (the first steps measure them; the self-check at load runs such steps). A step's
-time is its ``LLMEngine.step`` call: exact when steps run one at a time (CPU), one step off under async scheduling,
-where the bound is loose anyway."""
+are measured, nothing is bounded (the first steps measure them). A step's time is its ``LLMEngine.step`` call: exact
+when steps run one at a time (CPU), one step off under async scheduling, where the bound is loose anyway.
+
+A sample counts at most ``OUTLIER`` times what the costs predict: a step stalled by a compilation, a garbage
+collection or another process says nothing of the next one's cost, and taken whole it widened the bound for dozens
+of steps (the first wave of a served run had steps of 2x a decode step under a 1.25 bound); a lasting change still
+gets through, ``OUTLIER`` times more a step."""
 
 from __future__ import annotations
 
@@ -30,6 +34,9 @@ from .scheduler_output import ScheduledSeq
 SMOOTHING = 0.3
 """Weight of the newest step in each moving average: a few steps' noise (another process on the core) moves the
 bound by a fraction, a lasting change (a longer context) within ten steps or so."""
+
+OUTLIER = 3.0
+"""A sample counts as at most this many times its prediction."""
 
 MIN_PREFILL_SAMPLE = 16
 """Steps with fewer prefill tokens say little of a token's cost (the step's own noise dominates): not counted."""
@@ -62,22 +69,35 @@ class StepCosts:
     def record(self, seconds: float, decodes: int, prefill: int) -> None:
         """A step of ``decodes`` decodes and ``prefill`` prefill tokens took ``seconds``."""
         if decodes and not prefill:
+            if self._line[0]:
+                seconds = min(seconds, OUTLIER * self.decodes_s(decodes))
             keep = 1 - SMOOTHING / 4  # the line remembers more steps than the average: it needs a spread of sizes
             for i, term in enumerate((1.0, decodes, decodes * decodes, seconds, decodes * seconds)):
                 self._line[i] = keep * self._line[i] + term
             self._widest = max(self._widest, decodes)
         elif prefill >= MIN_PREFILL_SAMPLE and (self._line[0] or not decodes):
-            spent = seconds - self.decodes_s(decodes)
-            self.prefill_token_s = _average(self.prefill_token_s, max(spent, 0.0) / prefill)
+            per_token = max(seconds - self.decodes_s(decodes), 0.0) / prefill
+            if self.prefill_token_s is not None:
+                per_token = min(per_token, OUTLIER * self.prefill_token_s)
+            self.prefill_token_s = _average(self.prefill_token_s, per_token)
+
+    def forget(self) -> None:
+        """Drop what was measured: the steps so far were not serving's (the load-time self-check's: compilations,
+        logprobs, a small token budget)."""
+        self.prefill_token_s = None
+        self._line = [0.0] * 5
+        self._widest = 0
 
     def decodes_s(self, decodes: int) -> float:
         """Seconds ``decodes`` decodes take in a step of their own (0 when none was measured); past the most
-        measured, proportional to that (too much rather than too little: prompts are not starved by a guess)."""
+        measured, what that took: a decode step's cost is mostly reading the weights, whatever the count (taken
+        proportional, one warm-up stream's step made sixteen streams' 10x too long, and the bound let in prompts of
+        twice a decode step's cost)."""
         n, sd, sdd, st, sdt = self._line
         if not n or not decodes:
             return 0.0
         if decodes > self._widest:
-            return self.decodes_s(self._widest) * decodes / self._widest
+            return self.decodes_s(self._widest)
         mean_d, mean_t = sd / n, st / n
         spread = sdd / n - mean_d * mean_d
         if spread >= 0.5:  # steps of different sizes: the line
