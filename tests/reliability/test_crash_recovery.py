@@ -51,7 +51,9 @@ def test_kill_right_after_the_batch_is_accepted(start: Start) -> None:
 
 def test_kill_mid_decode_and_again_during_recovery(start: Start) -> None:
     lines = [chat_line(f"short-{i}", max_tokens=2, ignore_eos=True) for i in range(6)]
-    lines += [chat_line(f"long-{i}", max_tokens=400, ignore_eos=True) for i in range(4)]
+    # Long enough to be still decoding when the short ones are seen done (400 tokens left 0.4 s, missed once under
+    # the suite's load).
+    lines += [chat_line(f"long-{i}", max_tokens=900, ignore_eos=True) for i in range(4)]
     server = start()
     batch_id = server.create_batch(server.upload(lines)["id"])["id"]
     deadline = time.monotonic() + 60
