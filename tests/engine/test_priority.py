@@ -107,24 +107,41 @@ def _streaming(make_engine: Callable[..., LLMEngine], prompts: list[list[int]], 
 def test_a_step_with_online_decodes_takes_a_bounded_prefill(
     make_engine: Callable[..., LLMEngine], random_prompts: Run
 ) -> None:
-    prompts = random_prompts(5, 100, 100, seed=34)
+    prompts = random_prompts(4, 100, 100, seed=34)
     engine = _streaming(make_engine, prompts, streams=3)
-    engine.add_request(EngineRequest("batch", prompts[3], LONG))
-    engine.add_request(EngineRequest("online3", prompts[4], LONG, interactive=True))
-    # 3 decodes run, 5 will once the two waiting join (4 measured at most: 10 ms a step): 1.5 x 10 ms less the 3
-    # decodes' 8 ms leaves 7 ms, 63 prefill tokens; the online prompt takes them, the batch one waits.
+    engine.add_request(EngineRequest("online3", prompts[3], LONG, interactive=True))
+    # 3 decodes run, 4 will once the waiting one joins (10 ms a step): 1.5 x 10 ms less the 3 decodes' 8 ms leaves
+    # 7 ms, 63 prefill tokens.
     assert _given(engine, _measured()) == {"online0": 1, "online1": 1, "online2": 1, "online3": 63}
 
 
 def test_a_burst_of_online_prompts_beside_streams_is_not_bounded(
     make_engine: Callable[..., LLMEngine], random_prompts: Run
 ) -> None:
-    prompts = random_prompts(5, 100, 100, seed=36)
+    prompts = random_prompts(6, 100, 100, seed=36)
+    engine = _streaming(make_engine, prompts, streams=4)
+    engine.add_request(EngineRequest("online4", prompts[4] * 6, LONG, interactive=True))
+    engine.step()  # costs not measured yet: the whole budget, 508 of its 600 tokens
+    engine.add_request(EngineRequest("online5", prompts[5], LONG, interactive=True))
+    # Two prompts (one part computed) beside four streams: their first tokens come in one step, one stall rather than
+    # a dozen.
+    given = _given(engine, _measured())
+    assert given == {"online0": 1, "online1": 1, "online2": 1, "online3": 1, "online4": 92, "online5": 100}
+
+
+def test_batch_prompts_beside_streams_are_not_bounded_nor_served_before_online_ones(
+    make_engine: Callable[..., LLMEngine], random_prompts: Run
+) -> None:
+    prompts = random_prompts(6, 100, 100, seed=37)
     engine = _streaming(make_engine, prompts, streams=3)
-    for i, prompt in enumerate(prompts[3:], start=3):
-        engine.add_request(EngineRequest(f"online{i}", prompt, LONG, interactive=True))
-    # Two prompts beside three streams: their first tokens come in one step, one stall rather than a dozen.
-    assert _given(engine, _measured()) == {"online0": 1, "online1": 1, "online2": 1, "online3": 100, "online4": 100}
+    engine.add_request(EngineRequest("batch0", prompts[3] * 12, LONG))
+    engine.step()  # costs not measured yet: the whole budget, 509 of its 1,200 tokens
+    engine.add_request(EngineRequest("online3", prompts[4], LONG, interactive=True))
+    engine.add_request(EngineRequest("batch1", prompts[5], LONG))
+    # A batch prompt computing: the step is the batch's, whole (509 tokens); the online prompt waiting is served
+    # before the batch one running (which takes what it leaves), the batch line waiting gets nothing.
+    given = _given(engine, _measured())
+    assert given == {"online0": 1, "online1": 1, "online2": 1, "batch0": 409, "online3": 100}
 
 
 def test_prefills_beside_batch_decodes_or_unmeasured_costs_are_not_bounded(
@@ -176,3 +193,6 @@ def test_a_stalled_step_moves_the_costs_by_a_bounded_amount() -> None:
     assert costs.prefill_token_s == pytest.approx(token_s + SMOOTHING * 2 * token_s)
     costs.forget()
     assert costs.decodes_s(2) == 0 and costs.prefill_token_s is None and costs.prefill_budget(2, expected=2) is None
+    costs.record(1.0, decodes=2, prefill=0)  # the first step measured, a compilation's: nothing to clip it against
+    costs.record(0.006, decodes=2, prefill=0)  # under a third of what the line says: it starts again from this one
+    assert costs.decodes_s(2) == pytest.approx(0.006)

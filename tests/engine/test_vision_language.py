@@ -5,6 +5,7 @@ the same placeholder tokens never share KV)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from batchgen.server.engine.errors import ModelNotSupported
 from batchgen.server.engine.loader import load_model
 from batchgen.server.engine.multimodal.processor import ImageProcessor
 from batchgen.server.engine.self_check import check_engine
+from batchgen.server.engine.step_costs import StepCosts
 from batchgen.server.media import image_hash
 
 NEW_TOKENS = 6
@@ -114,6 +116,37 @@ def test_encoder_cache_off_preemption_and_n(family: Family) -> None:
     assert len(results["r2"].outputs) == 2
     assert engine.stats().preemptions > 0
     assert engine.runner.vision is not None and engine.runner.vision.cache.bytes == 0
+
+
+@pytest.mark.parametrize("family", ["gemma4"], indirect=True)  # its images attend both ways, 63-65 tokens each
+def test_image_prompts_beside_streams_under_the_prefill_bound(family: Family) -> None:
+    """A chunk cannot end inside an image that attends both ways: it runs on to the image's end, past the bound beside
+    online streams, and the prompts after it in that step wait (none is given zero or fewer tokens); every output is
+    still generate's."""
+    engine = family.engine(enable_prefix_caching=False)
+    for i in range(5):  # five online streams, decoding past the prompts' prefill
+        stream = family.request(1, f"s{i}")
+        engine.add_request(replace(stream, params=SamplingParams(max_tokens=60, ignore_eos=True), interactive=True))
+    engine.step()
+    tight = StepCosts(1.1, floor=4)  # measured: 2 + 2d ms a step of d decodes, 0.11 ms a prefill token
+    for seconds, decodes, prefill in ((0.006, 2, 0), (0.010, 4, 0), (0.017, 2, 100)):
+        tight.record(seconds, decodes, prefill)
+    engine.scheduler.step_costs = tight  # (the engine's own, which its steps teach, stays apart)
+    for index, request_id in ((0, "r0"), (1, "r1")):  # two online prompts beside five streams: bounded
+        engine.add_request(replace(family.request(index, request_id), interactive=True))
+    given: list[int] = []
+    schedule = engine.scheduler.schedule
+
+    def recorded() -> Any:
+        output = schedule()
+        given.extend(item.num_tokens for item in output.scheduled)
+        return output
+
+    engine.scheduler.schedule = recorded  # type: ignore[method-assign]
+    results = _run(engine, [])
+    assert min(given) >= 1 and max(given) > 9  # an image's chunk ran past the bound (1.1 x 10 ms less 10 ms: 9 tokens)
+    for request_id, index in (("r0", 0), ("r1", 1)):
+        _same(family, results[request_id], index)
 
 
 def test_prefix_cache_keys_include_the_images(family: Family) -> None:

@@ -86,9 +86,9 @@ class EngineConfig:
         1.25,
         "a step that carries online requests' decodes takes only the prefill tokens that keep it within about this "
         "many times the same decodes alone (from step times measured as the engine runs): a prompt arriving beside "
-        "streams delays their next token by this factor at most, and continues in the next steps; steps without "
-        "online decodes, or with online prompts at least half as many as the streams (a burst), take prefills up to "
-        "--max-num-batched-tokens; 1 is no bound",
+        "streams delays their next token by about this factor, and continues in the next steps; steps without "
+        "online decodes, with online prompts at least half as many as the streams (a burst), or while batch prompts "
+        "are computed or wait, take prefills up to --max-num-batched-tokens; 1 is no bound",
     )
     enable_prefix_caching: bool = setting(
         True, "reuse the KV cache of shared prompt prefixes", flags=("--prefix-caching",)

@@ -18,7 +18,8 @@ requests' decodes takes only so many prefill tokens (``StepCosts.prefill_budget`
 ``--max-mixed-step-ratio`` times a step of decodes alone), so that a prompt arriving beside streams delays their
 next token by a bounded factor; the rest of it continues in the next steps. Steps without them (a batch, prompts
 alone) take prefills up to the whole budget, as do steps where online prompts are at least half as many as the
-streams (a burst).
+streams (a burst) and steps while batch prompts are computed or wait (the batch's throughput is not traded for the
+streams' smoothness).
 
 The scheduler decides; it owns every change of a sequence's place: admission, the tokens computed as steps run,
 preemption and finishing, the forks of ``n`` choices, and what a running sequence holds: its KV blocks and its LoRA
@@ -102,15 +103,19 @@ class Scheduler:
         interactive = any(map(_is_interactive, self.running))
         queue = deque(sorted(self.running, key=_is_batch) if interactive else self.running)
         prefill = self._prefill_budget(budget) if interactive else budget
-        """Prefill tokens (chunks of more than one token) the step may still take."""
+        """Prefill tokens (chunks of more than one token) the step may still take (below 0 once an image's chunk,
+        which cannot end inside the image, ran past it)."""
+        reserved = sum(seq.num_uncomputed for seq in takewhile(_is_interactive, self.waiting))
+        """Prefill tokens the online prompts waiting would take: a batch prompt running does not take them first."""
         while queue and budget > 0:
             seq = queue.popleft()
             left = len(seq.token_ids) - seq.num_computed_tokens  # (``num_uncomputed``, read once: a hot loop)
             chunk = left > 1
-            if not left or (chunk and not prefill):
+            allowed = min(prefill, budget - reserved) if chunk and _is_batch(seq) else prefill
+            if not left or (chunk and allowed <= 0):
                 kept.append(seq)  # its last token is being sampled (it waits to be read), or a prompt past the bound
                 continue
-            num_tokens = _chunk(seq, min(left, budget, prefill)) if chunk else 1
+            num_tokens = _chunk(seq, min(left, budget, allowed)) if chunk else 1
             if self.block_manager.blocks_needed(seq, num_tokens):  # else a decode within its last block: common
                 while not self.block_manager.can_allocate(seq, num_tokens) and queue:
                     self._preempt(queue.pop())
@@ -171,20 +176,24 @@ class Scheduler:
         """The prefill tokens a step may take while online requests run: bounded where they decode, unless the online
         prompts waiting (or part computed) are at least half as many as the streams: a burst, whose first tokens are
         worth one stall to the streams (the bound would spread it over dozens of steps, each a stall, and the last of
-        the burst's first tokens would come seconds later: 1.4 s against 0.45 for the first 16 of a served run)."""
-        if self.step_costs is None:
+        the burst's first tokens would come seconds later: 1.4 s against 0.45 for the first 16 of a served run); or
+        unless batch prompts are computed or wait: the step is the batch's, whose throughput is not traded for the
+        streams' smoothness (bounded beside one stream, a batch of 512-token prompts took 2.5x its time)."""
+        if self.step_costs is None or (self.waiting and _is_batch(self.waiting[-1])):  # (batch lines wait last)
             return budget
         decodes = streams = prompts = 0
         for seq in self.running:
-            left = seq.num_uncomputed
+            left = len(seq.token_ids) - seq.num_computed_tokens  # (``num_uncomputed``, read once: a hot loop)
             if left == 1:
                 decodes += 1
                 streams += _is_interactive(seq)
             elif left > 1:
-                prompts += _is_interactive(seq)
+                if _is_batch(seq):
+                    return budget
+                prompts += 1
         if not streams:
             return budget
-        prompts += sum(1 for _ in takewhile(_is_interactive, self.waiting))  # (they wait ahead of batch lines)
+        prompts += len(self.waiting)  # (online ones only: no batch line waits)
         if 2 * prompts >= streams:
             return budget
         bound = self.step_costs.prefill_budget(decodes, min(self.max_num_seqs, len(self.running) + len(self.waiting)))
@@ -260,7 +269,8 @@ class Scheduler:
 
     def _enqueue(self, seq: Sequence, *, front: bool) -> None:
         """Interactive sequences wait ahead of batch ones; within each kind first come, first served, except that a
-        preempted sequence (``front``) goes first."""
+        preempted sequence (``front``) goes first. The only way into ``waiting``: a step reads the online prompts
+        waiting as its head, and whether batch lines wait from its tail."""
         if not front and _is_batch(seq):
             self.waiting.append(seq)
             return

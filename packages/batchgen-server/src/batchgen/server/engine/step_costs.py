@@ -1,7 +1,7 @@
 """What a step costs, learned from the steps the engine runs, and the prefill tokens a step that carries online
-requests' decodes may take: so that a prompt arriving beside streams delays their next token by a bounded factor
-(``--max-mixed-step-ratio``) instead of a whole chunk's compute (Sarathi-Serve's stall-free batching, with the token
-budget found from measured costs rather than profiled offline).
+requests' decodes may take: so that a prompt arriving beside streams delays their next token by about a bounded
+factor (``--max-mixed-step-ratio``) instead of a whole chunk's compute (Sarathi-Serve's stall-free batching, with
+the token budget found from measured costs rather than profiled offline).
 
 vLLM bounds the same thing by a token count (``long_prefill_token_threshold``, a request's chunk); what a token costs
 beside a decode differs by a factor of a hundred between a GPU (prefill tokens nearly free next to reading the
@@ -23,7 +23,12 @@ when steps run one at a time (CPU), one step off under async scheduling, where t
 A sample counts at most ``OUTLIER`` times what the costs predict: a step stalled by a compilation, a garbage
 collection or another process says nothing of the next one's cost, and taken whole it widened the bound for dozens
 of steps (the first wave of a served run had steps of 2x a decode step under a 1.25 bound); a lasting change still
-gets through, ``OUTLIER`` times more a step."""
+gets through, if a few steps later (a tenfold prefill token cost is 90% learned in 8 steps rather than 7). And the
+decode line starts again from a step under a ``1 / OUTLIER`` of its prediction: the line was inflated by a stalled
+step taken whole (the first one measured, which nothing clips). A too large line loosens the bound; a too large
+token cost only tightens it for a few steps (prompts move slower, by a block a step at least), so that one is left
+to its average. Errors are meant to fall on that side: past the widest decode step measured, a step is taken to
+cost what that one did, less than it will on a CPU, where a step's cost grows with its decodes."""
 
 from __future__ import annotations
 
@@ -70,7 +75,10 @@ class StepCosts:
         """A step of ``decodes`` decodes and ``prefill`` prefill tokens took ``seconds``."""
         if decodes and not prefill:
             if self._line[0]:
-                seconds = min(seconds, OUTLIER * self.decodes_s(decodes))
+                predicted = self.decodes_s(decodes)
+                if seconds * OUTLIER < predicted:
+                    self._line, self._widest = [0.0] * 5, 0
+                seconds = min(seconds, OUTLIER * predicted)
             keep = 1 - SMOOTHING / 4  # the line remembers more steps than the average: it needs a spread of sizes
             for i, term in enumerate((1.0, decodes, decodes * decodes, seconds, decodes * seconds)):
                 self._line[i] = keep * self._line[i] + term
