@@ -115,6 +115,16 @@ def test_a_step_with_online_decodes_takes_a_bounded_prefill(
     assert _given(engine, _measured()) == {"online0": 1, "online1": 1, "online2": 1, "online3": 63}
 
 
+def test_an_online_prompt_beside_streams_is_spread_over_a_few_steps_at_most(
+    make_engine: Callable[..., LLMEngine], random_prompts: Run
+) -> None:
+    prompts = random_prompts(4, 100, 100, seed=38)
+    engine = _streaming(make_engine, prompts, streams=3)
+    engine.add_request(EngineRequest("online3", prompts[3] * 4, LONG, interactive=True))
+    # The bound's 63 tokens would spread its 400 over seven steps: it takes a quarter of them a step (MAX_SPREAD).
+    assert _given(engine, _measured()) == {"online0": 1, "online1": 1, "online2": 1, "online3": 100}
+
+
 def test_a_burst_of_online_prompts_beside_streams_is_not_bounded(
     make_engine: Callable[..., LLMEngine], random_prompts: Run
 ) -> None:
