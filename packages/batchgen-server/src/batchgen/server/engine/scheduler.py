@@ -16,10 +16,10 @@ and when one cannot be admitted (the running set is full, or no block is free) t
 preempted to make room. A batch never makes an online request wait behind it. And a step that carries online
 requests' decodes takes only so many prefill tokens (``StepCosts.prefill_budget``: the step costs at most about
 ``--max-mixed-step-ratio`` times a step of decodes alone), so that a prompt arriving beside streams delays their
-next token by a bounded factor; the rest of it continues in the next steps. Steps without them (a batch, prompts
-alone) take prefills up to the whole budget, as do steps where online prompts are at least half as many as the
-streams (a burst) and steps while batch prompts are computed or wait (the batch's throughput is not traded for the
-streams' smoothness).
+next token by a bounded factor; the rest of it continues in the next steps (an online prompt's in 4 at most,
+``MAX_SPREAD``). Steps without them (a batch, prompts alone) take prefills up to the whole budget, as do steps
+where online prompts are at least half as many as the streams (a burst) and steps while batch prompts are computed
+or wait (the batch's throughput is not traded for the streams' smoothness).
 
 The scheduler decides; it owns every change of a sequence's place: admission, the tokens computed as steps run,
 preemption and finishing, the forks of ``n`` choices, and what a running sequence holds: its KV blocks and its LoRA
