@@ -104,25 +104,23 @@ def _streaming(make_engine: Callable[..., LLMEngine], prompts: list[list[int]], 
     return engine
 
 
+@pytest.mark.parametrize(
+    ("repeats", "tokens"),
+    [
+        # 3 decodes run, 4 will once the waiting one joins (10 ms a step): 1.5 x 10 ms less the 3 decodes' 8 ms
+        # leaves 7 ms, 63 prefill tokens.
+        pytest.param(1, 63, id="bounded"),
+        # The bound's 63 tokens would spread 400 over seven steps: a quarter of them a step (MAX_SPREAD).
+        pytest.param(4, 100, id="spread-over-4-steps-at-most"),
+    ],
+)
 def test_a_step_with_online_decodes_takes_a_bounded_prefill(
-    make_engine: Callable[..., LLMEngine], random_prompts: Run
+    make_engine: Callable[..., LLMEngine], random_prompts: Run, repeats: int, tokens: int
 ) -> None:
     prompts = random_prompts(4, 100, 100, seed=34)
     engine = _streaming(make_engine, prompts, streams=3)
-    engine.add_request(EngineRequest("online3", prompts[3], LONG, interactive=True))
-    # 3 decodes run, 4 will once the waiting one joins (10 ms a step): 1.5 x 10 ms less the 3 decodes' 8 ms leaves
-    # 7 ms, 63 prefill tokens.
-    assert _given(engine, _measured()) == {"online0": 1, "online1": 1, "online2": 1, "online3": 63}
-
-
-def test_an_online_prompt_beside_streams_is_spread_over_a_few_steps_at_most(
-    make_engine: Callable[..., LLMEngine], random_prompts: Run
-) -> None:
-    prompts = random_prompts(4, 100, 100, seed=38)
-    engine = _streaming(make_engine, prompts, streams=3)
-    engine.add_request(EngineRequest("online3", prompts[3] * 4, LONG, interactive=True))
-    # The bound's 63 tokens would spread its 400 over seven steps: it takes a quarter of them a step (MAX_SPREAD).
-    assert _given(engine, _measured()) == {"online0": 1, "online1": 1, "online2": 1, "online3": 100}
+    engine.add_request(EngineRequest("online3", prompts[3] * repeats, LONG, interactive=True))
+    assert _given(engine, _measured()) == {"online0": 1, "online1": 1, "online2": 1, "online3": tokens}
 
 
 def test_a_burst_of_online_prompts_beside_streams_is_not_bounded(
