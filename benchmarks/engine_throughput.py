@@ -529,6 +529,24 @@ def throughput(
         print("vLLM: skipped, no interpreter with vLLM (set BATCHGEN_VLLM_PYTHON or --vllm-python)")
 
 
+def computed_row(
+    model: Any,
+    tokenizer: Any,
+    requests: list[tuple[list[int], int]],
+    config: EngineConfig,
+    name: str,
+    least: int | None = None,
+) -> Row:
+    """An engine run of ``requests``, its note the prompt tokens computed of their sum (and the least possible)."""
+    total = sum(len(prompt) for prompt, _ in requests)
+    row, _, stats, _ = run_engine(model, tokenizer, requests, config)
+    row.name = name
+    row.note = f"{total - stats.cached_tokens:,} prompt tokens computed of {total:,}"
+    if least is not None:
+        row.note += f" (least {least:,})"
+    return row
+
+
 def shared_prefix(
     model: Any,
     tokenizer: Any,
@@ -546,14 +564,17 @@ def shared_prefix(
     ]
     total = sum(len(prompt) for prompt, _ in shared)
     least = total - (len(shared) - 1) * (len(system) // config.block_size * config.block_size)
-    prefix_rows = []
-    for enabled in (True, False):
-        row, _, stats, _ = run_engine(
-            model, tokenizer, shared, dataclasses.replace(config, enable_prefix_caching=enabled)
+    prefix_rows = [
+        computed_row(
+            model,
+            tokenizer,
+            shared,
+            dataclasses.replace(config, enable_prefix_caching=enabled),
+            f"engine, prefix cache {'on' if enabled else 'off'}",
+            least,
         )
-        row.name = f"engine, prefix cache {'on' if enabled else 'off'}"
-        row.note = f"{total - stats.cached_tokens:,} prompt tokens computed of {total:,} (least {least:,})"
-        prefix_rows.append(row)
+        for enabled in (True, False)
+    ]
     print()
     print_table(f"Shared 1,000-token system prompt ({len(shared)} requests)", prefix_rows, prefix_rows[0], cpu)
 
@@ -569,14 +590,16 @@ def shared_prefix_of_hybrid(
     total = sum(len(prompt) for prompt, _ in shared)
     block = vllm_block_size(model)
     vllm_hits = (len(shared) - 1) * (len(system) // block * block)  # at best: every request but the first
-    rows = []
-    for fraction in (0.1, 0.0):
-        row, _, stats, _ = run_engine(
-            model, tokenizer, shared, dataclasses.replace(config, state_checkpoint_fraction=fraction)
+    rows = [
+        computed_row(
+            model,
+            tokenizer,
+            shared,
+            dataclasses.replace(config, state_checkpoint_fraction=fraction),
+            f"engine, state checkpoints {'on' if fraction else 'off'}",
         )
-        row.name = f"engine, state checkpoints {'on' if fraction else 'off'}"
-        row.note = f"{total - stats.cached_tokens:,} prompt tokens computed of {total:,}"
-        rows.append(row)
+        for fraction in (0.1, 0.0)
+    ]
     print()
     print_table(f"Shared 300-token system prompt, hybrid model ({len(shared)} requests)", rows, rows[0], cpu)
     print(
@@ -599,12 +622,9 @@ def exact_repeats(
         least = sum(len(p) for p, _ in prompts) + 3 * sum(len(p) - (len(p) - 1) // block * block for p, _ in prompts)
         for in_a_row in (False, True):
             lines = [line for line in prompts for _ in range(4)] if in_a_row else prompts * 4
-            total = sum(len(p) for p, _ in lines)
-            row, _, stats, _ = run_engine(model, tokenizer, lines, config)
             order = "each 4x in a row" if in_a_row else "set 4x"
-            row.name = f"{'whole blocks' if cut else 'workload lengths'}, {order}"
-            row.note = f"{total - stats.cached_tokens:,} prompt tokens computed of {total:,} (least {least:,})"
-            rows.append(row)
+            name = f"{'whole blocks' if cut else 'workload lengths'}, {order}"
+            rows.append(computed_row(model, tokenizer, lines, config, name, least))
     print()
     kind = "attention-only" if family == "llama" else "hybrid"
     print_table(f"Exact repeats, {kind} model (16 prompts x 4 lines)", rows, rows[0], cpu)
