@@ -111,8 +111,8 @@ class Scheduler:
             seq = queue.popleft()
             left = len(seq.token_ids) - seq.num_computed_tokens  # (``num_uncomputed``, read once: a hot loop)
             chunk = left > 1
-            if chunk:  # (the allowance only for chunks: decodes are most of a hot loop)
-                allowed = min(prefill, budget - reserved) if _is_batch(seq) else _allowance(seq, prefill)
+            if chunk:  # (a batch prompt computing means no bound: ``_prefill_budget``; decodes are most of a hot loop)
+                allowed = budget - reserved if _is_batch(seq) else _allowance(seq, prefill)
             if not left or (chunk and allowed <= 0):
                 kept.append(seq)  # its last token is being sampled (it waits to be read), or a prompt past the bound
                 continue
