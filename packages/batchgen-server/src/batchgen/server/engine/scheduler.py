@@ -139,7 +139,7 @@ class Scheduler:
             if len(self.running) >= self.max_num_seqs:
                 if not _is_interactive(seq) or (refund := self._preempt_batch(scheduled)) is None:
                     break
-                budget, prefill = budget + refund, prefill + (refund if refund > 1 else 0)
+                budget, prefill = budget + refund[0], prefill + refund[1]
             lora = seq.state.request.lora
             if lora is not None and self.adapters is not None and not self.adapters.can_take(lora):
                 break  # every slot holds another adapter that runs: it waits for one to be released
@@ -157,7 +157,7 @@ class Scheduler:
             while not self.block_manager.can_allocate(seq, num_tokens):
                 if not _is_interactive(seq) or (refund := self._preempt_batch(scheduled)) is None:
                     break
-                budget, prefill = budget + refund, prefill + (refund if refund > 1 else 0)
+                budget, prefill = budget + refund[0], prefill + refund[1]
                 num_tokens = _chunk(seq, min(seq.num_uncomputed, budget, _allowance(seq, prefill)))
             if not self.block_manager.can_allocate(seq, num_tokens):
                 self.block_manager.free_seq(seq)  # a waiting sequence holds no blocks
@@ -180,8 +180,8 @@ class Scheduler:
         the burst's first tokens would come seconds later: 1.4 s against 0.45 for the first 16 of a served run); or
         unless batch prompts are computed or wait: the step is the batch's, whose throughput is not traded for the
         streams' smoothness (bounded beside one stream, a batch of 512-token prompts took 2.5x its time)."""
-        if self.step_costs is None or (self.waiting and _is_batch(self.waiting[-1])):  # (batch lines wait last)
-            return budget
+        if self.step_costs is None or not self.step_costs.bounds or (self.waiting and _is_batch(self.waiting[-1])):
+            return budget  # (off or not measured yet; or batch lines wait: they wait last)
         decodes = streams = prompts = 0
         for seq in self.running:
             left = len(seq.token_ids) - seq.num_computed_tokens  # (``num_uncomputed``, read once: a hot loop)
@@ -252,9 +252,10 @@ class Scheduler:
         self._enqueue(seq, front=True)
         self.num_preemptions += 1
 
-    def _preempt_batch(self, scheduled: list[ScheduledSeq]) -> int | None:
+    def _preempt_batch(self, scheduled: list[ScheduledSeq]) -> tuple[int, int] | None:
         """Preempt the batch sequence admitted last, for an interactive one; the step's tokens it gives back (it may
-        have been scheduled already), or ``None`` when no batch sequence runs."""
+        have been scheduled already), and of them its prefill tokens (a decode's one token is not), or ``None`` when
+        no batch sequence runs."""
         victim = next((seq for seq in reversed(self.running) if _is_batch(seq)), None)
         if victim is None:
             return None
@@ -266,7 +267,7 @@ class Scheduler:
                 del scheduled[index]
                 break
         self._preempt(victim)
-        return refund
+        return refund, refund if refund > 1 else 0
 
     def _enqueue(self, seq: Sequence, *, front: bool) -> None:
         """Interactive sequences wait ahead of batch ones; within each kind first come, first served, except that a

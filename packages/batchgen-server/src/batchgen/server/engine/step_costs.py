@@ -61,8 +61,15 @@ class StepCosts:
         self._widest = 0
         """The most decodes a decode-only step has had: past it the line is not trusted."""
 
+    @property
+    def bounds(self) -> bool:
+        """Whether a step can be bounded: on, and both costs measured."""
+        return self.ratio > 1 and bool(self._line[0]) and bool(self.prefill_token_s)
+
     def observe(self, seconds: float, scheduled: Iterable[ScheduledSeq]) -> None:
-        """A step ran ``scheduled`` in ``seconds``."""
+        """A step ran ``scheduled`` in ``seconds`` (not counted when the bound is off: nothing would read it)."""
+        if self.ratio <= 1:
+            return
         decodes = prefill = 0
         for item in scheduled:
             if item.num_tokens == 1:
@@ -77,7 +84,7 @@ class StepCosts:
             if self._line[0]:
                 predicted = self.decodes_s(decodes)
                 if seconds * OUTLIER < predicted:
-                    self._line, self._widest = [0.0] * 5, 0
+                    self._restart_line()
                 seconds = min(seconds, OUTLIER * predicted)
             keep = 1 - SMOOTHING / 4  # the line remembers more steps than the average: it needs a spread of sizes
             for i, term in enumerate((1.0, decodes, decodes * decodes, seconds, decodes * seconds)):
@@ -93,8 +100,10 @@ class StepCosts:
         """Drop what was measured: the steps so far were not serving's (the load-time self-check's: compilations,
         logprobs, a small token budget)."""
         self.prefill_token_s = None
-        self._line = [0.0] * 5
-        self._widest = 0
+        self._restart_line()
+
+    def _restart_line(self) -> None:
+        self._line, self._widest = [0.0] * 5, 0
 
     def decodes_s(self, decodes: int) -> float:
         """Seconds ``decodes`` decodes take in a step of their own (0 when none was measured); past the most
@@ -119,8 +128,9 @@ class StepCosts:
         """The most prefill tokens a step of ``decodes`` decodes may take, ``expected`` decodes being what the
         running set will decode once the waiting prompts join; ``None``: no bound (off, or the costs are not measured
         yet)."""
-        if self.ratio <= 1 or not self._line[0] or not self.prefill_token_s:
+        if not self.bounds:
             return None
+        assert self.prefill_token_s is not None
         room = self.ratio * self.decodes_s(max(decodes, expected)) - self.decodes_s(decodes)
         return max(self.floor, int(room / self.prefill_token_s))
 
