@@ -226,10 +226,10 @@ class LoRASlots:
         """While set, every token runs with these matrices (an adapter's, or none: the base), computed directly (the
         self-check's reference)."""
         self.unreached: frozenset[str] = frozenset()
+        """The linears the model's forward never calls as modules (``find_unreached``): adapters on them are refused."""
         self.elsewhere = other_stages_linears(model)
         """The decoder linears other pipeline stages hold, with their widths: an adapter's matrices for them are
         checked here as there, and left to their stage."""
-        """The linears the model's forward never calls as modules (``find_unreached``): adapters on them are refused."""
         self.selected: torch.Tensor | None = None
         """While a state layer's own forward runs on some of the step's rows (``rows``): those rows of the mask."""
         self._handles = []
@@ -241,10 +241,10 @@ class LoRASlots:
             linear.register_buffer("lora_off", self.off, persistent=False)
             linear.lora_name = name  # type: ignore[assignment]
             undo = add_inside(linear, functools.partial(self._add, linear))
-            linear.lora_inside = undo is not None  # type: ignore[assignment]
-            if undo is not None:
+            if undo is not None:  # added inside, to a split linear's local output
                 self._undo.append(undo)
-            self._handles.append(linear.register_forward_hook(self._hook))
+            else:
+                self._handles.append(linear.register_forward_hook(self._hook))
         model._batchgen_lora = self  # type: ignore[assignment]
         torch.compiler.reset()  # layers compiled before (by another engine on this model) ran without the hooks
         self.held: list[LoRARequest | None] = [None] * (max_loras + 1)
@@ -261,8 +261,6 @@ class LoRASlots:
         which copy in their own shards of it (``distributed/rank.py``)."""
         self.token_slots: list[int] = []
         """The step's tokens' slots (``prepare``), which the other ranks of a group receive with the step."""
-        self.referenced: LoRARequest | None = None
-        """The adapter ``referencing`` applies, while it does."""
 
     def find_unreached(self, forward: Callable[[], object]) -> None:
         """Run ``forward`` (a probe forward of the model) and keep the linears it never called: a layer that reads a
@@ -290,8 +288,6 @@ class LoRASlots:
                 linear._buffers.pop(buffer, None)
 
     def _hook(self, module: torch.nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
-        if getattr(module, "lora_inside", False):  # added already, to a split linear's local output
-            return output
         return self._add(module, args[0], output)
 
     def _add(self, module: torch.nn.Module, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
@@ -411,9 +407,7 @@ class LoRASlots:
         """Every token through ``adapter`` (``None``: the base alone), computed directly (not through the slots): the
         self-check's reference."""
         self.reference = adapter.matrices if adapter is not None else {}
-        self.referenced = adapter.request if adapter is not None else None
         try:
             yield
         finally:
             self.reference = None
-            self.referenced = None

@@ -149,7 +149,7 @@ def _compare(engine: LLMEngine, result: EngineResult, prompt: list[int], tol: fl
     assert output.logprobs is not None
     slots = engine.lora
     with slots.referencing(slots.weights(lora) if lora else None) if slots is not None else nullcontext():
-        reference = _reference_logprobs(engine, prompt + output.token_ids)[len(prompt) - 1 :]
+        reference = _reference_logprobs(engine, prompt + output.token_ids, lora)[len(prompt) - 1 :]
     worst = 0.0
     for position, (token, expected) in enumerate(zip(output.logprobs, reference, strict=False)):
         pairs = [(token.token_id, token.logprob), *token.top]
@@ -168,13 +168,13 @@ def _compare(engine: LLMEngine, result: EngineResult, prompt: list[int], tol: fl
         )
 
 
-def _reference_logprobs(engine: LLMEngine, tokens: list[int]) -> torch.Tensor:
+def _reference_logprobs(engine: LLMEngine, tokens: list[int], lora: LoRARequest | None) -> torch.Tensor:
     runner = engine.runner
     ids = torch.tensor([tokens], device=runner.device)
     if runner.group is None:
         return torch.log_softmax(reference_logits(runner, ids), dim=-1)
     try:  # a split model: every rank runs its forward
-        runner.group.send_reference(ids, runner.lora.referenced if runner.lora is not None else None)
+        runner.group.send_reference(ids, lora)
         return torch.log_softmax(reference_logits(runner, ids), dim=-1)
     except Exception as exc:
         raise runner.group.failed(exc) from exc

@@ -16,6 +16,7 @@ import ray
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayError
 
 from ..engine.config import EngineConfig
+from ..engine.distributed.ray_ranks import forwarded_environ
 from ..engine.errors import ModelLoadError
 from ..engine.request import EngineRequest
 from .config import ClusterConfig
@@ -28,8 +29,6 @@ LATE_S = 5.0
 """How much later than that an answer may come before the pool looks again (it keeps waiting for that answer)."""
 CONCURRENCY = 4
 """Calls one replica runs at once: a poll waits while submits and aborts come in."""
-FORWARDED_ENVIRON = ("BATCHGEN_", "HF_")
-"""Variables of the server passed to each replica: the demo model's cache directory, the hub's token and cache."""
 
 
 def start_pool(config: EngineConfig, cluster: ClusterConfig) -> ReplicaPool:
@@ -55,7 +54,7 @@ def start_pool(config: EngineConfig, cluster: ClusterConfig) -> ReplicaPool:
             **resources,
         )
         device = "cuda" if on_gpu else config.device  # Ray shows each GPU replica its own GPUs only, from cuda:0
-        environ = {name: value for name, value in os.environ.items() if name.startswith(FORWARDED_ENVIRON)}
+        environ = forwarded_environ()
         for index in range(cluster.replicas):
             replica_config = dataclasses.replace(config, device=device, seed=config.seed + index)
             actors.append(actor_class.remote(replica_config, environ))

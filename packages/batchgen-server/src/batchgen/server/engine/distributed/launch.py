@@ -20,9 +20,6 @@ from ..errors import ModelLoadError
 class RankHandle(Protocol):
     """A worker rank, as the driver watches it."""
 
-    pid: int | None
-    """Its process on this node (``None``: an actor of Ray's, perhaps on another node)."""
-
     def ended(self) -> str | None:
         """``None`` while it runs; else how it ended, for messages: ``exited (signal 9)``."""
         ...
@@ -86,7 +83,6 @@ class ProcessRank:
         command = [sys.executable, "-m", __package__ + ".rank", str(rank), str(world), address, str(write)]
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, pass_fds=(write,), env=environment)
         os.close(write)
-        self.pid: int | None = self.process.pid
         self.report: IO[bytes] = os.fdopen(read, "rb")
         assert self.process.stdin is not None
         with self.process.stdin:

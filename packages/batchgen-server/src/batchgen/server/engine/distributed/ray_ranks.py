@@ -22,7 +22,12 @@ from .rank import one_line, serve, start_rank
 PLACED_S = 60.0
 """Longest the group waits for Ray to find room for its ranks before it says the cluster cannot hold them."""
 FORWARDED_ENVIRON = ("BATCHGEN_", "HF_")
-"""Variables of the server's passed to each rank (as to each replica: the demo model's cache, the hub's token)."""
+"""Variables of the server's passed to each rank and each replica: the demo model's cache, the hub's token and cache."""
+
+
+def forwarded_environ() -> dict[str, str]:
+    """This process's ``FORWARDED_ENVIRON`` variables, for an actor to set in its own."""
+    return {name: value for name, value in os.environ.items() if name.startswith(FORWARDED_ENVIRON)}
 
 
 class RankActor:
@@ -78,8 +83,7 @@ class RayLauncher:
         # Two calls at once: ``run`` lasts as long as the group, and ``pid`` may be asked meanwhile.
         options = {"scheduling_strategy": strategy, "max_restarts": 0, "max_concurrency": 2, **resources}
         actor: Any = ray.remote(RankActor).options(**options).remote()
-        environ = {name: value for name, value in os.environ.items() if name.startswith(FORWARDED_ENVIRON)}
-        return RayRank(actor, actor.run.remote(config, rank, world, address, environ))
+        return RayRank(actor, actor.run.remote(config, rank, world, address, forwarded_environ()))
 
     def close(self) -> None:
         if self.group is None:
@@ -94,7 +98,6 @@ class RayRank:
     def __init__(self, actor: Any, running: ray.ObjectRef[str | None]) -> None:
         self.actor = actor
         self.running = running
-        self.pid: int | None = None
 
     def _done(self, timeout: float) -> bool:
         ready, _ = ray.wait([self.running], timeout=max(0.0, timeout))

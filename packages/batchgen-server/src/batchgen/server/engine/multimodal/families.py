@@ -263,8 +263,7 @@ class Gemma4(Family):
     name = "Gemma 4"
 
     def counts(self, out: Mapping[str, Any], num_images: int, positions: np.ndarray, processor: Any) -> list[int]:
-        runs = np.split(positions, np.flatnonzero(np.diff(positions) != 1) + 1)  # each image between boi and eoi
-        return [len(run) for run in runs]
+        return [len(run) for run in runs(positions)]  # each image between boi and eoi
 
     def split(self, out: Mapping[str, Any], counts: list[int], processor: Any) -> list[dict[str, Any]]:
         return [
@@ -286,7 +285,7 @@ class Gemma4(Family):
         ids[rows] = model.config.get_text_config().pad_token_id
         language = model.model.language_model
         ids = ids.unsqueeze(0)
-        return {"per_layer_inputs": language.get_per_layer_inputs(ids, language.embed_tokens(ids))}, None
+        return {"per_layer_inputs": language.get_per_layer_inputs(ids)}, None
 
 
 FAMILIES: dict[str, type[Family]] = {
@@ -295,6 +294,11 @@ FAMILIES: dict[str, type[Family]] = {
     "qwen2_5_vl": Qwen2_5VL, "qwen3_5": Qwen2_5VL, "qwen3_vl": Qwen3VL, "smolvlm": Idefics3,
 }  # fmt: skip
 """The families the engine drives exactly (tests/engine/test_vision_language.py checks each against ``generate``)."""
+
+
+def runs(positions: np.ndarray) -> list[np.ndarray]:
+    """The runs of consecutive positions (image placeholders next to each other: one run)."""
+    return np.split(positions, np.flatnonzero(np.diff(positions) != 1) + 1)
 
 
 def family_of(config: Any) -> Family | None:

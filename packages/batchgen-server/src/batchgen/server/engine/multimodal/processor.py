@@ -18,7 +18,7 @@ from transformers.models.auto.processing_auto import (
 )
 
 from ..errors import ModelNotSupported
-from .families import FAMILIES, Family, family_of
+from .families import FAMILIES, Family, family_of, runs
 from .pixtral import PixtralPrompts
 from .prompt import ImageInput, MultimodalPrompt
 
@@ -101,6 +101,5 @@ class ImageProcessor:
         items = tuple(ImageInput(key, where, pix) for key, where, pix in zip(keys, splits, pixels, strict=True))
         spans: tuple[tuple[int, int], ...] = ()
         if self.family.bidirectional:  # runs of placeholders, as transformers groups them (adjacent images: one)
-            breaks = np.flatnonzero(np.diff(positions) != 1) + 1
-            spans = tuple((int(run[0]), int(run[-1]) + 1) for run in np.split(positions, breaks))
+            spans = tuple((int(run[0]), int(run[-1]) + 1) for run in runs(positions))
         return ids, MultimodalPrompt(items, self.family.extras(out), spans=spans)
