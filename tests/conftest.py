@@ -34,6 +34,7 @@ LONGEST_FIRST = (
     "test_quantized.py",
     "test_demo_model.py",
     "test_api_schemathesis.py",
+    "test_request_bodies.py",
 )
 """Groups of 10 s or more (the stop notes time them), started first; the others follow by their number of tests."""
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from lora_helpers import make_adapters
+from lora_helpers import make_adapters, peft_model
 from test_architectures import Reference, _build, _check, _run
 
 from batchgen.schemas.requests import JsonSchemaFormat, ResponseFormat
@@ -80,14 +80,7 @@ LORA_TOKENS = 6
 def peft_steps(llama: Path, adapters: dict[str, Path]) -> Callable[[list[int], str | None], list[torch.Tensor]]:
     """``steps(prompt, adapter)``: the log-softmax of each greedy step of peft's own forward through ``adapter``
     (``None``: the base)."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32, attn_implementation="eager")
-    model = PeftModel.from_pretrained(base, adapters["alpha"], adapter_name="alpha")
-    for name in ("beta", "gamma"):
-        model.load_adapter(adapters[name], adapter_name=name)
-    model.eval()
+    model = peft_model(llama, adapters)
 
     @torch.no_grad()
     def steps(prompt: list[int], adapter: str | None) -> list[torch.Tensor]:

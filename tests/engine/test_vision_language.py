@@ -145,6 +145,7 @@ def test_image_prompts_beside_streams_under_the_prefill_bound(family: Family) ->
     engine.scheduler.schedule = recorded  # type: ignore[method-assign]
     results = _run(engine, [])
     assert min(given) >= 1 and max(given) > 9  # an image's chunk ran past the bound (1.1 x 10 ms less 10 ms: 9 tokens)
+    assert max(given) <= 65  # by one image's run (63-65 tokens) at most, never a whole prompt (158 or 93 tokens)
     for request_id, index in (("r0", 0), ("r1", 1)):
         _same(family, results[request_id], index)
 

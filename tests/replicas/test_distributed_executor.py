@@ -26,7 +26,7 @@ def _greedy(engine: LLMEngine) -> list[int]:
 def test_a_stage_placed_by_ray(ray_address: str, monkeypatch: pytest.MonkeyPatch) -> None:
     import ray  # only now: Ray reads RAY_AUTH_MODE (set by the session's fixture) as it is imported
 
-    from batchgen.server.engine.distributed.ray_ranks import RayRank
+    from batchgen.server.engine.distributed.ray_ranks import RayLauncher, RayRank
 
     monkeypatch.setenv("RAY_ADDRESS", ray_address)
     settings = {"dtype": "float32", "device": "cpu", "torch_threads": 1, "num_kv_blocks": 64}
@@ -35,17 +35,24 @@ def test_a_stage_placed_by_ray(ray_address: str, monkeypatch: pytest.MonkeyPatch
     )
     assert isinstance(engine, LLMEngine) and engine.runner.group is not None
     group = engine.runner.group
+    assert isinstance(group.launcher, RayLauncher) and group.launcher.group is not None
+    placed = group.launcher.group
     try:
         (stage,) = group.processes
         assert isinstance(stage, RayRank)
         pid = ray.get(stage.actor.pid.remote(), timeout=30)
         parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
         assert os.getpid() not in (pid, parent)  # a Ray worker's process, not a child of this one
-        assert len(ray.util.placement_group_table()) >= 1
+        assert ray.util.placement_group_table(placed)["state"] == "CREATED"
         tokens = _greedy(engine)
     finally:
         group.stop()  # the placement group removed, this process's Ray connection closed
     assert not ray.is_initialized()
+    ray.init(address=ray_address)
+    try:
+        assert ray.util.placement_group_table()[placed.id.hex()]["state"] == "REMOVED"
+    finally:
+        ray.shutdown()
     assert _greedy(build_engine(EngineConfig(**settings))) == tokens  # one process, the same tokens
 
 

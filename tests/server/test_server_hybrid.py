@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from lora_helpers import make_adapters
+from lora_helpers import make_adapters, peft_model
 from server_helpers import LiveServer, ServerProcess
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -76,11 +76,10 @@ def server(model_dir: Path, adapter: Path, tmp_path_factory: pytest.TempPathFact
 def _expected(model_dir: Path, prompts: list[str], adapter: Path | None = None) -> list[str]:
     """transformers' greedy continuations of ``prompts`` (peft's, with ``adapter``)."""
     tokenizer = build_tokenizer()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
-    if adapter is not None:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, adapter).eval()
+    if adapter is None:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    else:
+        model = peft_model(model_dir, {"adapter": adapter})
     texts = []
     for prompt in prompts:
         ids = torch.tensor([tokenizer.encode(prompt)])
