@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from batchgen.schemas import (
+    BODY_TYPES,
     MAX_POOLING_INPUTS,
     ClassificationData,
     ClassificationRequest,
@@ -24,6 +25,7 @@ from batchgen.schemas import (
     PoolingResponse,
     PoolingResponseBody,
     PoolingUsage,
+    RequestBody,
     RerankDocument,
     RerankRequest,
     RerankResponse,
@@ -47,15 +49,15 @@ from ..ids import engine_request_id
 from .errors import RequestRejected
 from .prompts import PromptTokenizer
 
-ENDPOINT_NAMES = {
+ENDPOINT_NAMES: dict[type[RequestBody], str] = {
     ScoreRequest: "/v1/score",
     RerankRequest: "/v1/rerank",
     ClassificationRequest: "/classify",
     PoolingRequest: "/pooling",
     EmbeddingRequest: "/v1/embeddings",
 }
-ALIASES = {"/score": "/v1/score", "/rerank": "/v1/rerank", "/v2/rerank": "/v1/rerank"}
-"""vLLM's other paths to the same endpoints."""
+"""Each pooling body's endpoint, by the name a model's spec lists it under (vLLM's other paths to it, ``/score``,
+``/rerank`` and ``/v2/rerank``, decode to the same body: ``BODY_TYPES``)."""
 
 
 KINDS = {
@@ -79,7 +81,7 @@ class PoolingServing:
 
     def check_endpoint(self, path: str, model: str) -> None:
         """400 ``unsupported_endpoint`` where the model does not serve the pooling endpoint at ``path``."""
-        spec, name = self.spec, ALIASES.get(path, path)
+        spec, name = self.spec, ENDPOINT_NAMES[BODY_TYPES[path]]
         if name in spec.endpoints:
             return
         raise RequestRejected(

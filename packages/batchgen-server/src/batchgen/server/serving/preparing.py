@@ -9,6 +9,7 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from batchgen.schemas import (
+    BODY_TYPES,
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
@@ -29,12 +30,11 @@ from .config import ServingConfig
 from .errors import RequestRejected
 from .images import ImagePrompter, media_of
 from .messages import MessagePlan, MessagePlanner
-from .pooling import KINDS, PoolingServing
+from .pooling import ENDPOINT_NAMES, KINDS, PoolingServing
 from .prompts import PromptTokenizer
 from .sampling import BatchDefaults, first_set, sampling_params
 from .scoring import prompt_logprob_entries
 
-GENERATION_ENDPOINTS = ("/v1/responses", "/v1/chat/completions", "/v1/completions")
 RunnableBody = ChatCompletionRequest | CompletionRequest | EmbeddingRequest | PoolingBody
 """What engine requests are made from: a response request runs as its chat request."""
 
@@ -132,7 +132,7 @@ class RequestPreparer:
     def check_endpoint(self, path: str) -> None:
         """400 ``unsupported_endpoint`` where the model serves no request to ``path``: a batch's endpoint is checked
         when the batch is created, rather than failing each of its lines."""
-        if path not in GENERATION_ENDPOINTS:
+        if BODY_TYPES[path] in ENDPOINT_NAMES:  # a pooling endpoint
             self.pooling.check_endpoint(path, self.model_name)
             return
         self._check_generates(path)
