@@ -35,6 +35,10 @@ about 17 ms a mask (measured, 4,900 properties)."""
 STEP_MAX_ITEMS = 200_000
 COMPILE_THREADS = 2
 """Compilations run at once (llguidance releases the GIL while it compiles)."""
+COMPILE_STACK_BYTES = 16 * 2**20
+"""A compile thread's stack: four times the one every grammar was first compiled on, in a process of its own
+(``security/grammar_probe.py``), so no grammar that got through there overflows it here."""
+_stack_lock = threading.Lock()
 
 
 class GrammarCompiler:
@@ -142,7 +146,13 @@ class Compilations:
         while self._running < self.threads and self._queue:
             task = self._queue.popleft()
             self._running += 1
-            threading.Thread(target=self._run, args=task, name="batchgen-grammar", daemon=True).start()
+            thread = threading.Thread(target=self._run, args=task, name="batchgen-grammar", daemon=True)
+            with _stack_lock:  # the stack size is the process's setting for the threads it starts next
+                previous = threading.stack_size(COMPILE_STACK_BYTES)
+                try:
+                    thread.start()
+                finally:
+                    threading.stack_size(previous)
 
     def _run(self, work: Callable[[], Any], future: Future[Any], late: Callable[[Any], None]) -> None:
         timer = threading.Timer(self.timeout_s, self._give_up, (future,))

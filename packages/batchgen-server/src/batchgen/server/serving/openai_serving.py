@@ -18,6 +18,7 @@ from .images import ImagePrompter, image_processor_for, media_of
 from .logprobs import LogprobFormatter
 from .preparing import PreparedRequest, RequestPreparer
 from .sampling import BatchDefaults
+from .structured import set_grammar_timeout
 
 if TYPE_CHECKING:
     from ..engine.config import EngineConfig
@@ -79,6 +80,7 @@ class OpenAIServing:
         from ..engine.loader import load_generation_defaults  # transformers: only once a model is loaded
         from ..engine.pooling_spec import spec_of
 
+        set_grammar_timeout(config.grammar_timeout_s)
         return cls(
             engine.tokenizer,
             config.served_model_names,

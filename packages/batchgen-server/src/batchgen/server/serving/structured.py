@@ -30,6 +30,7 @@ from batchgen.schemas import (
 )
 
 from ..engine.request import MAX_REASON_CHARS, grammar_key
+from ..security.grammar_probe import GrammarProbe
 from .errors import RequestRejected
 
 WHITESPACE = r"(\x0D?\x0A)?[\x20\x09]{0,20}"
@@ -79,6 +80,8 @@ def _checked(build: Callable[[], str | None], param: str) -> OutputConstraint | 
         grammar = build()
     except ValueError as exc:  # llguidance could not read it (a number past a float's range, say)
         raise RequestRejected("invalid_grammar", f"{param} cannot be enforced: {exc}", param) from None
+    except RecursionError:  # the schema's walk (closed_objects, json.dumps) past Python's own depth
+        raise RequestRejected("invalid_grammar", f"{param} cannot be enforced: it nests too deeply", param) from None
     if grammar is None:
         return None
     if problem := grammar_problem(grammar):
@@ -89,19 +92,26 @@ def _checked(build: Callable[[], str | None], param: str) -> OutputConstraint | 
 PROBLEMS_KEPT = 1024
 _problems: OrderedDict[bytes, str] = OrderedDict()
 _problems_lock = threading.Lock()
+_probe = GrammarProbe(timeout_s=10.0)
+"""The process's: its children serve every request's grammars (``set_grammar_timeout``: the engine's limit)."""
+
+
+def set_grammar_timeout(timeout_s: float) -> None:
+    """The longest a grammar's check may take (``--grammar-timeout-s``, the engine's own compile limit)."""
+    _probe.timeout_s = timeout_s
 
 
 def grammar_problem(grammar: str) -> str:
-    """Why llguidance cannot build ``grammar`` (``""``: it can); each grammar checked once (a batch repeats its
-    schema on every line), remembered by its text's hash (the text of what was refused is not kept), the reason
-    cut short (llguidance's may quote the grammar). Without the tokenizer: the engine compiles it against the
-    vocabulary."""
+    """Why llguidance cannot build ``grammar`` (``""``: it can), compiled in a process of its own (``GrammarProbe``:
+    a grammar may crash the compiler); each grammar checked once (a batch repeats its schema on every line),
+    remembered by its text's hash (the text of what was refused is not kept), the reason cut short (llguidance's
+    may quote the grammar). Without the tokenizer: the engine compiles it against the vocabulary."""
     key = grammar_key(grammar)
     with _problems_lock:
         if (problem := _problems.get(key)) is not None:
             _problems.move_to_end(key)
             return problem
-    problem = LLMatcher.validate_grammar(grammar)[:MAX_REASON_CHARS]
+    problem = _probe.problem(grammar)[:MAX_REASON_CHARS]
     with _problems_lock:
         _problems[key] = problem
         while len(_problems) > PROBLEMS_KEPT:
