@@ -43,7 +43,7 @@ from batchgen.server.engine import EngineConfig, LLMEngine
 from batchgen.server.engine.multimodal.processor import ImageProcessor
 from batchgen.server.serving import BatchDefaults, OpenAIServing
 from batchgen.server.serving.config import ServingConfig
-from batchgen.server.serving.images import ImagePrompter, media_of
+from batchgen.server.serving.images import media_of
 
 PROMPTS = ["Describe it.", "What colour dominates?", "Count the shapes.", "Is it a photo?", "Caption it briefly."]
 VLLM_PYTHON = Path("/work/vllm-venv/bin/python")
@@ -79,9 +79,7 @@ def run_engine(path: Path, lines: list[Any], tokens: int, cache_mib: float) -> d
     assert engine.runner.vision is not None
     engine.runner.vision.cache.budget = int(cache_mib * 2**20)  # finer than the flag's MiB: a budget below the
     # batch's pictures here
-    serving = OpenAIServing(
-        tokenizer, ("m",), 4096, len(tokenizer), images=ImagePrompter(processor, media_of(ServingConfig()))
-    )
+    serving = OpenAIServing(tokenizer, ("m",), 4096, len(tokenizer), images=media_of(ServingConfig(), processor))
     defaults = BatchDefaults(max_decoding_length=tokens, temperature=0.0)
     cache = engine.runner.vision.cache
     outputs: dict[str, list[int]] = {}

@@ -198,6 +198,19 @@ class LiveServer:
         assert response.status_code == 200, response.text
         return response.content
 
+    def memory_mib(self, field: str = "VmRSS") -> int:
+        """The server's resident memory now (``VmRSS``), or at its peak since ``reset_peak_memory`` (``VmHWM``)."""
+        status = Path(f"/proc/{self._pid}/status").read_text()
+        return int(status.split(f"{field}:")[1].split()[0]) // 1024
+
+    def reset_peak_memory(self) -> None:
+        Path(f"/proc/{self._pid}/clear_refs").write_text("5")  # VmHWM := VmRSS (Linux 4.0+)
+
+    @property
+    def _pid(self) -> int:
+        assert self.process is not None and self.process.process is not None
+        return self.process.process.pid
+
     def lines(self, file_id: str | None) -> list[dict[str, Any]]:
         if file_id is None:
             return []

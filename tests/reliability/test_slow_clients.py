@@ -7,7 +7,6 @@ import json
 import socket
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import httpx
 from server_helpers import LiveServer
@@ -34,11 +33,6 @@ def _metric(server: LiveServer, name: str) -> float:
     return sum(float(line.split()[-1]) for line in lines if line.startswith(name + "{"))
 
 
-def _rss_mib(server: LiveServer) -> int:
-    status = Path(f"/proc/{server.process.process.pid}/status").read_text()  # type: ignore[union-attr]
-    return int(status.split("VmRSS:")[1].split()[0]) // 1024
-
-
 def _until(condition: Callable[[], bool], timeout_s: float) -> float:
     started = time.monotonic()
     while not condition():
@@ -49,14 +43,14 @@ def _until(condition: Callable[[], bool], timeout_s: float) -> float:
 
 def test_a_stream_nobody_reads_is_stopped_past_its_backlog(server_factory: Callable[..., LiveServer]) -> None:
     server = server_factory("--max-stream-backlog-tokens", str(BACKLOG_TOKENS))
-    rss = _rss_mib(server)
+    rss = server.memory_mib()
     generated = _metric(server, "batchgen_generation_tokens_total")
     sock = _open_stream(server)
     try:
         _until(lambda: _metric(server, "batchgen_num_requests_running") == 32, 10)
         _until(lambda: _metric(server, "batchgen_num_requests_running") == 0, 30)  # stopped, not run to the end
         assert _metric(server, "batchgen_generation_tokens_total") - generated < 32 * STREAM["max_tokens"]
-        assert _rss_mib(server) - rss < 100
+        assert server.memory_mib() - rss < 100
         assert server.http.post("/v1/completions", json={"model": "demo", "prompt": "x", "max_tokens": 1}).is_success
         sock.settimeout(10)
         received = b""

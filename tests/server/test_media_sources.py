@@ -47,6 +47,15 @@ def test_local_paths_only_under_their_folder(tmp_path: Path) -> None:
         ImageSources(MediaLimits()).url(f"file://{tmp_path}/in/a.png", "p")  # off unless a folder is allowed
 
 
+@pytest.mark.parametrize("name", ["a.png%00.jpg", "a.png\x00", "x" * 5_000 + ".png"])
+def test_a_path_no_file_can_have_is_an_invalid_url_not_a_500(tmp_path: Path, name: str) -> None:
+    """An embedded NUL (``%00``: ``ValueError`` from the file system calls) or a name too long (``OSError``)."""
+    (tmp_path / "a.png").write_bytes(b"x")
+    with pytest.raises(MediaError) as refused:
+        ImageSources(MediaLimits(), local_root=str(tmp_path)).url(f"file://{tmp_path}/{name}", "p")
+    assert refused.value.code == "invalid_image_url"
+
+
 def test_data_urls_are_sized_before_decoding() -> None:
     sources = ImageSources(MediaLimits(max_image_bytes=30))
     assert sources.url("data:image/png;base64," + base64.b64encode(b"a" * 30).decode(), "p") == b"a" * 30

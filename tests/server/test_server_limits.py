@@ -13,7 +13,6 @@ import socket
 import sqlite3
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import httpx
 import openai
@@ -154,18 +153,13 @@ def test_a_10000_character_filename_is_sanitized_not_refused(server: LiveServer)
     assert response.json()["filename"] == "é" * 124 + ".jsonl"  # 255 bytes at most, the extension kept
 
 
-def _rss_mib(server: LiveServer) -> int:
-    status = Path(f"/proc/{server.process.process.pid}/status").read_text()  # type: ignore[union-attr]
-    return int(status.split("VmRSS:")[1].split()[0]) // 1024
-
-
 @pytest.mark.parametrize("chunked", [False, True])
 def test_a_50_mb_online_body_is_refused_at_once(live_server: LiveServer, chunked: bool) -> None:
     """The online limit (--max-online-body-bytes, 4 MiB) is checked before the body is read whole: from its
     Content-Length, or as a chunked body streams in."""
     text = "x" * (50 * 2**20)
     body = json.dumps({"model": "demo", "messages": [{"role": "user", "content": text}]}).encode()
-    before, started = _rss_mib(live_server), time.monotonic()
+    before, started = live_server.memory_mib(), time.monotonic()
     content = (body[i : i + 2**20] for i in range(0, len(body), 2**20)) if chunked else body
     try:
         response = live_server.http.post(
@@ -176,7 +170,7 @@ def test_a_50_mb_online_body_is_refused_at_once(live_server: LiveServer, chunked
     assert time.monotonic() - started < 10
     if response is not None:
         assert_error(response, 413, "request_too_large")
-    assert _rss_mib(live_server) - before < 500
+    assert live_server.memory_mib() - before < 500
     assert live_server.http.get("/health").status_code == 200
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -31,6 +32,7 @@ from .api.online import OnlineController
 from .api.openapi import BEARER_AUTH, openapi_config
 from .api.options import allow_route_methods
 from .api.pooling import PoolingController
+from .api.preparations import Preparations
 from .api.responses import ResponsesController
 from .batches.crashes import CrashJournal
 from .batches.loop import BatchLoop
@@ -50,6 +52,8 @@ from .storage.expiry import sweep_forever
 
 if TYPE_CHECKING:
     from .engine import EngineClient
+
+log = logging.getLogger("batchgen.server")
 
 
 def create_app(settings: Settings, engine: EngineClient | None = None) -> Litestar:
@@ -76,7 +80,11 @@ def create_app(settings: Settings, engine: EngineClient | None = None) -> Litest
             serving = await asyncio.to_thread(
                 OpenAIServing.for_engine, engine, settings.engine, settings.serving, settings.max_line_sequences
             )
-            serving.preparer.images.sources.files = UploadedImages(db, blobs)  # images named by file id
+            sources = serving.preparer.images.sources
+            sources.files = UploadedImages(db, blobs)  # images named by file id
+            if not settings.serving.serve_local_media and sources.local_root is not None:
+                log.warning("--allowed-local-media-path is run-batch's: serve reads it only with --serve-local-media")
+                sources.local_root = None  # every caller of the server could read the operator's folder
             metrics: Metrics | None = None
 
             def on_finished(batch: BatchObject) -> None:
@@ -115,7 +123,11 @@ def create_app(settings: Settings, engine: EngineClient | None = None) -> Litest
                 ),
             )
             engine.observer = metrics.observe_request
-            app.state.context = ServerContext(settings, db, blobs, models, engine, loop, metrics, serving, online)
+            preparations = Preparations()
+            started.callback(preparations.close)
+            app.state.context = ServerContext(
+                settings, db, blobs, models, engine, loop, metrics, serving, online, preparations
+            )
             # In-flight requests are done when these stop (uvicorn drained them); the rest of the shutdown deadline is
             # theirs: the engine first (no result reaches a stopped loop), then the loop.
             deadline_s = settings.shutdown_timeout_s / 4

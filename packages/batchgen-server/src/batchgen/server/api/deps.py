@@ -26,6 +26,7 @@ from ..storage.blobs import BlobStore
 from ..storage.database import Database
 from .engine_calls import OnlineRequests
 from .errors import APIError
+from .preparations import Preparations
 
 
 @dataclass(slots=True)
@@ -40,6 +41,8 @@ class ServerContext:
     metrics: Metrics
     serving: OpenAIServing
     online: OnlineRequests
+    preparations: Preparations
+    """The threads online requests are prepared in."""
 
     @property
     def model(self) -> ModelObject:
@@ -67,8 +70,10 @@ def ensure_admitting(connection: ASGIConnection[Any, Any, Any, Any]) -> None:
         )
 
 
-def admit_while_running(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
-    """Guard of the API: while draining, requests that create or change something (POST, DELETE) get a 503."""
+async def admit_while_running(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+    """Guard of the API: while draining, requests that create or change something (POST, DELETE) get a 503. A
+    coroutine: Litestar runs a plain function's guard in a worker thread, where a pool full of slow work once held
+    every request."""
     if isinstance(connection, Request) and connection.method in ("POST", "DELETE"):
         ensure_admitting(connection)
 

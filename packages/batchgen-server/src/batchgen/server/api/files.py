@@ -28,10 +28,9 @@ from batchgen.schemas import FileDeleted, FileList, FileObject
 from batchgen.schemas.batches import MAX_EXPIRY_S, MIN_EXPIRY_S
 
 from ..ids import new_file_id
-from ..media import MediaError, decode_image
+from ..media import MediaError, decoded, open_image
 from ..media.files import IMAGE_PURPOSES
 from ..security.limits import is_valid_id
-from ..serving.images import media_of
 from ..storage.blobs import ContentCorrupt, UploadWriter
 from .deps import ServerContext, ensure_admitting, now
 from .errors import ERROR_RESPONSES, APIError, invalid, not_found
@@ -280,12 +279,17 @@ def commit_file(
 def _check_image(writer: UploadWriter, context: ServerContext) -> None:
     """An image upload decodes within the limits requests' images have; else a 422 naming ``file``, as an input
     file whose content is invalid is."""
-    limits = media_of(context.settings.serving).limits
+    images = context.serving.preparer.images
+    limits = images.limits
     try:
         if writer.size > limits.max_image_bytes:
             raise MediaError("image_too_large", f"The image is over {limits.max_image_bytes} bytes.", "file")
-        decode_image(writer.written(), "file", limits)
+        image = open_image(writer.written(), "file", limits)
+        with images.budget.held(image.width * image.height, "file", wait=False):
+            decoded(image, "file")
     except MediaError as exc:
+        if exc.status_code == 429:  # no room to decode it now
+            raise APIError(429, exc.message, code=exc.code, param="file", headers={"Retry-After": "1"}) from None
         raise APIError(422, f"Invalid image: {exc.message}", code=exc.code, param="file") from None
 
 

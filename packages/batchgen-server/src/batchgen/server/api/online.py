@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from concurrent.futures import Future
+from functools import partial
 from typing import Any
 
 from litestar import Controller, Request, post
@@ -31,6 +33,7 @@ from batchgen.schemas.validation import request_problem
 
 from ..engine import EngineResult
 from ..ids import new_request_id
+from ..media.fetcher import Fetched
 from ..media.files import files_of
 from ..security.auth import DEFAULT_TENANT
 from ..serving import BatchDefaults, PreparedRequest, RequestRejected, failed
@@ -89,17 +92,30 @@ async def prepare(
     if (problem := request_problem(body)) is not None:
         name, detail = problem
         raise APIError(400, f"Invalid '{name}': {detail}", code="invalid_request", param=name)
-    try:  # tokenizing a long prompt takes a while: not on the event loop
+    serving = context.serving
+    try:
+        pending = serving.fetch_images(body, owner)  # on the fetcher's loop: a slow host holds no thread
+        fetched: Fetched | None = None
+        if pending is not None:
+            fetched = await _within_deadline(pending, serving.preparer.images.limits.fetch_timeout_s)
+        work = partial(
+            serving.prepare, body, request_id=request_id, defaults=NO_DEFAULTS, online=online, fetched=fetched
+        )
         with files_of(owner):  # the images its parts name by file id: the caller's own (copied into the thread)
-            return await asyncio.to_thread(
-                context.serving.prepare,
-                body,
-                request_id=request_id,
-                defaults=NO_DEFAULTS,
-                online=online,
-            )
+            return await context.preparations.run(owner, work)  # a long prompt takes a while: not on the event loop
     except RequestRejected as exc:
-        raise APIError(exc.status_code, exc.message, code=exc.code, param=exc.param) from None
+        headers = {"Retry-After": "1"} if exc.status_code == 429 else None
+        raise APIError(exc.status_code, exc.message, code=exc.code, param=exc.param, headers=headers) from None
+
+
+async def _within_deadline(pending: Future[Fetched], timeout_s: float) -> Fetched:
+    """The pictures fetched, their turn behind the caller's other fetches within the fetch deadline too (a second
+    more: a fetch that started at once runs out first, and says which picture it was)."""
+    try:
+        return await asyncio.wait_for(asyncio.wrap_future(pending), timeout_s + 1)
+    except TimeoutError:  # the fetches are cancelled with it
+        message = f"Fetching the request's images took over {timeout_s:g} s."
+        raise RequestRejected("image_fetch_failed", message, "messages") from None
 
 
 async def serve(context: ServerContext, request: Request[Any, Any, Any], body: RequestBody) -> ResponseBody | Stream:

@@ -1,21 +1,26 @@
-"""Request lines become engine requests (the chat template, the tokenizer: tens of ms for a long prompt) in a thread
-of its own, so that the batch loop's thread goes on meanwhile with every other batch's messages and results.
+"""Request lines become engine requests (the chat template, the tokenizer, images decoded: tens of ms, a second for
+large pictures) in a thread of its own, so that the batch loop's thread goes on meanwhile with every other batch's
+messages and results.
 
-Each outcome comes back to the loop as a message. One thread, first in first out: lines come back in the order the
-loop sent them, so each batch's lines still reach the engine in input order, and the turns' order across batches
-holds, with nothing to sort; the work is mostly Python (the template), which more threads would not speed up.
+Each outcome comes back to the loop as a message. A line whose images are fetched over the network waits for them
+on the fetcher's own loop first (``OpenAIServing.fetch_images``), holding no thread: a slow host holds back the lines
+that name it, not the lines behind them. Then each tenant's lines are tokenized in the order they came, the tenants
+in turn: a tenant whose lines are slow to prepare delays another's next line by one of its own at most. The work is
+mostly Python (the template), which more threads would not speed up.
 """
 
 from __future__ import annotations
 
-import queue
 import threading
+from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
 from functools import partial
 
 from batchgen.schemas import RequestBody
 
+from ..media.fetcher import Fetched
 from ..media.files import files_of
 from ..serving import BatchDefaults, OpenAIServing, PreparedRequest
 
@@ -31,7 +36,8 @@ class _Job:
     defaults: BatchDefaults
     done: Callable[[Outcome], None]
     owner: str
-    """The batch's tenant: the uploaded images its lines may name."""
+    """The batch's tenant: the uploaded images its lines may name, and its turn."""
+    fetched: Fetched | None = None
 
 
 class Tokenizer:
@@ -39,7 +45,9 @@ class Tokenizer:
         """``post`` hands a message to the loop's thread."""
         self.serving = serving
         self._post = post
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._queues: OrderedDict[str, deque[_Job]] = OrderedDict()
+        """Each tenant's lines waiting, in order; the tenant first in it has the next turn."""
+        self._ready = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="batchgen-tokenizer", daemon=True)
 
@@ -48,8 +56,10 @@ class Tokenizer:
 
     def stop(self) -> None:
         """Drop the lines that wait, finish the one at hand, and end."""
-        self._stopping = True
-        self._jobs.put(None)
+        with self._ready:
+            self._stopping = True
+            self._queues.clear()
+            self._ready.notify()
         self._thread.join()
 
     def put(
@@ -61,15 +71,50 @@ class Tokenizer:
         done: Callable[[Outcome], None],
         owner: str = "",
     ) -> None:
-        """Tokenize ``body``; ``done`` runs on the loop's thread with the outcome."""
-        self._jobs.put(_Job(body, request_id, defaults, done, owner))
+        """Tokenize ``body``, once its remote images are fetched; ``done`` runs on the loop's thread with the
+        outcome."""
+        job = _Job(body, request_id, defaults, done, owner)
+        try:
+            fetching = self.serving.fetch_images(body, owner)
+        except Exception as exc:  # a bug: the line's 500, as the loop answers any exception of its preparation
+            self._post(partial(done, exc))
+            return
+        if fetching is None:
+            self._queue(job)
+        else:
+            fetching.add_done_callback(partial(self._fetched, job))
+
+    def _fetched(self, job: _Job, fetching: Future[Fetched]) -> None:
+        self._queue(replace(job, fetched=fetching.result()))  # never raises: each URL's failure is in its result
+
+    def _queue(self, job: _Job) -> None:
+        with self._ready:
+            if self._stopping:
+                return
+            self._queues.setdefault(job.owner, deque()).append(job)
+            self._ready.notify()
+
+    def _next(self) -> _Job | None:
+        """The next tenant's oldest line (``None``: stopping); that tenant's turn passes to the others."""
+        with self._ready:
+            self._ready.wait_for(lambda: self._stopping or bool(self._queues))
+            if self._stopping:
+                return None
+            owner, jobs = next(iter(self._queues.items()))
+            job = jobs.popleft()
+            self._queues.move_to_end(owner)
+            if not jobs:
+                del self._queues[owner]
+            return job
 
     def _run(self) -> None:
-        while (job := self._jobs.get()) is not None and not self._stopping:
+        while (job := self._next()) is not None:
             outcome: Outcome
             try:
                 with files_of(job.owner):
-                    outcome = self.serving.prepare(job.body, request_id=job.request_id, defaults=job.defaults)
+                    outcome = self.serving.prepare(
+                        job.body, request_id=job.request_id, defaults=job.defaults, fetched=job.fetched
+                    )
             except Exception as exc:  # the loop decides: the line's error, or a storage fault that pauses its batch
                 outcome = exc
             self._post(partial(job.done, outcome))

@@ -1,8 +1,19 @@
-"""Images in requests: where a part's bytes come from (``sources``: data URLs, allowed https hosts, uploads by
-file id, run-batch's local paths) and how they become a picture within the limits (``decode``)."""
+"""Images in requests: where a part's bytes come from (``sources``: data URLs, allowed https hosts fetched by
+``fetcher``, uploads by file id, run-batch's local paths), how they become a picture within the limits (``decode``),
+and how many pixels are decoded at once (``budget``)."""
 
-from .decode import MediaLimits, decode_image, image_hash
+from .budget import PixelBudget
+from .decode import MediaLimits, decode_image, decoded, image_hash, open_image
 from .errors import MediaError
 from .sources import ImageSources
 
-__all__ = ["ImageSources", "MediaError", "MediaLimits", "decode_image", "image_hash"]
+__all__ = [
+    "ImageSources",
+    "MediaError",
+    "MediaLimits",
+    "PixelBudget",
+    "decode_image",
+    "decoded",
+    "image_hash",
+    "open_image",
+]

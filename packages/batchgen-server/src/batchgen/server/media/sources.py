@@ -1,18 +1,25 @@
 """Where an image part's bytes come from: a ``data:`` URL (base64, checked strictly), an ``https://`` URL on a host
-``--allowed-media-domains`` lists (through the completion callbacks' SSRF guard: no redirects, no proxies, a
-timeout and a size cap), a ``file://`` path under ``--allowed-local-media-path`` (run-batch), or an upload named by
-its file id. Called where requests are prepared, in worker threads: never on the event loop."""
+``--allowed-media-domains`` lists (through the completion callbacks' SSRF guard: no redirects, no proxies, a total
+deadline and a size cap; fetched by ``MediaFetcher``, before the request is prepared where the caller can), a
+``file://`` path under ``--allowed-local-media-path`` (run-batch; ``serve`` only with ``--serve-local-media``), or an
+upload named by its file id. Called where requests are prepared, in worker threads: never on the event loop."""
 
 from __future__ import annotations
 
 import binascii
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlsplit
 
 from .decode import MediaLimits
 from .errors import MediaError
+from .fetcher import Fetched, MediaFetcher
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+    import httpx
 
 FileReader = Callable[[str, str, int], bytes]
 """``(file_id, param, max_bytes)`` -> the upload's bytes; ``MediaError`` when the caller may not read it."""
@@ -31,12 +38,40 @@ class ImageSources:
         self.local_root = Path(local_root).resolve() if local_root else None
         self.files = files
         """Uploads by id (the server's storage; run-batch has none)."""
+        self.fetcher = MediaFetcher(limits, self._checked)
 
-    def url(self, url: str, param: str) -> bytes:
+    def url(self, url: str, param: str, fetched: Fetched | None = None) -> bytes:
+        """The bytes ``url`` names; ``fetched``: what ``fetch`` got for the request already (a remote URL not in it
+        is fetched now, waiting for it)."""
         if url.startswith("data:"):
             return self._data_url(url, param)
         if url.startswith("file://"):
             return self._local(url, param)
+        if fetched is None or url not in fetched:
+            fetched = self.fetch([(url, param)], owner="").result()
+        result = fetched[url]
+        if isinstance(result, MediaError):
+            raise result
+        return result
+
+    def remote(self, urls: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+        """The ``(url, param)`` pairs to fetch over the network: none where no host is allowed (each is refused as
+        the request is prepared)."""
+        if not self.allowed_domains:
+            return []
+        return [(url, param) for url, param in urls if not url.startswith(("data:", "file://"))]
+
+    def fetch(self, urls: list[tuple[str, str]], owner: str) -> Future[Fetched]:
+        """Each remote ``(url, param)``'s bytes (or its ``MediaError``), fetched at once for ``owner``'s request on
+        the fetcher's own loop."""
+        return self.fetcher.fetch(urls, owner)
+
+    def file(self, file_id: str, param: str) -> bytes:
+        if self.files is None:
+            raise MediaError("invalid_value", "Images by file_id need the server's file storage.", param)
+        return self.files(file_id, param, self.limits.max_image_bytes)
+
+    def _checked(self, url: str, param: str) -> httpx.URL:
         if not self.allowed_domains:
             raise MediaError(
                 "invalid_image_url",
@@ -47,15 +82,9 @@ class ImageSources:
         from ..callbacks import checked_url  # httpx: not imported by --help
 
         try:
-            parsed = checked_url(url, self.allowed_domains, "image", schemes=("https",))
+            return checked_url(url, self.allowed_domains, "image", schemes=("https",))
         except ValueError as exc:
             raise MediaError("invalid_image_url", str(exc), param) from None
-        return self._fetch(parsed, param)
-
-    def file(self, file_id: str, param: str) -> bytes:
-        if self.files is None:
-            raise MediaError("invalid_value", "Images by file_id need the server's file storage.", param)
-        return self.files(file_id, param, self.limits.max_image_bytes)
 
     def _data_url(self, url: str, param: str) -> bytes:
         head, comma, payload = url.partition(",")
@@ -77,41 +106,17 @@ class ImageSources:
         if self.local_root is None:
             raise MediaError(
                 "invalid_image_url",
-                "file:// URLs are off (run-batch's --allowed-local-media-path allows a folder).",
+                "file:// URLs are off here (run-batch's --allowed-local-media-path allows a folder; a server's "
+                "callers also need --serve-local-media).",
                 param,
             )
-        path = Path(unquote(urlsplit(url).path)).resolve()
-        if not path.is_relative_to(self.local_root) or not path.is_file():
+        try:
+            path = Path(unquote(urlsplit(url).path)).resolve()
+            found = path.is_relative_to(self.local_root) and path.is_file()
+        except (ValueError, OSError):  # an embedded NUL (%00), a name too long...
+            found = False
+        if not found:
             raise MediaError("invalid_image_url", f"No image at {url!r} under the allowed local media path.", param)
         if path.stat().st_size > self.limits.max_image_bytes:
             raise MediaError("image_too_large", f"The image is over {self.limits.max_image_bytes} bytes.", param)
         return path.read_bytes()
-
-    def _fetch(self, url: object, param: str) -> bytes:
-        import httpx
-
-        cap = self.limits.max_image_bytes
-        deadline = time.monotonic() + self.limits.fetch_timeout_s  # httpx's timeout is per read: a slow drip too
-        try:
-            client = httpx.Client(follow_redirects=False, trust_env=False, timeout=self.limits.fetch_timeout_s)
-            with client, client.stream("GET", url) as response:  # type: ignore[arg-type]
-                if response.status_code != 200:
-                    raise MediaError(
-                        "image_fetch_failed", f"Fetching the image answered HTTP {response.status_code}.", param
-                    )
-                data = bytearray()
-                for chunk in response.iter_bytes():
-                    data += chunk
-                    if time.monotonic() > deadline:
-                        raise MediaError(
-                            "image_fetch_failed",
-                            f"Fetching the image took over {self.limits.fetch_timeout_s:g} s.",
-                            param,
-                        )
-                    if len(data) > cap:
-                        raise MediaError(
-                            "image_too_large", f"The image is over {cap} bytes, the most taken an image.", param
-                        )
-                return bytes(data)
-        except httpx.HTTPError as exc:
-            raise MediaError("image_fetch_failed", f"Fetching the image failed: {type(exc).__name__}.", param) from None

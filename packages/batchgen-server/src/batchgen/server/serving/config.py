@@ -35,6 +35,12 @@ class ServingConfig:
     allowed_local_media_path: str | None = setting(
         None, "a folder whose images run-batch lines may name as file:// URLs (vLLM's flag); none: no local files"
     )
+    serve_local_media: bool = setting(
+        False,
+        "in serve, let requests (online, and the lines of batches created through the API) read images under "
+        "--allowed-local-media-path too; off, that folder is run-batch's alone, as every caller of the server could "
+        "read it",
+    )
     limit_mm_per_prompt: str = setting(
         '{"image": 8}', "most images one prompt may hold, as vLLM's JSON ('{\"image\": 4}') or a number"
     )
@@ -42,7 +48,20 @@ class ServingConfig:
     max_image_pixels: int = setting(
         40_000_000, "most pixels (width x height, read from the header before decoding) an image may have"
     )
-    media_fetch_timeout_s: float = setting(10.0, "longest an image URL's fetch may take")
+    max_request_image_pixels: int = setting(
+        128_000_000,
+        "most pixels the images of one request may have together, each counted as its header's width x height or "
+        "what the model's processor resizes it to, where more (about 10 bytes of memory a pixel at the peak); "
+        "a request over it is refused (400 too_many_image_pixels)",
+    )
+    max_image_pixels_in_flight: int = setting(
+        256_000_000,
+        "most pixels of images being decoded at once, all requests together: an online request that would go over "
+        "it is answered 429 (image_budget_full), a batch line waits its turn",
+    )
+    media_fetch_timeout_s: float = setting(
+        10.0, "longest an image URL's fetch may take, from its request's first byte to its answer's last"
+    )
 
     @property
     def max_images(self) -> int:
@@ -61,6 +80,13 @@ class ServingConfig:
             tool_call_parser(self.tool_call_parser)
         if self.reasoning_parser is not None:
             reasoning_parser(self.reasoning_parser)
+        if self.max_request_image_pixels > self.max_image_pixels_in_flight:
+            raise ValueError(
+                f"--max-request-image-pixels ({self.max_request_image_pixels}) is over --max-image-pixels-in-flight "
+                f"({self.max_image_pixels_in_flight}): such a request could never be decoded"
+            )
+        if self.media_fetch_timeout_s <= 0:
+            raise ValueError(f"--media-fetch-timeout-s must be positive, not {self.media_fetch_timeout_s:g}")
         try:
             self.max_images  # noqa: B018 (parsed once here, so a bad value is a usage error at start)
         except (ValueError, TypeError, AttributeError):

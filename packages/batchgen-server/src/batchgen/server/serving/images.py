@@ -1,6 +1,7 @@
-"""A chat's images made ready: each image part's bytes fetched (``media.ImageSources``), checked and decoded
-within the limits, then the rendered prompt and its pictures through the model's processor: the token ids with each
-image's placeholders, and the ``MultimodalPrompt`` the engine request carries. Every refusal names its part
+"""A chat's images made ready: each image part's bytes fetched (``media.ImageSources``), their headers checked
+against the limits (what the model's processor will resize them to included), their pixels held within the budget
+(``media.PixelBudget``) while they are decoded and go through the model's processor: the token ids with each image's
+placeholders, and the ``MultimodalPrompt`` the engine request carries. Every refusal names its part
 (``messages[0].content[1]``)."""
 
 from __future__ import annotations
@@ -9,7 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 from batchgen.schemas import ChatCompletionRequest, FileContentPart, ImageContentPart
 
-from ..media import ImageSources, MediaError, MediaLimits, decode_image, image_hash
+from ..media import ImageSources, MediaError, MediaLimits, PixelBudget, decoded, image_hash, open_image
+from ..media.decode import too_many_pixels
+from ..media.fetcher import Fetched
 from .errors import RequestRejected
 
 if TYPE_CHECKING:
@@ -28,11 +31,19 @@ def image_parts(body: ChatCompletionRequest) -> list[tuple[str, ImageContentPart
     return parts
 
 
+def part_urls(parts: list[tuple[str, ImageContentPart | FileContentPart]]) -> list[tuple[str, str]]:
+    """The URLs of the image parts that name one, each with its field's name."""
+    return [
+        (part.image_url.url, f"{param}.image_url.url") for param, part in parts if isinstance(part, ImageContentPart)
+    ]
+
+
 class ImagePrompter:
-    def __init__(self, processor: ImageProcessor | None, sources: ImageSources) -> None:
+    def __init__(self, processor: ImageProcessor | None, sources: ImageSources, budget: PixelBudget) -> None:
         self.processor = processor
         """The served model's (``None``: a text-only model, which refuses image parts)."""
         self.sources = sources
+        self.budget = budget
 
     @property
     def limits(self) -> MediaLimits:
@@ -57,18 +68,39 @@ class ImagePrompter:
         return parts
 
     def prompt(
-        self, text: str, parts: list[tuple[str, ImageContentPart | FileContentPart]]
+        self,
+        text: str,
+        parts: list[tuple[str, ImageContentPart | FileContentPart]],
+        *,
+        fetched: Fetched | None,
+        online: bool,
     ) -> tuple[list[int], MultimodalPrompt]:
-        """``text`` (the chat rendered, one image marker per part) as token ids with its pictures."""
+        """``text`` (the chat rendered, one image marker per part) as token ids with its pictures; ``fetched``: the
+        remote images fetched for it already; ``online``: no room in the budget now is a 429 (a batch line waits)."""
         assert self.processor is not None
-        pictures, keys = [], []
-        for param, part in parts:
-            try:
-                data, field = self._bytes(param, part)
+        try:
+            images, keys, pixels = [], [], 0
+            for param, part in parts:
+                data, field = self._bytes(param, part, fetched)
                 keys.append(image_hash(data))
-                pictures.append(decode_image(data, field, self.limits))
-            except MediaError as exc:
-                raise RequestRejected(exc.code, exc.message, exc.param) from None
+                image = open_image(data, field, self.limits)
+                images.append((image, field))
+                processed = self.processor.processed_pixels(*image.size)
+                if processed > self.limits.max_image_pixels:
+                    width, height = image.size
+                    resized = f"({width} x {height}) would be {processed} pixels once the model's processor resizes it"
+                    raise too_many_pixels(resized, field, self.limits)
+                pixels += processed
+            with self.budget.held(pixels, "messages", wait=not online):
+                try:
+                    return self._processed(text, [decoded(image, field) for image, field in images], keys)
+                finally:
+                    images.clear()  # the pictures, decoded in place, go before the budget gives their memory back
+        except MediaError as exc:
+            raise RequestRejected(exc.code, exc.message, exc.param, status_code=exc.status_code) from None
+
+    def _processed(self, text: str, pictures: list[Any], keys: list[bytes]) -> tuple[list[int], MultimodalPrompt]:
+        assert self.processor is not None
         try:
             return self.processor.prompt_inputs(text, pictures, keys)
         except (ValueError, TypeError) as exc:  # the processor's own refusals (a picture too small for it...)
@@ -76,11 +108,13 @@ class ImagePrompter:
                 "invalid_image", f"The model's processor refused the images: {exc}", "messages"
             ) from None
 
-    def _bytes(self, param: str, part: ImageContentPart | FileContentPart) -> tuple[bytes, str]:
+    def _bytes(
+        self, param: str, part: ImageContentPart | FileContentPart, fetched: Fetched | None
+    ) -> tuple[bytes, str]:
         """The part's bytes, and the field that gave them (what a refusal names)."""
         if isinstance(part, ImageContentPart):
             field = f"{param}.image_url.url"
-            return self.sources.url(part.image_url.url, field), field
+            return self.sources.url(part.image_url.url, field, fetched), field
         ref = part.file
         if ref.file_id is not None:
             field = f"{param}.file.file_id"
@@ -93,15 +127,17 @@ class ImagePrompter:
         raise MediaError("invalid_value", "A file part needs a file_id or file_data.", f"{param}.file")
 
 
-def media_of(config: Any, files: Any = None) -> ImageSources:
-    """The image sources a ``ServingConfig`` allows (``files``: uploads by id, the server's)."""
+def media_of(config: Any, processor: ImageProcessor | None = None) -> ImagePrompter:
+    """The images a ``ServingConfig`` allows, through the served model's ``processor`` (``None``: a text model)."""
     limits = MediaLimits(
         max_images=config.max_images,
         max_image_bytes=config.max_image_bytes,
         max_image_pixels=config.max_image_pixels,
         fetch_timeout_s=config.media_fetch_timeout_s,
     )
-    return ImageSources(limits, config.allowed_media_domains, config.allowed_local_media_path, files)
+    sources = ImageSources(limits, config.allowed_media_domains, config.allowed_local_media_path)
+    budget = PixelBudget(config.max_request_image_pixels, config.max_image_pixels_in_flight)
+    return ImagePrompter(processor, sources, budget)
 
 
 def image_processor_for(config: Any, tokenizer: Any) -> ImageProcessor | None:

@@ -12,6 +12,7 @@ from batchgen.schemas import BatchOutputLine, RequestBody
 from ..engine.adapters import Adapters, ServedNames
 from ..engine.pooling_spec import Kind, PoolingSpec
 from ..engine.request import EngineResult, Task
+from ..media.fetcher import Fetched
 from .answers import Answers, ResponseBody
 from .config import ServingConfig
 from .images import ImagePrompter, image_processor_for, media_of
@@ -21,6 +22,8 @@ from .sampling import BatchDefaults
 from .structured import set_grammar_timeout
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     from ..engine.config import EngineConfig
     from ..engine.interface import ServedModel
 
@@ -91,15 +94,27 @@ class OpenAIServing:
             load_generation_defaults(config),
             serving,
             Adapters.of(config) if config.enable_lora else None,
-            ImagePrompter(image_processor_for(config, engine.tokenizer), media_of(serving)),
+            media_of(serving, image_processor_for(config, engine.tokenizer)),
             spec_of(config),
         )
 
     def prepare(
-        self, body: RequestBody, *, request_id: str, defaults: BatchDefaults, online: bool = False
+        self,
+        body: RequestBody,
+        *,
+        request_id: str,
+        defaults: BatchDefaults,
+        online: bool = False,
+        fetched: Fetched | None = None,
     ) -> PreparedRequest:
         """``body`` as engine requests, with what its answer is made from (``RequestPreparer.prepare``)."""
-        return self.preparer.prepare(body, request_id=request_id, defaults=defaults, online=online)
+        return self.preparer.prepare(body, request_id=request_id, defaults=defaults, online=online, fetched=fetched)
+
+    def fetch_images(self, body: RequestBody, owner: str) -> Future[Fetched] | None:
+        """``body``'s remote images fetched, for ``owner``, off the caller's thread (``None``: it names none), to
+        be handed to ``prepare``: a slow host then holds no thread that prepares requests."""
+        urls = self.preparer.remote_images(body)
+        return self.preparer.images.sources.fetch(urls, owner) if urls else None
 
     def check_endpoint(self, path: str) -> None:
         """400 ``unsupported_endpoint`` where the model serves no request to ``path`` (``RequestPreparer``)."""

@@ -25,10 +25,11 @@ from ..engine.adapters import LoRARequest, ServedNames
 from ..engine.pooling_spec import PoolingSpec
 from ..engine.request import EngineRequest, SamplingParams, Task, vocabulary_problem
 from ..ids import engine_request_id
+from ..media.fetcher import Fetched
 from .chat_template import check_chat_template, render_chat
 from .config import ServingConfig
 from .errors import RequestRejected
-from .images import ImagePrompter, media_of
+from .images import ImagePrompter, image_parts, media_of, part_urls
 from .messages import MessagePlan, MessagePlanner
 from .pooling import ENDPOINT_NAMES, KINDS, PoolingServing
 from .prompts import PromptTokenizer
@@ -71,7 +72,7 @@ class RequestPreparer:
         images: ImagePrompter | None = None,
     ) -> None:
         self.tokenizer = tokenizer
-        self.images = images or ImagePrompter(None, media_of(config))
+        self.images = images or media_of(config)
         """A chat's image parts: through the model's processor, or refused by a text-only model."""
         self.served_names = served_names
         self.vocab_size = vocab_size
@@ -99,13 +100,31 @@ class RequestPreparer:
         """The model's id."""
         return self.served_names.model_names[0]
 
+    def remote_images(self, body: RequestBody) -> list[tuple[str, str]]:
+        """The image URLs ``body`` names that are fetched over the network, each with its field: what to ``fetch``
+        before it is prepared."""
+        if isinstance(body, ResponseRequest):
+            try:
+                body = chat_request(body)
+            except RequestRejected:  # prepare says why
+                return []
+        if not isinstance(body, ChatCompletionRequest):
+            return []
+        return self.images.sources.remote(part_urls(image_parts(body)))
+
     def prepare(
-        self, body: RequestBody, *, request_id: str, defaults: BatchDefaults, online: bool = False
+        self,
+        body: RequestBody,
+        *,
+        request_id: str,
+        defaults: BatchDefaults,
+        online: bool = False,
+        fetched: Fetched | None = None,
     ) -> PreparedRequest:
         """``body`` ready to run: one engine request per prompt (chat: one; completions/embeddings: one per
         prompt/input), in prompt order; ``online`` ones are interactive (scheduled ahead of batch work) and may
-        stream. ``body`` has passed ``batchgen.schemas.validation`` (its types, ``request_problem``; a batch line's
-        ``stream`` is refused there)."""
+        stream; ``fetched``: its remote images, fetched already. ``body`` has passed ``batchgen.schemas.validation``
+        (its types, ``request_problem``; a batch line's ``stream`` is refused there)."""
         lora = self._adapter(body.model)
         sequences = sequences_of(body)
         if sequences > self.max_sequences and not isinstance(body, PoolingBody):  # those count their documents
@@ -122,9 +141,9 @@ class RequestPreparer:
                 name,
             )
         if not isinstance(body, ResponseRequest):
-            return self._prepare(body, body, request_id, defaults, online, lora)
+            return self._prepare(body, body, request_id, defaults, online, lora, fetched)
         try:  # it runs as its chat request, translated here once; its errors name the response's own fields
-            return self._prepare(body, chat_request(body), request_id, defaults, online, lora)
+            return self._prepare(body, chat_request(body), request_id, defaults, online, lora, fetched)
         except RequestRejected as exc:
             exc.param = None if exc.param is None else response_field(exc.param)
             raise
@@ -155,6 +174,7 @@ class RequestPreparer:
         defaults: BatchDefaults,
         online: bool,
         lora: LoRARequest | None,
+        fetched: Fetched | None,
     ) -> PreparedRequest:
         if isinstance(runs_as, PoolingBody):
             requests = self.pooling.prepare(runs_as, request_id, online, lora)
@@ -180,7 +200,7 @@ class RequestPreparer:
             text = render_chat(self.tokenizer, runs_as, self.model_name)
             prompt_param = "messages"
             if parts:  # the processor expands each image's marker to its placeholders
-                ids, multimodal = self.images.prompt(text, parts)
+                ids, multimodal = self.images.prompt(text, parts, fetched=fetched, online=online)
                 prompts = [ids]
             else:
                 prompts = [self.prompts.tokenize(text, prompt_param, first_set(runs_as.add_special_tokens, False))]

@@ -50,6 +50,11 @@ def driven_family(config: PretrainedConfig, architecture: str) -> Family:
     return family
 
 
+def _size_field(size: Any, name: str) -> Any:
+    """A field of an image processor's ``size``: a ``SizeDict``, or a plain dict in older configs."""
+    return size.get(name) if isinstance(size, dict) else getattr(size, name, None)
+
+
 def _image_only(cls: type) -> type:
     """``cls`` accepting ``None`` for every sub-processor but the image processor and the tokenizer."""
 
@@ -86,6 +91,20 @@ class ImageProcessor:
             image_only: Any = _image_only(cls)
             self.processor = image_only.from_args_and_dict(args, processor_dict, **kwargs)
         self.image_token_id: int = config.image_token_id
+
+    def processed_pixels(self, width: int, height: int) -> int:
+        """The most pixels the image processor holds of a ``width`` x ``height`` picture: the picture's own, or what
+        it resizes the picture to where that is more. Processors that scale the shortest side to a size (CLIP's,
+        LLaVA-NeXT's base view) make a thin picture long; the others resize to a bounded size (a fixed one, a longest
+        side, a budget of pixels or patches)."""
+        image_processor = self.processor.image_processor
+        size = getattr(image_processor, "size", None)
+        shortest = _size_field(size, "shortest_edge")
+        bounded = _size_field(size, "longest_edge") or _size_field(size, "max_pixels")
+        if not getattr(image_processor, "do_resize", True) or not shortest or bounded:
+            return width * height
+        short, long = sorted((width, height))
+        return max(width * height, int(shortest) * (int(shortest) * long // max(short, 1)))
 
     def prompt_inputs(self, text: str, images: list[Any], keys: list[bytes]) -> tuple[list[int], MultimodalPrompt]:
         """The token ids of ``text`` (a rendered chat with one image marker per picture) with each marker expanded
