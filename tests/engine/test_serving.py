@@ -277,8 +277,8 @@ def test_a_response_request_is_translated_once_for_its_answer_whole_or_streamed(
     """A response request runs as its chat request: translated when it is prepared, its answer (whole, or as a
     stream's events) made from what the preparation kept."""
     translated = []
-    translate = preparing.chat_request
-    monkeypatch.setattr(preparing, "chat_request", lambda body: translated.append(body) or translate(body))
+    translate = preparing.translate
+    monkeypatch.setattr(preparing, "translate", lambda body: translated.append(body) or translate(body))
     engine = make_engine()
     serving = OpenAIServing(engine.tokenizer, ("demo",), engine.max_context_length, engine.vocab_size)
     for stream in (False, True):

@@ -74,3 +74,21 @@ def test_a_client_gone_while_the_send_is_blocked_is_stopped_at_once(live_server:
     assert _until(lambda: _metric(live_server, "batchgen_num_requests_running") == 0, 5) < 2
     response = httpx.post(f"{live_server.base_url}/v1/completions", json={**STREAM, "n": 1, "max_tokens": 1})
     assert response.is_success
+
+
+def test_a_client_gone_mid_body_is_logged_as_its_doing_not_an_error(live_server: LiveServer) -> None:
+    """A body cut short by its client (online, and an upload) is an INFO line; it was a 500's ERROR."""
+    log = live_server.process.log_path  # type: ignore[union-attr]
+    start = len(log.read_bytes())
+    for path, content_type, body in (
+        ("/v1/chat/completions", "application/json", b'{"model": "demo", "messages": ['),
+        ("/v1/files", "multipart/form-data; boundary=b", b'--b\r\nContent-Disposition: form-data; name="file"'),
+    ):
+        sock = socket.create_connection(("127.0.0.1", live_server.process.port))  # type: ignore[union-attr]
+        head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: {content_type}\r\nContent-Length: 4096\r\n\r\n"
+        sock.sendall(head.encode() + body)
+        time.sleep(0.3)
+        sock.close()
+    _until(lambda: b"the client left before sending its whole body" in log.read_bytes()[start:], 5)
+    written = log.read_bytes()[start:].decode()
+    assert " ERROR " not in written and "Traceback" not in written, written

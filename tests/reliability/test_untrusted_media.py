@@ -137,9 +137,14 @@ def _error(response: httpx.Response, status: int) -> dict[str, Any]:
     return error
 
 
-def test_a_picture_from_an_allowed_host_is_fetched(server: LiveServer, image_host: ImageHost) -> None:
-    response = server.http.post("/v1/chat/completions", json=_chat(f"{image_host.base_url}/picture.png"))
+def test_a_picture_from_an_allowed_host_is_fetched_and_its_url_not_logged(
+    server: LiveServer, image_host: ImageHost
+) -> None:
+    """httpx logged each fetch's URL at INFO, a signed URL's signature with it."""
+    url = f"{image_host.base_url}/picture.png?signature=s3cr3t"
+    response = server.http.post("/v1/chat/completions", json=_chat(url))
     assert response.status_code == 200, response.text
+    assert "s3cr3t" not in server.process.log_path.read_text()  # type: ignore[union-attr]
 
 
 def test_a_thin_picture_is_refused_from_its_header(server: LiveServer) -> None:

@@ -130,6 +130,14 @@ def test_reranker_refusals(reranker: tuple[LiveServer, Path], live_server: LiveS
     assert "/v1/rerank" in refused["message"]
     generation = error("/v1/rerank", {"query": QUERY, "documents": DOCUMENTS}, live_server)
     assert generation["code"] == "unsupported_endpoint" and "/v1/embeddings" in generation["message"]
+    # What was at fault is named: an instruction that alone takes the context, a side's own name (data_1 was "_1"),
+    # a truncation the template leaves no room in (the tokenizer ignored it, so the prompt was not cut).
+    instructed = error("/v1/rerank", {"query": QUERY, "documents": ["a"], "instruction": "word " * 200})
+    assert (instructed["code"], instructed["param"]) == ("context_length_exceeded", "instruction")
+    assert error("/v1/score", {"data_1": 5, "data_2": "a"})["param"] == "data_1"
+    tight = error("/v1/rerank", {"query": QUERY, "documents": DOCUMENTS, "truncate_prompt_tokens": 5})
+    assert (tight["code"], tight["param"]) == ("invalid_value", "truncate_prompt_tokens")
+    assert "template takes" in tight["message"]
 
 
 def test_rerank_and_score_as_batch_lines(reranker: tuple[LiveServer, Path]) -> None:
@@ -164,6 +172,9 @@ def test_cross_encoder_scores_and_ranks(cross_encoder: tuple[LiveServer, Path]) 
     assert abs(torch.sigmoid(torch.tensor(raw["data"][0]["score"])).item() - want[0]) < TOLERANCE
     classified = _post(server, "/classify", {"input": "the cat"})
     assert classified["data"][0]["num_classes"] == 1 and len(classified["data"][0]["probs"]) == 1
+    for url, body in (("/v1/score", {"text_1": QUERY, "text_2": DOCUMENTS}), ("/classify", {"input": "the cat"})):
+        tight = _post(server, url, {**body, "truncate_prompt_tokens": 2}, 400)["error"]  # [CLS] a [SEP] b [SEP]
+        assert tight["param"] == "truncate_prompt_tokens", tight
 
 
 def test_decoder_embeddings_pool_the_last_token(embedder: tuple[LiveServer, Path]) -> None:
@@ -190,3 +201,5 @@ def test_decoder_embeddings_pool_the_last_token(embedder: tuple[LiveServer, Path
     refused = _post(server, "/v1/score", {"text_1": QUERY, "text_2": DOCUMENTS}, 400)["error"]
     assert refused["code"] == "unsupported_endpoint"
     assert _post(server, "/v1/embeddings", {"input": "a", "prompt_name": "x"}, 400)["error"]["param"] == "prompt_name"
+    wide = _post(server, "/v1/embeddings", {"input": "a", "dimensions": 100_000}, 400)["error"]
+    assert wide["param"] == "dimensions" and "more than the model's embeddings have" in wide["message"]

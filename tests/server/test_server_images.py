@@ -156,6 +156,27 @@ def test_responses_input_image_by_file_id(server: LiveServer, expected: Callable
     assert response.json()["output"][0]["content"][0]["text"]  # WebP decodes (other pixels than the PNG's, lossy)
 
 
+def test_responses_image_errors_name_the_input_item(server: LiveServer) -> None:
+    """A bad ``input_image`` is named where the response request has it (it was ``input``), past ``instructions``;
+    one in an assistant's message is refused (it was taken)."""
+    bad = {"type": "input_image", "image_url": "data:image/png;base64,@@@@"}
+    user = {"role": "user", "content": [{"type": "input_text", "text": PROMPT}, bad]}
+    body = {"model": "m", "instructions": "Be brief.", "input": [user], "max_output_tokens": 4}
+    error = server.http.post("/v1/responses", json=body).json()["error"]
+    assert (error["code"], error["param"]) == ("invalid_image", "input[0].content[1].image_url")
+    good = {"type": "input_image", "image_url": data_url(PICTURES[0])}
+    spoken = {"role": "assistant", "content": [{"type": "output_text", "text": "a cat"}, good]}
+    body["input"] = [{"role": "user", "content": PROMPT}, spoken, {"role": "user", "content": PROMPT}]
+    response = server.http.post("/v1/responses", json=body)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "input[1].content[1]"
+    assert "user message" in response.json()["error"]["message"]
+    chat = _chat(_image_url(data_url(PICTURES[0])))
+    chat["messages"] = [{"role": "system", "content": chat["messages"][0]["content"]}, *chat["messages"]]
+    refused = server.http.post("/v1/chat/completions", json=chat)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "messages[0].content[0]"
+
+
 @pytest.mark.parametrize(
     ("part", "param", "code"),
     [

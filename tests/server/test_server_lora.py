@@ -13,6 +13,8 @@ import pytest
 from lora_helpers import MALFORMED, make_adapters, malformed_adapters
 from server_helpers import TENANT_KEYS, LiveServer
 
+from batchgen.server.engine.adapters import LoRAModule
+
 PROMPTS = [[10, 20, 30, 40, 50, 60, 70, 80, 90], [5, 4, 3, 2, 1, 200, 201], [33] * 12]
 TOKENS = 8
 ADMIN_KEY = "operator-key-8910"
@@ -113,6 +115,35 @@ def test_load_at_run_time_then_a_batch_mixing_adapters_and_the_base(
     assert "gamma" not in {model["id"] for model in lora_server.http.get("/v1/models").json()["data"]}
     missing = admin.post("/v1/unload_lora_adapter", json={"lora_name": "gamma"})
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize(
+    ("name", "said"),
+    [
+        ("", "1 to 128 characters, not 0"),
+        ("x" * 100_000, "1 to 128 characters, not 100000"),
+        ("a/../b", "no empty, '.' or '..' part"),
+        ("/abs", "no empty, '.' or '..' part"),
+        ("evil\u202egpj.exe", "no spaces, control or invisible (bidi) characters"),
+        ("two words", "no spaces"),
+    ],
+)
+def test_an_adapters_name_is_printable_and_short(
+    admin: httpx.Client, adapters: dict[str, Path], name: str, said: str
+) -> None:
+    """Every tenant's /v1/models and model_not_found say the names: 100,000 characters made each 404 103 KB."""
+    response = admin.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(adapters["gamma"])})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("invalid_value", "lora_name") and said in error["message"]
+    assert LoRAModule.parse("org/adapter-1=/a").name == "org/adapter-1"
+    with pytest.raises(ValueError, match="--lora-modules"):
+        LoRAModule.parse(f"{name}=/adapters/a")
+
+
+def test_model_not_found_lists_a_few_names_and_echoes_a_bounded_model(lora_server: LiveServer) -> None:
+    error = completion(lora_server, "m" * 10_000, PROMPTS[0]).json()["error"]
+    assert error["code"] == "model_not_found" and len(error["message"]) < 300
 
 
 def test_an_adapter_the_engine_cannot_apply_is_refused_by_name(admin: httpx.Client, tmp_path: Path) -> None:

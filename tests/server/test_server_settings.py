@@ -195,6 +195,28 @@ def test_adapters_without_enable_lora_are_a_usage_error(capsys: pytest.CaptureFi
     assert exited.value.code == 2 and "--lora-modules needs --enable-lora" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--distributed-timeout-s", "0"], "--distributed-timeout-s 0: give a number of seconds over 0"),
+        (["--distributed-timeout-s", "-5"], "--distributed-timeout-s -5: give a number of seconds over 0"),
+        (["--grammar-timeout-s", "nan"], "--grammar-timeout-s nan: give a number of seconds over 0"),
+        (["--media-fetch-timeout-s", "0"], "--media-fetch-timeout-s must be positive, not 0"),
+        (
+            ["--max-request-image-pixels", "100", "--max-image-pixels-in-flight", "10"],
+            "--max-request-image-pixels (100) is over --max-image-pixels-in-flight (10)",
+        ),
+    ],
+)
+def test_timeouts_and_budgets_that_cannot_work_are_usage_errors(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A 0 or negative timeout timed every collective out at once (or never, for NaN)."""
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", *flags])
+    assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
 @pytest.fixture
 def read_only_disk(tmp_path: Path) -> Iterator[Path]:
     """A small tmpfs that a test fills, then remounts read-only (root only: the storage-fault tests mount one too)."""

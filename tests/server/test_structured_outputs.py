@@ -156,6 +156,25 @@ def test_vllm_structured_outputs_on_both_endpoints(
     assert all(valid(text) for text in texts), texts
 
 
+def test_vllms_json_bounds_whitespace_as_the_json_schema_format_does(client: openai.OpenAI) -> None:
+    """Between tokens, a newline and 20 blanks at most, on both paths: with every blank favoured by a logit bias, at
+    temperature 1, each output still ends, and both paths give the same text (a string value of blanks is the
+    schema's to allow, and ORDER's pattern does not)."""
+    bias = {str(ord(blank)): 30 for blank in " \t\r\n"}
+    asked: dict[str, Any] = {"model": "demo", "messages": MESSAGES, "max_tokens": 400, "n": 3, "temperature": 1.0}
+    vllm = client.chat.completions.create(
+        **asked, seed=3, logit_bias=bias, extra_body={"structured_outputs": {"json": ORDER}}
+    )
+    openai_format = {"type": "json_schema", "json_schema": {"name": "order", "schema": ORDER}}
+    formatted = client.chat.completions.create(**asked, seed=3, logit_bias=bias, response_format=openai_format)
+    assert [choice.finish_reason for choice in vllm.choices] == ["stop"] * 3
+    texts = [choice.message.content or "" for choice in vllm.choices]
+    assert texts == [choice.message.content for choice in formatted.choices]
+    assert all("\n    " in text for text in texts)  # the blanks were favoured, and bounded
+    for text in texts:
+        jsonschema.validate(json.loads(text), ORDER)
+
+
 def test_a_format_that_cannot_be_enforced_is_refused_naming_it(live_server: LiveServer) -> None:
     for extra, param, words in (
         ({"response_format": _format({"type": "array", "uniqueItems": True})}, "response_format", "uniqueItems"),

@@ -9,7 +9,7 @@ so the fields here are those that map onto a chat request; every other field Ope
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 import msgspec
 
@@ -373,16 +373,40 @@ _CHAT_DECODER = msgspec.json.Decoder(ChatCompletionRequest)
 _encode = msgspec.json.Encoder().encode
 
 
+class ChatTranslation(NamedTuple):
+    """A response request as the chat request it runs as, and where each of that chat's messages came from."""
+
+    chat: ChatCompletionRequest
+    origins: tuple[str, ...]
+    """Each chat message's field in the response request: ``instructions``, ``input`` or ``input[i]``."""
+
+    def field(self, chat_field: str) -> str:
+        """A field of the chat request (``messages[1].content[0].image_url.url``) as the response request's that
+        became it (``input[0].content[0].image_url``)."""
+        return response_field(chat_field, self.origins)
+
+
 def chat_request(body: ResponseRequest) -> ChatCompletionRequest:
+    """``body`` said as the chat request the server runs (``translate``)."""
+    return translate(body).chat
+
+
+def translate(body: ResponseRequest) -> ChatTranslation:
     """``body`` said as the chat request the server runs: ``instructions`` and ``input`` as messages (a function call
     as an assistant's ``tool_calls``, its output as a ``tool`` message; earlier reasoning left out), ``text.format``
     as ``response_format``, the function tools as chat tools. ``ResponseInputProblem`` names what does not fit."""
     messages: list[dict[str, Any]] = (
         [] if body.instructions is None else [{"role": "system", "content": body.instructions}]
     )
-    items = [InputItem(role="user", content=body.input)] if isinstance(body.input, str) else body.input
-    for index, item in enumerate(items):
-        messages += _messages(item, f"input[{index}]", messages[-1] if messages else None)
+    origins = ["instructions"] * len(messages)
+    if isinstance(body.input, str):
+        messages.append({"role": "user", "content": body.input})
+        origins.append("input")
+    else:
+        for index, item in enumerate(body.input):
+            said = _messages(item, f"input[{index}]", messages[-1] if messages else None)
+            messages += said
+            origins += [f"input[{index}]"] * len(said)
     chat: dict[str, Any] = {"model": body.model, "messages": messages}
     for name in _SAME_NAMES:
         if (value := getattr(body, name)) is not None:
@@ -400,10 +424,10 @@ def chat_request(body: ResponseRequest) -> ChatCompletionRequest:
     elif body.tool_choice is not None:
         chat["tool_choice"] = body.tool_choice
     try:
-        return _CHAT_DECODER.decode(_encode(chat))
+        return ChatTranslation(_CHAT_DECODER.decode(_encode(chat)), tuple(origins))
     except msgspec.ValidationError as exc:  # a value a chat request bounds (a function's name...)
         detail, _, path = str(exc).partition(" - at `$.")
-        raise ResponseInputProblem(response_field(path.rstrip("`")), detail) from None
+        raise ResponseInputProblem(response_field(path.rstrip("`"), tuple(origins)), detail) from None
 
 
 def _messages(item: InputItem, where: str, last: dict[str, Any] | None) -> list[dict[str, Any]]:
@@ -475,8 +499,19 @@ def _chat_tool(tool: FunctionTool, where: str) -> dict[str, Any]:
     return {"type": "function", "function": {key: value for key, value in function.items() if value is not None}}
 
 
-def response_field(chat_field: str) -> str:
-    """A chat request's field (``tools[0].function.name``) as the response request's that became it."""
+_PART_FIELDS = ((".image_url.url", ".image_url"), (".file.file_id", ".file_id"), (".file.file_data", ""))
+"""A chat image part's fields as an ``input_image``'s."""
+
+
+def response_field(chat_field: str, origins: tuple[str, ...] = ()) -> str:
+    """A chat request's field (``tools[0].function.name``) as the response request's that became it; ``origins``:
+    where each chat message came from (``ChatTranslation``), so a message's field names its input item."""
+    message = re.fullmatch(r"messages\[(\d+)\](.*)", chat_field)
+    if message is not None and int(message[1]) < len(origins):
+        rest = message[2]
+        for chat_part, response_part in _PART_FIELDS:
+            rest = rest.removesuffix(chat_part) + response_part if rest.endswith(chat_part) else rest
+        return origins[int(message[1])] + rest
     name = re.match(r"[a-z_]*", chat_field).group()  # type: ignore[union-attr]  # it matches, if only ""
     if name in CHAT_FIELDS:
         return CHAT_FIELDS[name]

@@ -34,11 +34,13 @@ from .requests import (
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
+    FileContentPart,
+    ImageContentPart,
     NamedToolChoice,
     Prompt,
     count_sequences,
 )
-from .responses_api import ResponseInputProblem, ResponseRequest, chat_request, response_field
+from .responses_api import ResponseInputProblem, ResponseRequest, translate
 
 __all__ = [
     "DEFAULT_LIMITS",
@@ -448,11 +450,11 @@ def request_problem(body: RequestBody) -> tuple[str, str] | None:
     and an online request. A body without a problem hands the server nothing it could raise on."""
     if isinstance(body, ResponseRequest):  # checked as the chat request it runs as, in its own terms
         try:
-            chat = chat_request(body)
+            translation = translate(body)
         except ResponseInputProblem as exc:
             return exc.field, exc.detail
-        if (found := request_problem(chat)) is not None:
-            return response_field(found[0]), found[1]
+        if (found := request_problem(translation.chat)) is not None:
+            return translation.field(found[0]), found[1]
         return None
     if isinstance(body, PoolingBody):
         if isinstance(body, ClassificationRequest | PoolingRequest) and (problem := _prompt_problem(body.input)):
@@ -463,6 +465,8 @@ def request_problem(body: RequestBody) -> tuple[str, str] | None:
         return None if problem is None else ("input", problem)
     if isinstance(body, ChatCompletionRequest) and body.top_logprobs is not None and not body.logprobs:
         return "top_logprobs", "it requires 'logprobs' to be true."
+    if isinstance(body, ChatCompletionRequest) and (part := _image_not_from_the_user(body)) is not None:
+        return part, "an image goes in a user message."
     if body.stream_options is not None and not body.stream:
         return "stream_options", "it is only allowed when 'stream' is true."
     if body.logit_bias and not all(_TOKEN_ID.fullmatch(key) and int(key) <= INT32_MAX for key in body.logit_bias):
@@ -476,6 +480,16 @@ def request_problem(body: RequestBody) -> tuple[str, str] | None:
     for name, value in _free_form(body):
         if _too_deep(value):
             return name, f"it is nested more than {MAX_NESTING} levels deep."
+    return None
+
+
+def _image_not_from_the_user(body: ChatCompletionRequest) -> str | None:
+    """The first image part of a message that is not the user's (OpenAI's API takes them in user messages only)."""
+    for m, message in enumerate(body.messages):
+        if message.role != "user" and isinstance(message.content, list):
+            for p, part in enumerate(message.content):
+                if isinstance(part, ImageContentPart | FileContentPart):
+                    return f"messages[{m}].content[{p}]"
     return None
 
 

@@ -105,7 +105,7 @@ def _validation_error(_: Request[Any, Any, Any], exc: ValidationException) -> Re
     detail = exc.extra[0] if isinstance(exc.extra, list) and exc.extra else {}
     message = str(detail.get("message") or exc.detail)
     # Litestar names the body "data" and msgspec marks dict values "[...]": keep only the field path.
-    param = re.sub(r"^data\.?|\[\.\.\.\]", "", str(detail.get("key") or "")) or None
+    param = re.sub(r"^data(?:\.|(?=\[)|$)|\[\.\.\.\]", "", str(detail.get("key") or "")) or None
     code = "invalid_value"
     if match := _MISSING.search(message):
         code, param = "missing_required_parameter", _join(param, match.group(1))
@@ -125,8 +125,15 @@ def _join(parent: str | None, child: str) -> str:
     return child if not parent or parent == child else f"{parent}.{child}"
 
 
+CLIENT_LEFT = "client disconnected prematurely"
+"""Litestar's words (a 500) when the client goes away before its body is read: the client's doing, not an error."""
+
+
 def _http_error(request: Request[Any, Any, Any], exc: HTTPException) -> Response[ErrorResponse]:
     status_code, message = exc.status_code, exc.detail
+    if message == CLIENT_LEFT:
+        log.info("%s %s: the client left before sending its whole body", request.method, request.url.path)
+        return error_response(499, "The client closed the request.", code="client_closed_request")
     if status_code >= 500:
         log.error("internal error: %s", exc.detail)
         return error_response(status_code, "The server had an error while processing the request.", code="server_error")

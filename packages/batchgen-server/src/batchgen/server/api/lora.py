@@ -14,7 +14,7 @@ from litestar.openapi import ResponseSpec
 
 from batchgen.schemas import ErrorResponse
 
-from ..engine.adapters import AdapterRefused, Adapters
+from ..engine.adapters import AdapterRefused, Adapters, name_problem
 from ..security.auth import tenant_id
 from .deps import ServerContext
 from .errors import ERROR_RESPONSES, APIError, invalid, not_found
@@ -70,6 +70,8 @@ class LoRAController(Controller):
         """Serve the PEFT LoRA adapter in ``lora_path`` as the model ``lora_name`` (the operator's key only, on a
         server with API keys)."""
         adapters = _adapters(context, owner)
+        if (problem := name_problem(data.lora_name)) is not None:
+            raise invalid(problem, param="lora_name")
         if data.lora_name in context.serving.model_names:
             raise invalid(f"{data.lora_name!r} is the base model's name", param="lora_name")
         try:

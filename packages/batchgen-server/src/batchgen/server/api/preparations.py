@@ -17,7 +17,8 @@ T = TypeVar("T")
 
 
 class Preparations:
-    def __init__(self, threads: int = max(4, os.cpu_count() or 1)) -> None:
+    def __init__(self, threads: int = min(32, (os.cpu_count() or 1) + 4)) -> None:
+        """``threads``: as many as asyncio's default executor has (the pool prepare ran in before)."""
         self._threads = ThreadPoolExecutor(threads, thread_name_prefix="batchgen-prepare")
         self.per_tenant = max(1, threads // 2)
         self._tenants: dict[str, asyncio.Semaphore] = {}

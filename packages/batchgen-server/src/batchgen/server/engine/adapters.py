@@ -13,6 +13,7 @@ import json
 import math
 import struct
 import threading
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,6 +24,19 @@ if TYPE_CHECKING:
     from .config import EngineConfig
 
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+MAX_NAME_CHARS = 128
+
+
+def name_problem(name: str) -> str | None:
+    """Why ``name`` cannot name an adapter (``None``: it can). A name is what requests' ``model`` says and what
+    every tenant's ``/v1/models`` lists: printable, no spaces, slashes only between parts (``org/adapter``)."""
+    if not 1 <= len(name) <= MAX_NAME_CHARS:
+        return f"an adapter's name has 1 to {MAX_NAME_CHARS} characters, not {len(name)}"
+    if any(unicodedata.category(char)[0] in "CZ" for char in name):
+        return "an adapter's name has no spaces, control or invisible (bidi) characters"
+    if any(part in ("", ".", "..") for part in name.split("/")):
+        return "an adapter's name has no empty, '.' or '..' part between slashes"
+    return None
 
 
 class AdapterRefused(ValueError):
@@ -61,6 +75,10 @@ class LoRAModule:
         if not sep or not name or not path:
             raise ValueError(f"--lora-modules {text!r}: use name=path or JSON with 'name' and 'path'")
         return cls(name, path)
+
+    def __post_init__(self) -> None:
+        if (problem := name_problem(self.name)) is not None:
+            raise ValueError(f"--lora-modules {self.name[:MAX_NAME_CHARS]!r}: {problem}")
 
 
 MAX_HEADER_BYTES = 100 * 2**20

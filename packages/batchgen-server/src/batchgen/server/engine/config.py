@@ -237,6 +237,10 @@ class EngineConfig:
             return f"--distributed-executor-backend {self.distributed_executor_backend!r}: use mp or ray"
         if not self.max_mixed_step_ratio >= 1:  # (NaN too)
             return f"--max-mixed-step-ratio {self.max_mixed_step_ratio}: give 1 (no bound) or more"
+        for flag, seconds in (("--distributed-timeout-s", self.distributed_timeout_s),
+                              ("--grammar-timeout-s", self.grammar_timeout_s)):  # fmt: skip
+            if not seconds > 0:  # (NaN too): a group that times out at once, or never
+                return f"{flag} {seconds:g}: give a number of seconds over 0"
         return self._tensor_parallel_problem()
 
     @property

@@ -63,6 +63,8 @@ class PoolingSpec:
     default), softmax over several (``/classify``'s probabilities)."""
     matryoshka_dimensions: tuple[int, ...] | None = None
     """The dimensions a request may truncate to, where the config lists them; any up to the size otherwise."""
+    embedding_size: int | None = None
+    """An embedding's length (the hidden size: the sentence-transformers modules run add no dense layer)."""
 
     @property
     def pooling_only(self) -> bool:
@@ -114,14 +116,14 @@ def _spec(model: str, revision: str | None, trust_remote_code: bool, task: str, 
             raise ModelNotSupported(
                 architecture, f"an encoder without a classifier head only embeds, not --task {task}"
             )
-        return _embedding(architecture, st, True, "mean")
+        return dataclasses.replace(_embedding(architecture, st, True, "mean"), embedding_size=_hidden_size(config))
     if task in ("classify", "reward"):
         raise ModelNotSupported(
             architecture, f"--task {task} needs a *ForSequenceClassification checkpoint (a causal LM has no score head)"
         )
     if task == "score":
         return PoolingSpec("yes_no", architecture, mode="last", normalize=False, labels=("yes",), activation="sigmoid")
-    spec = _embedding(architecture, st, False, "mean")
+    spec = dataclasses.replace(_embedding(architecture, st, False, "mean"), embedding_size=_hidden_size(config))
     if (dimensions := getattr(config, "matryoshka_dimensions", None)) is not None:  # vLLM's config field
         spec = dataclasses.replace(spec, matryoshka_dimensions=tuple(int(d) for d in dimensions))
     if task == "embed" or runner == "pooling":
@@ -129,7 +131,14 @@ def _spec(model: str, revision: str | None, trust_remote_code: bool, task: str, 
     return PoolingSpec("generate", architecture, **{k: getattr(spec, k) for k in _POOLING_FIELDS})
 
 
-_POOLING_FIELDS = ("mode", "normalize", "include_prompt", "prompts", "default_prompt_name", "matryoshka_dimensions")
+_POOLING_FIELDS = (
+    "mode", "normalize", "include_prompt", "prompts", "default_prompt_name", "matryoshka_dimensions", "embedding_size"
+)  # fmt: skip
+
+
+def _hidden_size(config: Any) -> int | None:
+    size = getattr(config.get_text_config(), "hidden_size", None)
+    return None if size is None else int(size)
 
 
 def _embedding(architecture: str, st: dict[str, Any] | None, encoder: bool, default: PoolingMode) -> PoolingSpec:

@@ -55,6 +55,8 @@ def configure(level: str, fmt: str) -> None:
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+    # httpx logs each request's URL at INFO: an image's or a callback's query string may carry a signature.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
 
 
 async def log_activity(stats: Callable[[], EngineStats], active_batches: Callable[[], int], interval_s: float) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from batchgen.schemas import ChatCompletionRequest, FileContentPart, ImageContentPart
+from batchgen.schemas import ChatCompletionRequest, FileContentPart, ImageContentPart, ResponseRequest
 
 from ..media import ImageSources, MediaError, MediaLimits, PixelBudget, decoded, image_hash, open_image
 from ..media.decode import too_many_pixels
@@ -35,6 +35,19 @@ def part_urls(parts: list[tuple[str, ImageContentPart | FileContentPart]]) -> li
     """The URLs of the image parts that name one, each with its field's name."""
     return [
         (part.image_url.url, f"{param}.image_url.url") for param, part in parts if isinstance(part, ImageContentPart)
+    ]
+
+
+def response_image_urls(body: ResponseRequest) -> list[tuple[str, str]]:
+    """The URLs of a response request's ``input_image`` parts, each with its field's name."""
+    if isinstance(body.input, str):
+        return []
+    return [
+        (part.image_url, f"input[{i}].content[{p}].image_url")
+        for i, item in enumerate(body.input)
+        if isinstance(item.content, list)
+        for p, part in enumerate(item.content)
+        if part.type == "input_image" and part.image_url is not None
     ]
 
 

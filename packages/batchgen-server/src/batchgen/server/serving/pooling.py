@@ -126,8 +126,11 @@ class PoolingServing:
         encoded: list[tuple[list[int], list[int] | None]]
         if isinstance(body, ScoreRequest | RerankRequest):
             queries, documents = pairs_of(body)
-            self._check_count(len(documents), "documents" if isinstance(body, RerankRequest) else body.sides()[1][0])
             param = "documents" if isinstance(body, RerankRequest) else body.sides()[1][0]
+            self._check_count(len(documents), param)
+            self._check_room(limit, self._pair_template())
+            if body.instruction is not None and self.spec.kind == "yes_no" and limit is None:
+                self._check_instruction(body.instruction)
             encoded = [
                 self._pair(query, document, body.instruction, limit, f"{param}[{i}]" if len(documents) > 1 else param)
                 for i, (query, document) in enumerate(zip(queries, documents, strict=True))
@@ -157,6 +160,34 @@ class PoolingServing:
             )
         return limit
 
+    def _reranker_template(self) -> tuple[list[int], list[int]]:
+        """Qwen3-Reranker's prefix and suffix, as token ids."""
+        prefix = self.tokenizer.encode(QWEN3_RERANKER_PREFIX, add_special_tokens=False)
+        return prefix, self.tokenizer.encode(QWEN3_RERANKER_SUFFIX, add_special_tokens=False)
+
+    def _pair_template(self) -> int:
+        """The tokens a pair's prompt has besides its texts."""
+        if self.spec.kind == "yes_no":
+            return sum(map(len, self._reranker_template()))
+        return int(self.tokenizer.num_special_tokens_to_add(pair=True))
+
+    def _check_room(self, limit: int | None, template: int) -> None:
+        """``truncate_prompt_tokens`` leaves the texts a token at least: the tokenizer would ignore a smaller one."""
+        if limit is not None and limit <= template:
+            raise RequestRejected(
+                "invalid_value",
+                f"truncate_prompt_tokens {limit} leaves no room for the text: the model's template takes {template} "
+                "tokens of each prompt.",
+                "truncate_prompt_tokens",
+            )
+
+    def _check_instruction(self, instruction: str) -> None:
+        """A reranker's instruction that alone takes the context is the instruction's fault, not a document's."""
+        if len(instruction) > self.prompts.max_prompt_chars:
+            self._check_length(self.max_context_length + 1, "instruction")
+        own = self.tokenizer.encode(f"<Instruct>: {instruction}\n", add_special_tokens=False)
+        self._check_length(len(own) + self._pair_template(), "instruction")
+
     def _check_count(self, count: int, param: str) -> None:
         if count > MAX_POOLING_INPUTS:
             raise RequestRejected(
@@ -172,6 +203,7 @@ class PoolingServing:
         count = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
         self._check_count(count, "inputs")
         add = body.add_special_tokens if body.add_special_tokens is not None else True
+        self._check_room(limit, int(self.tokenizer.num_special_tokens_to_add(pair=False)) if add else 0)
         prompts: list[list[int]]
         if limit is None:
             prompts = self.prompts.prompts(prompt, "input", add)
@@ -195,11 +227,10 @@ class PoolingServing:
             self._check_length(self.max_context_length + 1, param)
         truncation: dict[str, Any] = {} if limit is None else {"truncation": "longest_first", "max_length": limit}
         if self.spec.kind == "yes_no":  # Qwen3-Reranker's recipe: its three parts tokenized on their own
-            prefix = self.tokenizer.encode(QWEN3_RERANKER_PREFIX, add_special_tokens=False)
-            suffix = self.tokenizer.encode(QWEN3_RERANKER_SUFFIX, add_special_tokens=False)
+            prefix, suffix = self._reranker_template()
             text = f"<Instruct>: {instruction or QWEN3_RERANKER_INSTRUCTION}\n<Query>: {query}\n<Document>: {document}"
-            if limit is not None:
-                truncation["max_length"] = max(1, limit - len(prefix) - len(suffix))
+            if limit is not None:  # _check_room: more than the template
+                truncation["max_length"] = limit - len(prefix) - len(suffix)
             ids = prefix + self.tokenizer(text, add_special_tokens=False, **truncation)["input_ids"] + suffix
             self._check_length(len(ids), param)
             return ids, None
@@ -275,10 +306,17 @@ class PoolingServing:
         return ClassificationData(index=index, label=label, probs=probs, num_classes=len(values))
 
     def check_dimensions(self, dimensions: int | None) -> None:
-        """A request's ``dimensions`` the model's Matryoshka config lists, where it lists them."""
-        allowed = self.spec.matryoshka_dimensions
+        """A request's ``dimensions``: one the model's Matryoshka config lists, where it lists them; at most the
+        embedding's length."""
+        allowed, size = self.spec.matryoshka_dimensions, self.spec.embedding_size
         if dimensions is not None and allowed is not None and dimensions not in allowed:
             raise RequestRejected("invalid_value", f"The model's dimensions are {list(allowed)}.", "dimensions")
+        if dimensions is not None and size is not None and dimensions > size:
+            raise RequestRejected(
+                "invalid_value",
+                f"dimensions {dimensions} is more than the model's embeddings have: {size}.",
+                "dimensions",
+            )
 
     def truncated(self, vector: list[float], dimensions: int | None) -> list[float]:
         """Matryoshka: the first ``dimensions`` values, normalized again where the model normalizes."""

@@ -19,9 +19,9 @@ from batchgen.schemas import (
     sequences_of,
     unsupported_parameter,
 )
-from batchgen.schemas.responses_api import chat_request, response_field
+from batchgen.schemas.responses_api import translate
 
-from ..engine.adapters import LoRARequest, ServedNames
+from ..engine.adapters import MAX_NAME_CHARS, LoRARequest, ServedNames
 from ..engine.pooling_spec import PoolingSpec
 from ..engine.request import EngineRequest, SamplingParams, Task, vocabulary_problem
 from ..ids import engine_request_id
@@ -29,12 +29,15 @@ from ..media.fetcher import Fetched
 from .chat_template import check_chat_template, render_chat
 from .config import ServingConfig
 from .errors import RequestRejected
-from .images import ImagePrompter, image_parts, media_of, part_urls
+from .images import ImagePrompter, image_parts, media_of, part_urls, response_image_urls
 from .messages import MessagePlan, MessagePlanner
 from .pooling import ENDPOINT_NAMES, KINDS, PoolingServing
 from .prompts import PromptTokenizer
 from .sampling import BatchDefaults, first_set, sampling_params
 from .scoring import prompt_logprob_entries
+
+NAMES_LISTED = 8
+"""Served names a ``model_not_found`` says (every tenant gets it: not a list of hundreds of adapters)."""
 
 RunnableBody = ChatCompletionRequest | CompletionRequest | EmbeddingRequest | PoolingBody
 """What engine requests are made from: a response request runs as its chat request."""
@@ -104,13 +107,12 @@ class RequestPreparer:
         """The image URLs ``body`` names that are fetched over the network, each with its field: what to ``fetch``
         before it is prepared."""
         if isinstance(body, ResponseRequest):
-            try:
-                body = chat_request(body)
-            except RequestRejected:  # prepare says why
-                return []
-        if not isinstance(body, ChatCompletionRequest):
+            urls = response_image_urls(body)
+        elif isinstance(body, ChatCompletionRequest):
+            urls = part_urls(image_parts(body))
+        else:
             return []
-        return self.images.sources.remote(part_urls(image_parts(body)))
+        return self.images.sources.remote(urls)
 
     def prepare(
         self,
@@ -142,10 +144,11 @@ class RequestPreparer:
             )
         if not isinstance(body, ResponseRequest):
             return self._prepare(body, body, request_id, defaults, online, lora, fetched)
-        try:  # it runs as its chat request, translated here once; its errors name the response's own fields
-            return self._prepare(body, chat_request(body), request_id, defaults, online, lora, fetched)
-        except RequestRejected as exc:
-            exc.param = None if exc.param is None else response_field(exc.param)
+        translation = translate(body)  # it runs as its chat request, translated here once
+        try:
+            return self._prepare(body, translation.chat, request_id, defaults, online, lora, fetched)
+        except RequestRejected as exc:  # named by the response's own fields
+            exc.param = None if exc.param is None else translation.field(exc.param)
             raise
 
     def check_endpoint(self, path: str) -> None:
@@ -238,9 +241,12 @@ class RequestPreparer:
         if adapters is not None and (lora := adapters.get(model)) is not None:
             return lora
         served = [*names, *(adapters.names() if adapters is not None else ())]
+        listed = " or ".join(map(repr, served[:NAMES_LISTED]))
+        if len(served) > NAMES_LISTED:
+            listed += f" and {len(served) - NAMES_LISTED} more (GET /v1/models lists them)"
         raise RequestRejected(
             "model_not_found",
-            f"The model {model!r} does not exist: this server serves {' or '.join(map(repr, served))}.",
+            f"The model {model[:MAX_NAME_CHARS]!r} does not exist: this server serves {listed}.",
             "model",
             status_code=404,
         )
