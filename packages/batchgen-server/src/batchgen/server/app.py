@@ -82,6 +82,7 @@ def create_app(settings: Settings, engine: EngineClient | None = None) -> Litest
             )
             sources = serving.preparer.images.sources
             sources.files = UploadedImages(db, blobs)  # images named by file id
+            started.callback(sources.fetcher.close)
             if not settings.serving.serve_local_media and sources.local_root is not None:
                 log.warning("--allowed-local-media-path is run-batch's: serve reads it only with --serve-local-media")
                 sources.local_root = None  # every caller of the server could read the operator's folder
@@ -123,7 +124,7 @@ def create_app(settings: Settings, engine: EngineClient | None = None) -> Litest
                 ),
             )
             engine.observer = metrics.observe_request
-            preparations = Preparations()
+            preparations = Preparations(tenants=len(settings.accepted_keys) > 1)
             started.callback(preparations.close)
             app.state.context = ServerContext(
                 settings, db, blobs, models, engine, loop, metrics, serving, online, preparations

@@ -285,7 +285,7 @@ def _check_image(writer: UploadWriter, context: ServerContext) -> None:
         if writer.size > limits.max_image_bytes:
             raise MediaError("image_too_large", f"The image is over {limits.max_image_bytes} bytes.", "file")
         image = open_image(writer.written(), "file", limits)
-        with images.budget.held(image.width * image.height, "file", wait=False):
+        with images.budget.held(image.width * image.height, "file"):
             decoded(image, "file")
     except MediaError as exc:
         if exc.status_code == 429:  # no room to decode it now

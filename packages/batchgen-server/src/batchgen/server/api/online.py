@@ -97,7 +97,8 @@ async def prepare(
         pending = serving.fetch_images(body, owner)  # on the fetcher's loop: a slow host holds no thread
         fetched: Fetched | None = None
         if pending is not None:
-            fetched = await _within_deadline(pending, serving.preparer.images.limits.fetch_timeout_s)
+            images = "input" if isinstance(body, ResponseRequest) else "messages"
+            fetched = await _within_deadline(pending, serving.preparer.images.limits.fetch_timeout_s, images)
         work = partial(
             serving.prepare, body, request_id=request_id, defaults=NO_DEFAULTS, online=online, fetched=fetched
         )
@@ -108,14 +109,14 @@ async def prepare(
         raise APIError(exc.status_code, exc.message, code=exc.code, param=exc.param, headers=headers) from None
 
 
-async def _within_deadline(pending: Future[Fetched], timeout_s: float) -> Fetched:
+async def _within_deadline(pending: Future[Fetched], timeout_s: float, param: str) -> Fetched:
     """The pictures fetched, their turn behind the caller's other fetches within the fetch deadline too (a second
     more: a fetch that started at once runs out first, and says which picture it was)."""
     try:
         return await asyncio.wait_for(asyncio.wrap_future(pending), timeout_s + 1)
     except TimeoutError:  # the fetches are cancelled with it
         message = f"Fetching the request's images took over {timeout_s:g} s."
-        raise RequestRejected("image_fetch_failed", message, "messages") from None
+        raise RequestRejected("image_fetch_failed", message, param) from None
 
 
 async def serve(context: ServerContext, request: Request[Any, Any, Any], body: RequestBody) -> ResponseBody | Stream:

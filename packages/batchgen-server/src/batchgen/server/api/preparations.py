@@ -17,10 +17,11 @@ T = TypeVar("T")
 
 
 class Preparations:
-    def __init__(self, threads: int = min(32, (os.cpu_count() or 1) + 4)) -> None:
-        """``threads``: as many as asyncio's default executor has (the pool prepare ran in before)."""
+    def __init__(self, threads: int = min(32, (os.cpu_count() or 1) + 4), *, tenants: bool = True) -> None:
+        """``threads``: as many as asyncio's default executor has (the pool prepare ran in before); ``tenants``:
+        the server has several (API keys), each held to half of them; one alone takes them all."""
         self._threads = ThreadPoolExecutor(threads, thread_name_prefix="batchgen-prepare")
-        self.per_tenant = max(1, threads // 2)
+        self.per_tenant = max(1, threads // 2) if tenants else threads
         self._tenants: dict[str, asyncio.Semaphore] = {}
         """Tenants are API keys, a list the operator gives: one semaphore each, kept."""
 

@@ -123,6 +123,7 @@ class Feeder:
             and batch.stopping is None
             and batch.fault is None
             and batch.results is not None
+            and not self.tokenizer.fetching_full(batch.owner)  # its tenant's slow pictures hold no more places
             and (
                 not self.quarantine.waits(batch.id, batch.held[0].custom_id) if batch.held else batch.lines is not None
             )

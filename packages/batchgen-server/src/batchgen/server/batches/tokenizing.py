@@ -3,16 +3,18 @@ large pictures) in a thread of its own, so that the batch loop's thread goes on 
 messages and results.
 
 Each outcome comes back to the loop as a message. A line whose images are fetched over the network waits for them
-on the fetcher's own loop first (``OpenAIServing.fetch_images``), holding no thread: a slow host holds back the lines
-that name it, not the lines behind them. Then each tenant's lines are tokenized in the order they came, the tenants
-in turn: a tenant whose lines are slow to prepare delays another's next line by one of its own at most. The work is
-mostly Python (the template), which more threads would not speed up.
+on the fetcher's own loop first (``OpenAIServing.fetch_images``), holding no thread; a tenant has at most
+``MAX_FETCHING`` lines at that stage (the feeder takes no more of its lines meanwhile), so a host that never answers
+holds a few of the window's places, not all of them. Then each tenant's lines are tokenized in the order they came,
+the tenants in turn: a tenant whose lines are slow to prepare delays another's next line by one of its own at most.
+A line whose pictures find no room in the server's pixel budget steps aside and is tried again once some is given
+back, the others going on meanwhile. The work is mostly Python (the template), which more threads would not speed up.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
@@ -20,13 +22,15 @@ from functools import partial
 
 from batchgen.schemas import RequestBody
 
-from ..media.fetcher import Fetched
+from ..media.fetcher import PER_TENANT, Fetched
 from ..media.files import files_of
-from ..serving import BatchDefaults, OpenAIServing, PreparedRequest
+from ..serving import BatchDefaults, OpenAIServing, PreparedRequest, RequestRejected
 
 Outcome = PreparedRequest | Exception
 """The line made ready to run (its engine requests), or why it is not (``RequestRejected``, a storage fault, a
 bug)."""
+MAX_FETCHING = PER_TENANT
+"""A tenant's lines waiting for their pictures at once: as many as the fetcher fetches for it at a time."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +51,8 @@ class Tokenizer:
         self._post = post
         self._queues: OrderedDict[str, deque[_Job]] = OrderedDict()
         """Each tenant's lines waiting, in order; the tenant first in it has the next turn."""
+        self._fetching: Counter[str] = Counter()
+        """Each tenant's lines waiting for their pictures."""
         self._ready = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="batchgen-tokenizer", daemon=True)
@@ -62,6 +68,11 @@ class Tokenizer:
             self._ready.notify()
         self._thread.join()
 
+    def fetching_full(self, owner: str) -> bool:
+        """``owner`` has as many lines waiting for their pictures as it may: take no more of its lines for now."""
+        with self._ready:
+            return self._fetching[owner] >= MAX_FETCHING
+
     def put(
         self,
         body: RequestBody,
@@ -76,16 +87,27 @@ class Tokenizer:
         job = _Job(body, request_id, defaults, done, owner)
         try:
             fetching = self.serving.fetch_images(body, owner)
-        except Exception as exc:  # a bug: the line's 500, as the loop answers any exception of its preparation
+        except Exception as exc:  # the line's refusal (a RequestRejected) or its 500, as any outcome
             self._post(partial(done, exc))
             return
         if fetching is None:
             self._queue(job)
-        else:
-            fetching.add_done_callback(partial(self._fetched, job))
+            return
+        with self._ready:
+            self._fetching[owner] += 1
+        fetching.add_done_callback(partial(self._fetched, job))
 
     def _fetched(self, job: _Job, fetching: Future[Fetched]) -> None:
-        self._queue(replace(job, fetched=fetching.result()))  # never raises: each URL's failure is in its result
+        with self._ready:
+            self._fetching[job.owner] -= 1
+            if not self._fetching[job.owner]:
+                del self._fetching[job.owner]
+        try:
+            fetched = fetching.result()  # each URL's own failure is in it: this raises only on a bug
+        except Exception as exc:
+            self._post(partial(job.done, exc))
+            return
+        self._queue(replace(job, fetched=fetched))
 
     def _queue(self, job: _Job) -> None:
         with self._ready:
@@ -108,6 +130,7 @@ class Tokenizer:
             return job
 
     def _run(self) -> None:
+        budget = self.serving.preparer.images.budget
         while (job := self._next()) is not None:
             outcome: Outcome
             try:
@@ -115,6 +138,11 @@ class Tokenizer:
                     outcome = self.serving.prepare(
                         job.body, request_id=job.request_id, defaults=job.defaults, fetched=job.fetched
                     )
+            except RequestRejected as exc:
+                if exc.status_code == 429:  # no room for its pictures now: again once some is given back
+                    budget.on_room(partial(self._queue, job))
+                    continue
+                outcome = exc
             except Exception as exc:  # the loop decides: the line's error, or a storage fault that pauses its batch
                 outcome = exc
             self._post(partial(job.done, outcome))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import ssl
 import threading
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -20,6 +21,8 @@ from .errors import MediaError
 
 if TYPE_CHECKING:
     import httpx
+
+log = logging.getLogger("batchgen.server.media")
 
 PER_TENANT = 8
 """Fetches of one tenant at once: its other fetches wait their turn (a batch line's deadline starts when its fetch
@@ -47,6 +50,19 @@ class MediaFetcher:
         """Fetch each ``(url, the field naming it)``, all at once, for ``owner``'s request: their bytes, or each
         one's ``MediaError``."""
         return asyncio.run_coroutine_threadsafe(self._fetch_all(urls, owner), self._running_loop())
+
+    def close(self) -> None:
+        """Its connections closed and its loop stopped (a server's shutdown); fetching again starts them anew."""
+        with self._started:
+            loop, self._loop = self._loop, None
+        if loop is None:
+            return
+        if self._client is not None:
+            asyncio.run_coroutine_threadsafe(self._client.aclose(), loop).result(timeout=5)
+            self._client = None
+        self._tenants.clear()
+        self._all = None
+        loop.call_soon_threadsafe(loop.stop)
 
     def _running_loop(self) -> asyncio.AbstractEventLoop:
         with self._started:
@@ -76,8 +92,11 @@ class MediaFetcher:
                 return MediaError("image_fetch_failed", f"Fetching the image took over {timeout_s:g} s.", param)
             except MediaError as exc:
                 return exc
-            except httpx.HTTPError as exc:
+            except (httpx.HTTPError, httpx.InvalidURL, httpx.StreamError, OSError) as exc:
                 return MediaError("image_fetch_failed", f"Fetching the image failed: {type(exc).__name__}.", param)
+            except Exception as exc:  # a bug: this picture's failure, never a request left unanswered
+                log.exception("fetching an image failed", exc_info=exc)
+                return MediaError("image_fetch_failed", "Fetching the image failed.", param)
 
     async def _get(self, url: httpx.URL, param: str) -> bytes:
         cap = self.limits.max_image_bytes

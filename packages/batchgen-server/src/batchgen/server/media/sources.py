@@ -47,7 +47,8 @@ class ImageSources:
             return self._data_url(url, param)
         if url.startswith("file://"):
             return self._local(url, param)
-        if fetched is None or url not in fetched:
+        if fetched is None or url not in fetched:  # not fetched ahead (run-batch, a direct caller): now
+            self._checked(url, param)
             fetched = self.fetch([(url, param)], owner="").result()
         result = fetched[url]
         if isinstance(result, MediaError):
@@ -59,7 +60,8 @@ class ImageSources:
         the request is prepared)."""
         if not self.allowed_domains:
             return []
-        return [(url, param) for url, param in urls if not url.startswith(("data:", "file://"))]
+        remote = {url: param for url, param in reversed(list(urls)) if not url.startswith(("data:", "file://"))}
+        return list(reversed(remote.items()))  # each URL once, named by its first part
 
     def fetch(self, urls: list[tuple[str, str]], owner: str) -> Future[Fetched]:
         """Each remote ``(url, param)``'s bytes (or its ``MediaError``), fetched at once for ``owner``'s request on

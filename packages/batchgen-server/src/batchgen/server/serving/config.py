@@ -85,7 +85,7 @@ class ServingConfig:
                 f"--max-request-image-pixels ({self.max_request_image_pixels}) is over --max-image-pixels-in-flight "
                 f"({self.max_image_pixels_in_flight}): such a request could never be decoded"
             )
-        if self.media_fetch_timeout_s <= 0:
+        if not self.media_fetch_timeout_s > 0:  # (NaN too)
             raise ValueError(f"--media-fetch-timeout-s must be positive, not {self.media_fetch_timeout_s:g}")
         try:
             self.max_images  # noqa: B018 (parsed once here, so a bad value is a usage error at start)

@@ -38,17 +38,18 @@ def part_urls(parts: list[tuple[str, ImageContentPart | FileContentPart]]) -> li
     ]
 
 
-def response_image_urls(body: ResponseRequest) -> list[tuple[str, str]]:
-    """The URLs of a response request's ``input_image`` parts, each with its field's name."""
+def response_images(body: ResponseRequest) -> tuple[int, list[tuple[str, str]]]:
+    """How many ``input_image`` parts a response request has, and the URLs they name, each with its field."""
     if isinstance(body.input, str):
-        return []
-    return [
-        (part.image_url, f"input[{i}].content[{p}].image_url")
+        return 0, []
+    parts = [
+        (part, f"input[{i}].content[{p}]")
         for i, item in enumerate(body.input)
         if isinstance(item.content, list)
         for p, part in enumerate(item.content)
-        if part.type == "input_image" and part.image_url is not None
+        if part.type == "input_image"
     ]
+    return len(parts), [(part.image_url, f"{param}.image_url") for part, param in parts if part.image_url is not None]
 
 
 class ImagePrompter:
@@ -86,10 +87,9 @@ class ImagePrompter:
         parts: list[tuple[str, ImageContentPart | FileContentPart]],
         *,
         fetched: Fetched | None,
-        online: bool,
     ) -> tuple[list[int], MultimodalPrompt]:
         """``text`` (the chat rendered, one image marker per part) as token ids with its pictures; ``fetched``: the
-        remote images fetched for it already; ``online``: no room in the budget now is a 429 (a batch line waits)."""
+        remote images fetched for it already. No room in the server's pixel budget now is a 429."""
         assert self.processor is not None
         try:
             images, keys, pixels = [], [], 0
@@ -104,7 +104,7 @@ class ImagePrompter:
                     resized = f"({width} x {height}) would be {processed} pixels once the model's processor resizes it"
                     raise too_many_pixels(resized, field, self.limits)
                 pixels += processed
-            with self.budget.held(pixels, "messages", wait=not online):
+            with self.budget.held(pixels, "messages"):
                 try:
                     return self._processed(text, [decoded(image, field) for image, field in images], keys)
                 finally:

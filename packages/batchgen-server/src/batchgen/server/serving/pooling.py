@@ -7,6 +7,7 @@ activation, a rerank sorted by relevance, labels and probabilities, Matryoshka t
 from __future__ import annotations
 
 import base64
+import functools
 import math
 import struct
 import time
@@ -160,6 +161,7 @@ class PoolingServing:
             )
         return limit
 
+    @functools.cached_property
     def _reranker_template(self) -> tuple[list[int], list[int]]:
         """Qwen3-Reranker's prefix and suffix, as token ids."""
         prefix = self.tokenizer.encode(QWEN3_RERANKER_PREFIX, add_special_tokens=False)
@@ -168,7 +170,7 @@ class PoolingServing:
     def _pair_template(self) -> int:
         """The tokens a pair's prompt has besides its texts."""
         if self.spec.kind == "yes_no":
-            return sum(map(len, self._reranker_template()))
+            return sum(map(len, self._reranker_template))
         return int(self.tokenizer.num_special_tokens_to_add(pair=True))
 
     def _check_room(self, limit: int | None, template: int) -> None:
@@ -227,7 +229,7 @@ class PoolingServing:
             self._check_length(self.max_context_length + 1, param)
         truncation: dict[str, Any] = {} if limit is None else {"truncation": "longest_first", "max_length": limit}
         if self.spec.kind == "yes_no":  # Qwen3-Reranker's recipe: its three parts tokenized on their own
-            prefix, suffix = self._reranker_template()
+            prefix, suffix = self._reranker_template
             text = f"<Instruct>: {instruction or QWEN3_RERANKER_INSTRUCTION}\n<Query>: {query}\n<Document>: {document}"
             if limit is not None:  # _check_room: more than the template
                 truncation["max_length"] = limit - len(prefix) - len(suffix)

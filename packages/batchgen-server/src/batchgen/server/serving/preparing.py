@@ -29,7 +29,7 @@ from ..media.fetcher import Fetched
 from .chat_template import check_chat_template, render_chat
 from .config import ServingConfig
 from .errors import RequestRejected
-from .images import ImagePrompter, image_parts, media_of, part_urls, response_image_urls
+from .images import ImagePrompter, image_parts, media_of, part_urls, response_images
 from .messages import MessagePlan, MessagePlanner
 from .pooling import ENDPOINT_NAMES, KINDS, PoolingServing
 from .prompts import PromptTokenizer
@@ -107,11 +107,14 @@ class RequestPreparer:
         """The image URLs ``body`` names that are fetched over the network, each with its field: what to ``fetch``
         before it is prepared."""
         if isinstance(body, ResponseRequest):
-            urls = response_image_urls(body)
+            count, urls = response_images(body)
         elif isinstance(body, ChatCompletionRequest):
-            urls = part_urls(image_parts(body))
+            parts = image_parts(body)
+            count, urls = len(parts), part_urls(parts)
         else:
             return []
+        if self.images.processor is None or count > self.images.limits.max_images:
+            return []  # refused as it is prepared, nothing fetched for it
         return self.images.sources.remote(urls)
 
     def prepare(
@@ -203,7 +206,7 @@ class RequestPreparer:
             text = render_chat(self.tokenizer, runs_as, self.model_name)
             prompt_param = "messages"
             if parts:  # the processor expands each image's marker to its placeholders
-                ids, multimodal = self.images.prompt(text, parts, fetched=fetched, online=online)
+                ids, multimodal = self.images.prompt(text, parts, fetched=fetched)
                 prompts = [ids]
             else:
                 prompts = [self.prompts.tokenize(text, prompt_param, first_set(runs_as.add_special_tokens, False))]

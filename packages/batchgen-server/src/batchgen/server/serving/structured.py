@@ -111,11 +111,13 @@ def grammar_problem(grammar: str) -> str:
         if (problem := _problems.get(key)) is not None:
             _problems.move_to_end(key)
             return problem
-    problem = _probe.problem(grammar)[:MAX_REASON_CHARS]
-    with _problems_lock:
-        _problems[key] = problem
-        while len(_problems) > PROBLEMS_KEPT:
-            _problems.popitem(last=False)
+    verdict = _probe.verdict(grammar)
+    problem = verdict.problem[:MAX_REASON_CHARS]
+    if verdict.lasting:
+        with _problems_lock:
+            _problems[key] = problem
+            while len(_problems) > PROBLEMS_KEPT:
+                _problems.popitem(last=False)
     return problem
 
 
