@@ -43,6 +43,11 @@ def test_two_stages_give_transformers_tokens_and_logprobs(staged: LLMEngine, lla
     assert staged.scheduler.num_preemptions > 0
 
 
+def test_n_choices_fork_in_every_stage(staged: LLMEngine, llama: Path) -> None:
+    """Each stage copies its own layers' share of a forked block (the driver's stage alone did)."""
+    _check(staged, Reference(llama), n=2)
+
+
 def test_each_stage_holds_its_layers_adapters(
     staged: LLMEngine, peft_steps: Callable[[list[int], str | None], list[torch.Tensor]]
 ) -> None:

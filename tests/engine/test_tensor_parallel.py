@@ -65,6 +65,12 @@ def test_two_ranks_give_transformers_tokens_and_logprobs(split: LLMEngine, llama
     _check(split, Reference(llama))
 
 
+def test_n_choices_fork_on_every_rank(split: LLMEngine, llama: Path) -> None:
+    """``n`` > 1 forks a prompt's last, partly filled block: every rank copies its own share of it (the driver alone
+    did, and 6 of 12 choices differed from transformers')."""
+    _check(split, Reference(llama), n=3)
+
+
 def test_each_rank_holds_its_share(split: LLMEngine, llama: Path) -> None:
     runner = split.runner
     assert [cache.shape[0] for cache in runner.cache.k] == [1, 1]  # 2 KV heads, one each

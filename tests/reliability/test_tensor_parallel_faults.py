@@ -87,3 +87,9 @@ def test_a_killed_rank_restarts_the_group_and_every_line_is_answered_once(
         assert [line for line in metrics if line.startswith("batchgen_engine_restarts")] == [
             'batchgen_engine_restarts_total{model_name="demo"} 2.0'
         ]
+        # n > 1 forks copy their block in the new group (the scheduler held the dead runner's copy).
+        chat = [{"role": "user", "content": "fork me, then"}]  # 37 tokens: a partly filled block, copied
+        body = {"model": "demo", "messages": chat, "max_tokens": 8}
+        one = server.http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+        two = server.http.post("/v1/chat/completions", json={**body, "n": 2}).json()["choices"]
+        assert [choice["message"]["content"] for choice in two] == [one, one]

@@ -76,7 +76,7 @@ class LLMEngine:
             self._fresh_cache(),
             self.runner.max_num_seqs,
             config.max_num_batched_tokens,
-            self.runner.copy_block,
+            lambda src, dst: self.runner.copy_block(src, dst),  # the runner's now: a group restart replaces it
             self.lora,
             pooled_from_last=pooler.mode == "last",
             step_costs=self.step_costs,

@@ -78,6 +78,8 @@ class StepMirror(Protocol):
 
     def send_adapter(self, slot: int, adapter: LoRARequest) -> None: ...
 
+    def send_copy_block(self, src: int, dst: int) -> None: ...
+
     def failed(self, exc: BaseException) -> Exception:
         """The group is broken by ``exc`` (raised within a mirrored forward): the ``GroupFailed`` to raise."""
         ...
@@ -285,6 +287,9 @@ class ModelRunner:
         return self.cache.k[0].dtype if self.cache.k else model_weight(self.model).dtype
 
     def copy_block(self, src: int, dst: int) -> None:
+        """Block ``src``'s K/V into ``dst`` (a fork's partly filled block), on every rank of a group."""
+        if self.group is not None:
+            self.group.send_copy_block(src, dst)
         self.cache.copy_block(src, dst)
 
     def reset(self) -> None:

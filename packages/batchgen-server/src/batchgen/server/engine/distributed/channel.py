@@ -33,6 +33,8 @@ class Command(enum.IntEnum):
     STOP = 3
     ADAPTER = 4
     """Copy an adapter into a LoRA slot (each rank its own shard of it: ``LoRASlots.load``)."""
+    COPY_BLOCK = 5
+    """Copy a KV block into another (a fork's partly filled block: each rank its own heads' and layers' share)."""
 
 
 @dataclass(slots=True)
@@ -47,6 +49,8 @@ class Received:
     adapter: LoRARequest | None = None
     """The adapter of an ADAPTER command, or the one a REFERENCE runs with."""
     slot: int = 0
+    blocks: tuple[int, int] = (0, 0)
+    """A COPY_BLOCK's source and destination."""
 
 
 class Channel:
@@ -88,6 +92,9 @@ class Channel:
     def send_adapter(self, slot: int, adapter: LoRARequest) -> None:
         self._send([Command.ADAPTER, slot], _encoded(adapter))
 
+    def send_copy_block(self, src: int, dst: int) -> None:
+        self._send([Command.COPY_BLOCK, src, dst], None)
+
     def send_stop(self) -> None:
         self._send([Command.STOP], None)
 
@@ -112,6 +119,8 @@ class Channel:
             return Received(command, tokens=payload[:tokens].to(self.device), adapter=_decoded(payload[tokens:]))
         if command is Command.ADAPTER:
             return Received(command, adapter=_decoded(payload), slot=fields[1])
+        if command is Command.COPY_BLOCK:
+            return Received(command, blocks=(fields[1], fields[2]))
         if command is not Command.STEP:
             return Received(command)
         tokens, num_seqs, num_sample, want_hidden, cols, with_slots = fields[1:7]

@@ -128,6 +128,16 @@ class RankGroup:
         except Exception as exc:
             raise self.failed(exc) from exc
 
+    def send_copy_block(self, src: int, dst: int) -> None:
+        """A block copied on the driver (a fork's): on every rank too, each its own share of it."""
+        assert self.channel is not None
+        try:
+            if self.broken:
+                raise RuntimeError("a rank is gone")
+            self.channel.send_copy_block(src, dst)
+        except Exception as exc:
+            raise self.failed(exc) from exc
+
     def failed(self, exc: BaseException) -> GroupFailed:
         if isinstance(exc, GroupFailed):
             return exc

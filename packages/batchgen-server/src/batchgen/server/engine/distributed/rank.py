@@ -117,6 +117,9 @@ def serve(runner: ModelRunner, channel: Channel) -> None:
         if received.command is Command.STOP:
             dist.destroy_process_group()
             return
+        if received.command is Command.COPY_BLOCK:
+            runner.copy_block(*received.blocks)
+            continue
         lora = runner.lora
         if received.command is Command.ADAPTER:  # this rank's shard of it, read from its directory (then cached)
             assert lora is not None and received.adapter is not None
