@@ -10,6 +10,8 @@ import pytest
 import torch
 from test_architectures import ARCHITECTURES, Reference, _build, _check
 from test_tensor_parallel import config_of, llama
+from test_vision_language import CONVERSATIONS, Family, _run, _same
+from vlm_helpers import BUILDERS
 
 from batchgen.server.engine import LLMEngine, build_engine
 from batchgen.server.engine.demo_model import build_tokenizer
@@ -80,5 +82,22 @@ def test_an_moe_model_in_two_stages(tmp_path: Path) -> None:
         _check(engine, Reference(path))
         assert engine.scheduler.num_preemptions > 0
         assert len(engine.runner.cache.k) == 1  # the driver's stage: one of the two layers
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "llava"])
+def test_images_on_two_ranks(model_type: str, tmp_path: Path) -> None:
+    """A vision-language model split two ways: the driver encodes the pictures, every rank takes their rows (and
+    M-RoPE's positions) into the embeddings it looks up with the others (the vocabulary is split): transformers'
+    tokens and logprobs. The driver once looked them up alone, a collective the ranks never joined (every image
+    chat answered 500 after 30 s)."""
+    family = Family(model_type, BUILDERS[model_type](tmp_path / model_type))
+    engine = build_engine(config_of(family.path, max_num_batched_tokens=2048, num_kv_blocks=64))
+    assert isinstance(engine, LLMEngine) and engine.runner.group is not None
+    try:
+        results = _run(engine, [family.request(i, f"r{i}") for i in range(len(CONVERSATIONS))])
+        for i in range(len(CONVERSATIONS)):
+            _same(family, results[f"r{i}"], i)
     finally:
         engine.close()

@@ -42,7 +42,14 @@ from .kv_cache import KVCache, LayerShape
 from .launched import Launched
 from .loader import model_weight
 from .lora import LoRASlots, build_slots, detach
-from .multimodal.vision_step import NO_EXTRA, StepInputs, VisionStep, attention_for, both_ways_refused, vision_step_for
+from .multimodal.vision_step import (
+    NO_EXTRA,
+    StepImages,
+    VisionStep,
+    attention_for,
+    both_ways_refused,
+    vision_step_for,
+)
 from .prompt_logprobs import PromptLogprobs
 from .quantization import kv_cache_dtype
 from .reach import compression
@@ -71,7 +78,12 @@ class StepMirror(Protocol):
         ...
 
     def send_step(
-        self, packed: PackedInputs, sample_rows: list[int], want_hidden: bool, adapter_slots: list[int] | None = None
+        self,
+        packed: PackedInputs,
+        sample_rows: list[int],
+        want_hidden: bool,
+        adapter_slots: list[int] | None = None,
+        images: StepImages | None = None,
     ) -> None: ...
 
     def send_reference(self, tokens: torch.Tensor, adapter: LoRARequest | None = None) -> None: ...
@@ -315,8 +327,8 @@ class ModelRunner:
         masks = None
         if step.matchers:  # the constrained rows' masks are filled while the forward runs
             masks = MaskFill(self.grammars, step.matchers, np.array(step.owners, dtype=np.int64), self.device)
-        extra = self.vision.inputs(scheduled, step.packed.input_ids) if self.vision is not None else None
-        output = self.forward(step.packed, step.sample_rows, step.want_hidden, extra)
+        images = self.vision.gather(scheduled, self.device) if self.vision is not None else None
+        output = self.forward(step.packed, step.sample_rows, step.want_hidden, images)
         launched = step.launched
         launched.hidden = output.hidden
         if step.spans:
@@ -332,7 +344,7 @@ class ModelRunner:
 
     @torch.no_grad()
     def forward(
-        self, packed: PackedInputs, sample_rows: list[int], want_hidden: bool, extra: StepInputs | None = None
+        self, packed: PackedInputs, sample_rows: list[int], want_hidden: bool, images: StepImages | None = None
     ) -> StepOutput:
         """Run the packed step in one forward; logits at ``sample_rows`` only; the last hidden state of every token if
         ``want_hidden`` (embeddings).
@@ -344,12 +356,13 @@ class ModelRunner:
         engine's own fault isolation deals with it."""
         if self.group is not None:  # every rank runs it; any failure leaves the ranks out of step
             try:
-                self.group.send_step(packed, sample_rows, want_hidden, self.lora.token_slots if self.lora else None)
-                return self._forward(packed, sample_rows, want_hidden)
+                slots = self.lora.token_slots if self.lora else None
+                self.group.send_step(packed, sample_rows, want_hidden, slots, images)
+                return self._forward(packed, sample_rows, want_hidden, images)
             except Exception as exc:
                 raise self.group.failed(exc) from exc
         graphs = self.graphs
-        eager = lambda: self._eager_forward(packed, sample_rows, want_hidden, extra)  # noqa: E731
+        eager = lambda: self._eager_forward(packed, sample_rows, want_hidden, images)  # noqa: E731
         # A graph returns every row's logits: only for steps where every row is sampled (not a 1-token prefill chunk).
         if (
             graphs is not None
@@ -361,8 +374,8 @@ class ModelRunner:
         ):
             return self.graph_path.run(lambda: StepOutput(None, graphs.run(packed)), eager)
         if self.fast is not None:
-            return self.fast.paths[0].run(lambda: self._forward(packed, sample_rows, want_hidden, extra), eager)
-        return self._forward(packed, sample_rows, want_hidden, extra)
+            return self.fast.paths[0].run(lambda: self._forward(packed, sample_rows, want_hidden, images), eager)
+        return self._forward(packed, sample_rows, want_hidden, images)
 
     def _eager_from_now_on(self, reason: str) -> None:
         """The compiled forward failed where the eager one served: the model's own forwards, eager attention."""
@@ -374,17 +387,17 @@ class ModelRunner:
         self.backend = self.eager_backend
 
     def _eager_forward(
-        self, packed: PackedInputs, sample_rows: list[int], want_hidden: bool, extra: StepInputs | None
+        self, packed: PackedInputs, sample_rows: list[int], want_hidden: bool, images: StepImages | None
     ) -> StepOutput:
         with torch.compiler.set_stance("force_eager"), self.fast.off() if self.fast else nullcontext():
-            return self._forward(packed, sample_rows, want_hidden, extra, self.eager_backend)
+            return self._forward(packed, sample_rows, want_hidden, images, self.eager_backend)
 
     def _forward(
         self,
         packed: PackedInputs,
         sample_rows: list[int],
         want_hidden: bool,
-        extra: StepInputs | None = None,
+        images: StepImages | None = None,
         backend: AttentionBackend | None = None,
     ) -> StepOutput:
         step = PagedStep(
@@ -405,6 +418,9 @@ class ModelRunner:
         # The base model's output, for embeddings: the model's forward returns only the logits asked for. The hook
         # lives for this forward only (the model may be shared with other engines).
         handle = self.model.base_model.register_forward_hook(keep_hidden) if want_hidden else None
+        extra = None
+        if images is not None and self.vision is not None:  # every rank: the embeddings are looked up together
+            extra = self.vision.assemble(images, packed.input_ids)
         try:
             with active(step), (extra or NO_EXTRA).around(self.model):
                 # A vision-language step with images runs on embeddings (their rows in place: ``multimodal/``).

@@ -1,7 +1,8 @@
 """The driver's commands to the worker ranks, broadcast as tensors over a group of their own: a fixed header, then
 one int64 payload (for a step: the packed row's token ids, positions and cache slots, each sequence's slice, the
-rows whose logits are kept, and the block-table rows the sequences name). Nothing is pickled per sequence; a step of
-256 decodes is one header and one payload of a few kilobytes.
+rows whose logits are kept, the block-table rows the sequences name, and a vision-language step's image rows and
+M-RoPE positions), then, for a step with images, their encoder rows (float32). Nothing is pickled per sequence; a
+step of 256 decodes is one header and one payload of a few kilobytes.
 
 The channel's group waits as long as the driver is idle (a day); the model's own collectives run on the default
 group with ``--distributed-timeout-s``."""
@@ -20,8 +21,9 @@ import torch.distributed as dist
 from ..adapters import LoRARequest
 from ..attention import SeqSlice
 from ..inputs import PackedInputs
+from ..multimodal.vision_step import StepImages
 
-HEADER = 8
+HEADER = 12
 IDLE_TIMEOUT = timedelta(days=1)
 
 
@@ -46,6 +48,8 @@ class Received:
     tokens: torch.Tensor | None = None
     adapter_slots: list[int] | None = None
     """Each packed token's LoRA slot, with LoRA on."""
+    images: StepImages | None = None
+    """A vision-language step's image rows and positions, encoded by the driver."""
     adapter: LoRARequest | None = None
     """The adapter of an ADAPTER command, or the one a REFERENCE runs with."""
     slot: int = 0
@@ -63,7 +67,12 @@ class Channel:
         self.block_size = block_size
 
     def send_step(
-        self, packed: PackedInputs, sample_rows: list[int], want_hidden: bool, adapter_slots: list[int] | None = None
+        self,
+        packed: PackedInputs,
+        sample_rows: list[int],
+        want_hidden: bool,
+        adapter_slots: list[int] | None = None,
+        images: StepImages | None = None,
     ) -> None:
         seqs = packed.seqs
         bs_cols = max((-(-seq.end // self.block_size) for seq in seqs), default=0)
@@ -79,10 +88,21 @@ class Channel:
                 torch.tensor(sample_rows, dtype=torch.int64),
                 torch.from_numpy(np.ascontiguousarray(tables, dtype=np.int64)).reshape(-1),
                 torch.tensor(adapter_slots or [], dtype=torch.int64),
+                *_image_parts(images),
             ]
         )
         header = [Command.STEP, packed.input_ids.numel(), len(seqs), len(sample_rows), int(want_hidden), bs_cols]
-        self._send([*header, adapter_slots is not None], payload)
+        image_rows = images.rows if images is not None else None
+        features = images.features if images is not None else None
+        image_fields = [
+            images is not None,
+            0 if image_rows is None else image_rows.numel(),
+            0 if features is None else features.shape[1],
+            images is not None and images.positions is not None,
+        ]
+        self._send([*header, adapter_slots is not None, *image_fields], payload)
+        if features is not None:  # float32 whatever the model's dtype (bf16 and fp16 are exact in it)
+            dist.broadcast(features.to("cpu", torch.float32).contiguous(), 0, group=self.group)
 
     def send_reference(self, tokens: torch.Tensor, adapter: LoRARequest | None = None) -> None:
         named = _encoded(adapter)
@@ -123,8 +143,11 @@ class Channel:
             return Received(command, blocks=(fields[1], fields[2]))
         if command is not Command.STEP:
             return Received(command)
-        tokens, num_seqs, num_sample, want_hidden, cols, with_slots = fields[1:7]
+        tokens, num_seqs, num_sample, want_hidden, cols, with_slots, with_images, image_rows, width, mrope = fields[
+            1:11
+        ]
         sizes = [tokens, tokens, tokens, 3 * num_seqs, num_sample, num_seqs * cols, tokens * with_slots]
+        sizes += [image_rows, 3 * tokens * mrope]
         parts = torch.split(payload, sizes)
         ids, positions, slots = (part.to(self.device) for part in parts[:3])
         slices = parts[3].view(num_seqs, 3).tolist()
@@ -132,7 +155,27 @@ class Channel:
         tables = parts[5].view(num_seqs, cols).numpy()
         packed = PackedInputs(ids, positions, slots, seqs, tables)
         adapter_slots = parts[6].tolist() if with_slots else None
-        return Received(command, packed, parts[4].tolist(), bool(want_hidden), adapter_slots=adapter_slots)
+        images = None
+        if with_images:
+            features = None
+            if image_rows:
+                features = torch.empty((image_rows, width), dtype=torch.float32)
+                dist.broadcast(features, 0, group=self.group)
+            mrope_positions = parts[8].view(3, tokens).numpy() if mrope else None
+            images = StepImages(parts[7] if image_rows else None, features, mrope_positions)
+        return Received(
+            command, packed, parts[4].tolist(), bool(want_hidden), adapter_slots=adapter_slots, images=images
+        )
+
+
+def _image_parts(images: StepImages | None) -> list[torch.Tensor]:
+    """A step's image rows and M-RoPE positions, as the payload's int64s."""
+    if images is None:
+        return []
+    parts = [] if images.rows is None else [images.rows.to("cpu", torch.int64)]
+    if images.positions is not None:
+        parts.append(torch.from_numpy(np.ascontiguousarray(images.positions, dtype=np.int64)).reshape(-1))
+    return parts
 
 
 def _encoded(adapter: LoRARequest | None) -> torch.Tensor:

@@ -24,6 +24,7 @@ from ..grammar import GrammarCompiler
 from ..inputs import PackedInputs
 from ..loader import resolve_model_path
 from ..model_runner import ModelRunner
+from ..multimodal.vision_step import StepImages
 from .channel import Channel
 from .launch import Launcher, RankHandle, launcher_for
 from .plan import check_split
@@ -107,12 +108,17 @@ class RankGroup:
         return self._failed or any(process.ended() is not None for process in self.processes)
 
     def send_step(
-        self, packed: PackedInputs, sample_rows: list[int], want_hidden: bool, adapter_slots: list[int] | None = None
+        self,
+        packed: PackedInputs,
+        sample_rows: list[int],
+        want_hidden: bool,
+        adapter_slots: list[int] | None = None,
+        images: StepImages | None = None,
     ) -> None:
         assert self.channel is not None
         if self.broken:
             raise self.failed(RuntimeError("a rank is gone"))
-        self.channel.send_step(packed, sample_rows, want_hidden, adapter_slots)
+        self.channel.send_step(packed, sample_rows, want_hidden, adapter_slots, images)
 
     def send_reference(self, tokens: torch.Tensor, adapter: LoRARequest | None = None) -> None:
         assert self.channel is not None

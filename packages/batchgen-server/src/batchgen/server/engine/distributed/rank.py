@@ -134,7 +134,7 @@ def serve(runner: ModelRunner, channel: Channel) -> None:
         assert received.packed is not None and received.sample_rows is not None
         if lora is not None and received.adapter_slots is not None:
             lora.prepare(received.adapter_slots)
-        runner.forward(received.packed, received.sample_rows, received.want_hidden)
+        runner.forward(received.packed, received.sample_rows, received.want_hidden, received.images)
 
 
 def _die_with_parent() -> None:

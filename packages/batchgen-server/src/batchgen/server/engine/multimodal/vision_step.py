@@ -1,7 +1,11 @@
 """The vision step of an engine step: the images whose placeholders the step's prefill chunks reach are encoded
 first, in one batch through the vision tower (those not in the encoder cache), and their rows put in place of the
 placeholder tokens' embeddings; the language model then runs on those embeddings (``inputs_embeds``), with M-RoPE
-models' 3-D positions. A chunk may start or end inside an image's placeholders: it takes just those rows."""
+models' 3-D positions. A chunk may start or end inside an image's placeholders: it takes just those rows.
+
+Two halves, so that a split model's ranks run the second together: ``gather`` (the driver alone: the encoder rows
+and the positions, ``StepImages``, which a group's channel sends on) and ``assemble`` (every rank: the embeddings,
+looked up together where the vocabulary is split, with the rows in place)."""
 
 from __future__ import annotations
 
@@ -67,6 +71,18 @@ NO_EXTRA = StepInputs(None, None)
 """A step of a text model, or of a vision-language model with no image in it."""
 
 
+@dataclass(frozen=True, slots=True)
+class StepImages:
+    """What a step's images give its forward, on every rank alike."""
+
+    rows: torch.Tensor | None
+    """The packed rows of the step's image placeholders (int64); ``None``: the step reaches none."""
+    features: torch.Tensor | None
+    """``[rows, width]``: their encoder rows (a family's may be wider than the embeddings: deepstack)."""
+    positions: np.ndarray | None
+    """``[3, tokens]`` M-RoPE positions of the packed row; ``None``: its own."""
+
+
 class VisionStep:
     def __init__(self, model: Any, family: Family, cache_bytes: int) -> None:
         self.model = model
@@ -75,9 +91,9 @@ class VisionStep:
         self.encoded_images = 0
         """Images run through the vision tower so far (the encoder cache's misses that were encoded)."""
 
-    def inputs(self, scheduled: Sequence[Any], input_ids: torch.Tensor) -> StepInputs:
-        """What the step's forward takes besides its token ids (``scheduled``: the ``ScheduledSeq``s, in the packed
-        row's order)."""
+    def gather(self, scheduled: Sequence[Any], device: torch.device) -> StepImages | None:
+        """The step's image rows, encoded, and its positions (``scheduled``: the ``ScheduledSeq``s, in the packed
+        row's order); ``None``: no sequence of the step has images."""
         wanted: list[tuple[int, int, int, ImageInput]] = []  # (packed row of the chunk, its start, tokens, image)
         positions: list[np.ndarray] | None = [] if self.family.mrope else None
         any_mm = False
@@ -95,17 +111,23 @@ class VisionStep:
                 positions.append(self._positions(seq, mm, start, n))
             row += n
         if not any_mm:
-            return NO_EXTRA
+            return None
+        rows, features = self._rows(wanted, device) if wanted else (None, None)
+        return StepImages(rows, features, None if positions is None else np.concatenate(positions, axis=1))
+
+    def assemble(self, images: StepImages, input_ids: torch.Tensor) -> StepInputs:
+        """What the step's forward takes besides its token ids: its embeddings with the image rows in place, and
+        the positions (every rank of a split model runs it, the embedding lookups being collective)."""
         embeds = base = language = None
-        if wanted:
+        if images.rows is not None and images.features is not None:
             embeds = self.model.get_input_embeddings()(input_ids.unsqueeze(0))
-            rows, features = self._rows(wanted, input_ids.device)
+            rows, features = images.rows.to(input_ids.device), images.features.to(input_ids.device)
             width = embeds.shape[-1]  # a family's rows may carry more columns than the embeddings (deepstack)
             embeds[0].index_copy_(0, rows, features[:, :width].to(embeds.dtype))
             base, language = self.family.forward_kwargs(self.model, input_ids, rows, features, embeds)
         mrope = None
-        if positions is not None:
-            mrope = torch.from_numpy(np.concatenate(positions, axis=1)).unsqueeze(1).to(input_ids.device)
+        if images.positions is not None:
+            mrope = torch.from_numpy(np.ascontiguousarray(images.positions)).unsqueeze(1).to(input_ids.device)
         return StepInputs(embeds, mrope, base, language)
 
     def _rows(
