@@ -143,9 +143,8 @@ class Channel:
             return Received(command, blocks=(fields[1], fields[2]))
         if command is not Command.STEP:
             return Received(command)
-        tokens, num_seqs, num_sample, want_hidden, cols, with_slots, with_images, image_rows, width, mrope = fields[
-            1:11
-        ]
+        tokens, num_seqs, num_sample, want_hidden, cols, with_slots = fields[1:7]
+        with_images, image_rows, width, mrope = fields[7:11]
         sizes = [tokens, tokens, tokens, 3 * num_seqs, num_sample, num_seqs * cols, tokens * with_slots]
         sizes += [image_rows, 3 * tokens * mrope]
         parts = torch.split(payload, sizes)
