@@ -205,6 +205,11 @@ def test_each_cpu_method_serves_through_the_cli_exactly(checkpoints: dict[str, P
         ("plain", ("--quantization", "fp8"), "--quantization fp8: fp8 (FineGrainedFP8) needs a CUDA GPU"),
         ("plain", ("--kv-cache-dtype", "fp8"), "--kv-cache-dtype fp8: an fp8 KV cache is not supported on CPU"),
         ("bitsandbytes-8bit", ("--quantization", "torchao"), "already quantized with bitsandbytes"),
+        (  # before any rank starts (rank 1 died of 'list index out of range')
+            "bitsandbytes-8bit",
+            ("--tensor-parallel-size", "2"),
+            "its checkpoint is quantized (bitsandbytes) and --tensor-parallel-size 2 is asked for",
+        ),
     ],
 )
 def test_what_cannot_run_on_cpu_is_refused_by_name_in_one_line(

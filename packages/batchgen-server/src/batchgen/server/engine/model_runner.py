@@ -28,10 +28,11 @@ from .attention import (
     make_backend,
 )
 from .batch_state import BatchState
-from .capacity import cache_sizes
+from .capacity import CacheSizes, cache_sizes
 from .config import EngineConfig
 from .cuda_graphs import CudaGraph, DecodeGraphs
 from .distributed.collectives import smallest_across_ranks
+from .distributed.plan import split_state_problem
 from .distributed.stages import stages_of
 from .errors import ModelLoadError, ModelNotSupported, refused
 from .fast_forward import FastForward
@@ -91,6 +92,8 @@ class StepMirror(Protocol):
     def send_adapter(self, slot: int, adapter: LoRARequest) -> None: ...
 
     def send_copy_block(self, src: int, dst: int) -> None: ...
+
+    def send_copy_state(self, src: int, dst: int) -> None: ...
 
     def failed(self, exc: BaseException) -> Exception:
         """The group is broken by ``exc`` (raised within a mirrored forward): the ``GroupFailed`` to raise."""
@@ -155,23 +158,27 @@ class ModelRunner:
         budget = None if config.num_kv_blocks else self._cache_budget(config)
         context = config.max_model_len or getattr(model.config.get_text_config(), "max_position_embeddings", None)
         sizes = cache_sizes(budget, self.block_bytes, States.slot_bytes_of(state_layers), config, context)
+        distributed = config.world_size > 1
+        if distributed:  # each rank holds its share of the same blocks (its heads', its stage's layers') and the same
+            # state slots: as many as the fullest rank has room for
+            sizes = CacheSizes(*(smallest_across_ranks(size, self.device) for size in dataclasses.astuple(sizes)))
         self.num_blocks = sizes.blocks
+        self.group = group
         self.states: States | None = None
         """The state layers' cache and slots (models with recurrent mixers or short convolutions)."""
         if state_layers:
             interval = config.state_checkpoint_interval
             if interval % self.block_size:
                 raise ModelLoadError("--state-checkpoint-interval must be a multiple of --block-size")
+            if distributed and (problem := split_state_problem(model, state_layers, config)):
+                raise ModelNotSupported(self.architecture, problem)
             self.states = States(state_layers, sizes, self.block_size, interval)
+            if group is not None:  # every rank holds the whole state: a slot copied here is copied there
+                self.states.slots.copy = self._copy_state
         self.vision: VisionStep | None = vision_step_for(model, config.encoder_cache_mib * 2**20)
         """A vision-language model's vision step (``multimodal/``): its steps may run on embeddings."""
         if self.vision is not None and self.vision.family.bidirectional:
             both_ways_refused(self.architecture, config)
-        self.group = group
-        distributed = config.world_size > 1
-        if distributed:  # each rank holds its share of the same blocks (its heads', its stage's layers'): as many as
-            # the fullest rank has room for
-            self.num_blocks = smallest_across_ranks(self.num_blocks, self.device)
         # A split model runs eagerly: its collectives sit between the layers' ops, and every rank must run alike.
         big = model.num_parameters() >= EAGER_BELOW_PARAMETERS
         self.compiled = not config.enforce_eager and big and not self.sparse and not distributed
@@ -303,6 +310,11 @@ class ModelRunner:
         if self.group is not None:
             self.group.send_copy_block(src, dst)
         self.cache.copy_block(src, dst)
+
+    def _copy_state(self, src: int, dst: int) -> None:
+        assert self.group is not None and self.states is not None
+        self.group.send_copy_state(src, dst)
+        self.states.cache.copy_slot(src, dst)
 
     def reset(self) -> None:
         """No sequence runs (the engine reset): a fresh batch state."""

@@ -127,6 +127,10 @@ class StateLayers(Protocol):
 
     def run(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
+    def encoded(self) -> list[int]:
+        """The step's layout as int64s, for a split model's other ranks."""
+        ...
+
 
 @dataclass(eq=False)
 class PagedStep:

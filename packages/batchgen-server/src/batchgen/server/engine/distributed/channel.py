@@ -1,8 +1,9 @@
 """The driver's commands to the worker ranks, broadcast as tensors over a group of their own: a fixed header, then
 one int64 payload (for a step: the packed row's token ids, positions and cache slots, each sequence's slice, the
-rows whose logits are kept, the block-table rows the sequences name, and a vision-language step's image rows and
-M-RoPE positions), then, for a step with images, their encoder rows (float32). Nothing is pickled per sequence; a
-step of 256 decodes is one header and one payload of a few kilobytes.
+rows whose logits are kept, the block-table rows the sequences name, a vision-language step's image rows and M-RoPE
+positions, and a hybrid model's state layout: ``StateStep.encoded``), then, for a step with images, their encoder
+rows (float32). Nothing is pickled per sequence; a step of 256 decodes is one header and one payload of a few
+kilobytes.
 
 The channel's group waits as long as the driver is idle (a day); the model's own collectives run on the default
 group with ``--distributed-timeout-s``."""
@@ -23,7 +24,7 @@ from ..attention import SeqSlice
 from ..inputs import PackedInputs
 from ..multimodal.vision_step import StepImages
 
-HEADER = 12
+HEADER = 16
 IDLE_TIMEOUT = timedelta(days=1)
 
 
@@ -37,6 +38,8 @@ class Command(enum.IntEnum):
     """Copy an adapter into a LoRA slot (each rank its own shard of it: ``LoRASlots.load``)."""
     COPY_BLOCK = 5
     """Copy a KV block into another (a fork's partly filled block: each rank its own heads' and layers' share)."""
+    COPY_STATE = 6
+    """Copy a state slot into another (a fork's, a prefix checkpoint's restored): every rank holds the whole state."""
 
 
 @dataclass(slots=True)
@@ -50,11 +53,13 @@ class Received:
     """Each packed token's LoRA slot, with LoRA on."""
     images: StepImages | None = None
     """A vision-language step's image rows and positions, encoded by the driver."""
+    state_layout: list[int] | None = None
+    """A hybrid model's state step (``StateStep.encoded``)."""
     adapter: LoRARequest | None = None
     """The adapter of an ADAPTER command, or the one a REFERENCE runs with."""
     slot: int = 0
     blocks: tuple[int, int] = (0, 0)
-    """A COPY_BLOCK's source and destination."""
+    """A COPY_BLOCK's (or a COPY_STATE's) source and destination."""
 
 
 class Channel:
@@ -75,6 +80,7 @@ class Channel:
         images: StepImages | None = None,
     ) -> None:
         seqs = packed.seqs
+        layout = packed.states.encoded() if packed.states is not None else []
         bs_cols = max((-(-seq.end // self.block_size) for seq in seqs), default=0)
         rows = [seq.table_row for seq in seqs]
         tables = packed.block_tables[rows, :bs_cols] if seqs else np.zeros((0, 0), dtype=np.int64)
@@ -89,6 +95,7 @@ class Channel:
                 torch.from_numpy(np.ascontiguousarray(tables, dtype=np.int64)).reshape(-1),
                 torch.tensor(adapter_slots or [], dtype=torch.int64),
                 *_image_parts(images),
+                torch.tensor(layout, dtype=torch.int64),
             ]
         )
         header = [Command.STEP, packed.input_ids.numel(), len(seqs), len(sample_rows), int(want_hidden), bs_cols]
@@ -100,7 +107,7 @@ class Channel:
             0 if features is None else features.shape[1],
             images is not None and images.positions is not None,
         ]
-        self._send([*header, adapter_slots is not None, *image_fields], payload)
+        self._send([*header, adapter_slots is not None, *image_fields, packed.states is not None, len(layout)], payload)
         if features is not None:  # float32 whatever the model's dtype (bf16 and fp16 are exact in it)
             dist.broadcast(features.to("cpu", torch.float32).contiguous(), 0, group=self.group)
 
@@ -114,6 +121,9 @@ class Channel:
 
     def send_copy_block(self, src: int, dst: int) -> None:
         self._send([Command.COPY_BLOCK, src, dst], None)
+
+    def send_copy_state(self, src: int, dst: int) -> None:
+        self._send([Command.COPY_STATE, src, dst], None)
 
     def send_stop(self) -> None:
         self._send([Command.STOP], None)
@@ -139,14 +149,14 @@ class Channel:
             return Received(command, tokens=payload[:tokens].to(self.device), adapter=_decoded(payload[tokens:]))
         if command is Command.ADAPTER:
             return Received(command, adapter=_decoded(payload), slot=fields[1])
-        if command is Command.COPY_BLOCK:
+        if command in (Command.COPY_BLOCK, Command.COPY_STATE):
             return Received(command, blocks=(fields[1], fields[2]))
         if command is not Command.STEP:
             return Received(command)
         tokens, num_seqs, num_sample, want_hidden, cols, with_slots = fields[1:7]
-        with_images, image_rows, width, mrope = fields[7:11]
+        with_images, image_rows, width, mrope, with_states, layout = fields[7:13]
         sizes = [tokens, tokens, tokens, 3 * num_seqs, num_sample, num_seqs * cols, tokens * with_slots]
-        sizes += [image_rows, 3 * tokens * mrope]
+        sizes += [image_rows, 3 * tokens * mrope, layout]
         parts = torch.split(payload, sizes)
         ids, positions, slots = (part.to(self.device) for part in parts[:3])
         slices = parts[3].view(num_seqs, 3).tolist()
@@ -162,8 +172,15 @@ class Channel:
                 dist.broadcast(features, 0, group=self.group)
             mrope_positions = parts[8].view(3, tokens).numpy() if mrope else None
             images = StepImages(parts[7] if image_rows else None, features, mrope_positions)
+        state_layout = parts[9].tolist() if with_states else None
         return Received(
-            command, packed, parts[4].tolist(), bool(want_hidden), adapter_slots=adapter_slots, images=images
+            command,
+            packed,
+            parts[4].tolist(),
+            bool(want_hidden),
+            adapter_slots=adapter_slots,
+            images=images,
+            state_layout=state_layout,
         )
 
 

@@ -9,7 +9,7 @@ import contextlib
 import logging
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -126,21 +126,22 @@ class RankGroup:
 
     def send_adapter(self, slot: int, adapter: LoRARequest) -> None:
         """An adapter copied into a slot on the driver: into the same slot on every rank (each its own shard)."""
-        assert self.channel is not None
-        try:
-            if self.broken:
-                raise RuntimeError("a rank is gone")
-            self.channel.send_adapter(slot, adapter)
-        except Exception as exc:
-            raise self.failed(exc) from exc
+        self._mirrored(lambda channel: channel.send_adapter(slot, adapter))
 
     def send_copy_block(self, src: int, dst: int) -> None:
         """A block copied on the driver (a fork's): on every rank too, each its own share of it."""
+        self._mirrored(lambda channel: channel.send_copy_block(src, dst))
+
+    def send_copy_state(self, src: int, dst: int) -> None:
+        """A state slot copied on the driver: on every rank too (each holds the whole state)."""
+        self._mirrored(lambda channel: channel.send_copy_state(src, dst))
+
+    def _mirrored(self, send: Callable[[Channel], None]) -> None:
         assert self.channel is not None
         try:
             if self.broken:
                 raise RuntimeError("a rank is gone")
-            self.channel.send_copy_block(src, dst)
+            send(self.channel)
         except Exception as exc:
             raise self.failed(exc) from exc
 

@@ -5,6 +5,7 @@ rank holds its share of every layer's attention heads, and of the KV cache with 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -78,11 +79,17 @@ def shard_kwargs(config: EngineConfig, model_config: Any) -> dict[str, Any]:
     from transformers.distributed.configuration_utils import DistributedConfig
 
     from ..errors import ModelNotSupported
+    from ..quantization import method_of
 
     size, stages, experts = config.tensor_parallel_size, config.pipeline_parallel_size, config.enable_expert_parallel
     problem = split_problem(model_config, size, experts) if size > 1 else None
     if problem is None and stages > 1:
         problem = stage_problem(model_config, stages)
+    if problem is None and (method := method_of(model_config)) is not None:
+        problem = (
+            f"its checkpoint is quantized ({method}) and {config.split_flags} is asked for: quantized shards are "
+            "not served yet; serve it on one device, or a float checkpoint split"
+        )
     if problem:
         architecture = next(iter(getattr(model_config, "architectures", None) or []), model_config.model_type)
         raise ModelNotSupported(architecture, problem)
@@ -135,3 +142,36 @@ def loading(config: EngineConfig) -> Iterator[None]:
         yield
     finally:
         setattr(mixin, "apply_tensor_parallelism", shard)  # noqa: B010
+
+
+WHOLE_OUTPUT_STYLES = ("colwise_gather_output", "replicated_with_grad_allreduce")
+"""Tensor-parallel styles after which every rank holds a layer's whole output: a state layer split only so (Gated
+DeltaNet's projections in transformers' plans) runs its whole recurrence on every rank, over a whole state."""
+
+
+def split_state_problem(model: Any, layers: Any, config: EngineConfig) -> str | None:
+    """Why a split model's state layers cannot run (one line), or ``None``: every rank runs each state layer whole,
+    over its own copy of the whole state, so a state layer may be split only where its projections' outputs are
+    gathered back; and the state lives with the driver's stage, so no pipeline stages."""
+    if config.pipeline_parallel_size > 1:
+        return (
+            f"its state layers (recurrent mixers, convolutions) with --pipeline-parallel-size "
+            f"{config.pipeline_parallel_size}: the stages cannot share their state yet; use --tensor-parallel-size"
+        )
+    plan: dict[str, str] = getattr(model, "_tp_plan", None) or {}
+    patterns = [(re.compile(_regex(key)), key, style) for key, style in plan.items()]
+    names = {module: name for name, module in model.named_modules()}
+    for layer in layers:
+        for name, _ in layer.module.named_modules(prefix=names[layer.module]):
+            for regex, key, style in patterns:
+                if style not in WHOLE_OUTPUT_STYLES and regex.fullmatch(name):
+                    return (
+                        f"its state layer's {name} is split by its tensor-parallel plan ({key}: {style}), which "
+                        "the engine's state cache cannot follow; serve it with --tensor-parallel-size 1"
+                    )
+    return None
+
+
+def _regex(key: str) -> str:
+    """A plan entry (``layers.*.linear_attn.in_proj_qkv``) as a pattern of the full module names it names."""
+    return "(.*\\.)?" + re.escape(key).replace("\\*", "[0-9]+")

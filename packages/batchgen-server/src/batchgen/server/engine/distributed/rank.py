@@ -25,6 +25,7 @@ from ..grammar import compiler_for
 from ..loader import load_model
 from ..model_runner import ModelRunner
 from ..self_check import reference_logits
+from ..state.step import StateStep
 from .channel import Channel, Command
 
 logger = logging.getLogger(__name__)
@@ -118,7 +119,11 @@ def serve(runner: ModelRunner, channel: Channel) -> None:
             dist.destroy_process_group()
             return
         if received.command is Command.COPY_BLOCK:
-            runner.copy_block(*received.blocks)
+            runner.cache.copy_block(*received.blocks)
+            continue
+        if received.command is Command.COPY_STATE:
+            assert runner.states is not None
+            runner.states.cache.copy_slot(*received.blocks)
             continue
         lora = runner.lora
         if received.command is Command.ADAPTER:  # this rank's shard of it, read from its directory (then cached)
@@ -134,7 +139,13 @@ def serve(runner: ModelRunner, channel: Channel) -> None:
         assert received.packed is not None and received.sample_rows is not None
         if lora is not None and received.adapter_slots is not None:
             lora.prepare(received.adapter_slots)
-        runner.forward(received.packed, received.sample_rows, received.want_hidden, received.images)
+        packed = received.packed
+        if received.state_layout is not None:  # the driver's layout, over this rank's own state cache
+            assert runner.states is not None
+            packed = dataclasses.replace(
+                packed, states=runner.states.mixers.bind(StateStep.decoded(received.state_layout))
+            )
+        runner.forward(packed, received.sample_rows, received.want_hidden, received.images)
 
 
 def _die_with_parent() -> None:

@@ -99,6 +99,9 @@ class StateRun:
         self.step = step
         self.layers_run = 0
 
+    def encoded(self) -> list[int]:
+        return self.step.encoded()
+
     def run(self, hidden: torch.Tensor) -> torch.Tensor:
         """The next layer on the packed row ``hidden`` ``[1, tokens, hidden]``."""
         index = self.layers_run

@@ -60,6 +60,38 @@ class StateStep:
         else:
             self.chunks.append(StateChunk(row, num_tokens, start, slot, checkpoints))
 
+    def encoded(self) -> list[int]:
+        """The step as int64s, for a split model's other ranks (``decoded``): decodes, their checkpoints, chunks."""
+        out = [len(self.decode_rows), *self.decode_rows, *self.decode_slots, len(self.decode_checkpoints)]
+        out += [value for pair in self.decode_checkpoints for value in pair]
+        out.append(len(self.chunks))
+        for chunk in self.chunks:
+            out += [chunk.row, chunk.num_tokens, chunk.start, chunk.slot, len(chunk.checkpoints)]
+            out += [value for pair in chunk.checkpoints for value in pair]
+        return out
+
+    @classmethod
+    def decoded(cls, values: list[int]) -> StateStep:
+        at = 0
+
+        def take(count: int) -> list[int]:
+            nonlocal at
+            at += count
+            return values[at - count : at]
+
+        step = cls()
+        decodes = take(1)[0]
+        step.decode_rows, step.decode_slots = take(decodes), take(decodes)
+        pairs = take(2 * take(1)[0])
+        step.decode_checkpoints = list(zip(pairs[::2], pairs[1::2], strict=True))
+        for _ in range(take(1)[0]):
+            row, num_tokens, start, slot, saved = take(5)
+            pairs = take(2 * saved)
+            step.chunks.append(
+                StateChunk(row, num_tokens, start, slot, tuple(zip(pairs[::2], pairs[1::2], strict=True)))
+            )
+        return step
+
     def index(self, values: list[int], device: torch.device) -> torch.Tensor:
         """``values`` as an index on ``device``, made once a step (every state layer reads the same ones)."""
         key = tuple(values)
