@@ -8,7 +8,9 @@ logprobs within 1e-4, with chunked prefill continuing at any offset, ``n`` > 1 f
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import nullcontext
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -18,7 +20,9 @@ from batchgen.server.engine import EngineRequest, SamplingParams
 from batchgen.server.engine.capacity import cache_sizes
 from batchgen.server.engine.config import EngineConfig
 from batchgen.server.engine.demo_model import build_tokenizer
+from batchgen.server.engine.fast_paths import FastPath
 from batchgen.server.engine.model_runner import ModelRunner
+from batchgen.server.engine.state.mixers import StateRun
 from batchgen.server.engine.state.slots import StateSlots
 
 GDN = {
@@ -257,6 +261,31 @@ def test_a_failing_step_recomputes_the_states_it_advanced(
     assert error is not None and "injected after the forward" in error.message
     for i, prompt in enumerate(prompts):
         assert results[f"p{i}"].outputs[0].token_ids == reference.greedy(prompt)[0]
+
+
+def test_a_fast_path_failing_midway_computes_the_step_again_from_scratch(
+    qwen3_5: tuple[Path, Reference], tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The compiled forward fails in a decode step after the first state layer advanced its states in place: the
+    compiled path is switched off and the step computed again from the sequences' first tokens (an eager retry of the
+    step alone ran from the states the failed attempt had advanced: other tokens). The compiled forward is stood in
+    for by the eager one under a fast path's rule, failing once."""
+    path, reference = qwen3_5
+    engine = _engine(path, tokenizer)
+    compiled = FastPath("compiled layers")
+    engine.runner.fast = SimpleNamespace(paths=[compiled], off=nullcontext)  # type: ignore[assignment]
+    failed: list[bool] = []
+    run = StateRun.run
+
+    def failing_once(self: StateRun, hidden: Any) -> Any:
+        if self.layers_run == 1 and self.step.decode_rows and not failed:  # the second layer of a decode step
+            failed.append(True)
+            raise RuntimeError("injected: the compiled forward failed")
+        return run(self, hidden)
+
+    monkeypatch.setattr(StateRun, "run", failing_once)
+    _check(engine, reference)
+    assert failed and compiled.off == "RuntimeError: injected: the compiled forward failed"
 
 
 def test_live_slots_bound_the_running_sequences(qwen3_5: tuple[Path, Reference], tokenizer: Any) -> None:

@@ -18,6 +18,7 @@ from .block_manager import BlockManager
 from .capacity import UNDECLARED_CONTEXT
 from .config import EngineConfig
 from .errors import GroupFailed, ModelLoadError
+from .fast_paths import FastPathOff
 from .grammar import compiler_for
 from .interface import EngineStats
 from .launched import Launched
@@ -273,6 +274,11 @@ class LLMEngine:
             return self._start(scheduled)
         except GroupFailed:
             raise  # no request's fault: the worker starts the group again
+        except FastPathOff:  # no request's fault either: the step again, from scratch, on the plain path
+            if self._in_flight is not None:
+                self._settle(finished)
+            self._run(scheduled, finished)
+            return None
         except Exception as exc:
             if self._in_flight is None:
                 self._isolate(scheduled, exc, finished)

@@ -5,7 +5,10 @@ prefill chunks, CUDA graphs), each with the plain path it stands in for, under o
   tensor subclass such as a quantized weight, another dtype or layout): no native kernel ever reads memory it does
   not understand;
 - if it fails where the plain path succeeds on the same inputs, it is switched off for good with the reason, logged
-  once; if the plain path fails too, the fault is the inputs', and it raises as it would have anyway.
+  once; if the plain path fails too, the fault is the inputs', and it raises as it would have anyway;
+- where the step cannot simply be run again (a hybrid model's state layers advance their states in place as the
+  forward goes), a failure switches it off and raises ``FastPathOff``: the engine computes the step again from its
+  sequences' first tokens (``engine.py``'s ``rewound``), the plain path serving.
 
 Which are on, and why one is off, is in ``EngineStats.fast_paths`` (``/metrics``) and the engine's start-up log.
 """
@@ -23,6 +26,11 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+class FastPathOff(RuntimeError):
+    """A fast path failed where the step could not be run again as it was: it is off now, and the step is to be
+    computed again from scratch."""
+
+
 class FastPath:
     """One fast path's state: on, or off with the reason."""
 
@@ -38,16 +46,21 @@ class FastPath:
     def on(self) -> bool:
         return self.off is None
 
-    def run(self, fast: Callable[[], T], plain: Callable[[], T]) -> T:
+    def run(self, fast: Callable[[], T], plain: Callable[[], T], *, retry: bool = True) -> T:
         """``fast()``; should it raise, ``plain()`` (whose own failure is the inputs' and raises), and the fast
-        path is off from then on."""
+        path is off from then on. Without ``retry`` (the fast path changed state the plain one would start from),
+        the fast path is switched off and ``FastPathOff`` raised instead of running ``plain()``."""
         if self.off is not None:
             return plain()
         try:
             return fast()
         except Exception as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+            if not retry:
+                self.switch_off(reason)
+                raise FastPathOff(reason) from exc
             result = plain()
-            self.switch_off(f"{type(exc).__name__}: {exc}")
+            self.switch_off(reason)
             return result
 
     def switch_off(self, reason: str) -> None:

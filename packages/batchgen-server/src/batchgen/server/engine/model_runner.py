@@ -385,8 +385,9 @@ class ModelRunner:
             and len(packed.seqs) <= graphs.buckets[-1]
         ):
             return self.graph_path.run(lambda: StepOutput(None, graphs.run(packed)), eager)
-        if self.fast is not None:
-            return self.fast.paths[0].run(lambda: self._forward(packed, sample_rows, want_hidden, images), eager)
+        if self.fast is not None:  # state layers advance in place: a failed step is computed again from scratch
+            fast = lambda: self._forward(packed, sample_rows, want_hidden, images)  # noqa: E731
+            return self.fast.paths[0].run(fast, eager, retry=self.states is None)
         return self._forward(packed, sample_rows, want_hidden, images)
 
     def _eager_from_now_on(self, reason: str) -> None:
