@@ -4,7 +4,9 @@ batch, against peft's own forward of each; through the eager, compiled and CUDA-
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -296,3 +298,26 @@ def test_an_adapter_on_a_linear_the_forward_never_calls_is_refused(
     assert error is not None and error.code == "invalid_adapter"
     assert "it adapts 'model.layers.0.mlp.down_proj', whose weight the model's forward reads without" in error.message
     assert results["alpha"].error is None
+
+
+def test_an_adapter_asked_for_twice_at_once_is_read_once(
+    demo_path: Path, tokenizer: Any, adapters: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its weights read once (two readers at once had read two copies), the second caller given the first's."""
+    from batchgen.server.engine import lora
+
+    engine = lora_engine(demo_path, tokenizer, adapters)
+    assert engine.lora is not None
+    reads = []
+    read = lora.read_adapter
+
+    def slow_read(*args: Any) -> Any:
+        reads.append(args[0].name)
+        time.sleep(0.3)
+        return read(*args)
+
+    monkeypatch.setattr(lora, "read_adapter", slow_read)
+    adapter = Adapters("demo", 8).add("late", str(adapters["gamma"]))  # not among those read at start
+    with ThreadPoolExecutor(2) as pool:
+        first, second = pool.map(lambda _: engine.lora.weights(adapter), range(2))  # type: ignore[union-attr]
+    assert reads == ["late"] and first is second

@@ -7,6 +7,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
 from batchgen.server.engine import EngineRequest, EngineResult, EngineWorker, LLMEngine, SamplingParams
 
 
@@ -164,3 +166,42 @@ def test_a_grammar_that_compiles_for_seconds_holds_up_neither_the_caller_nor_the
         assert len(results["schema"].outputs[0].token_ids) >= 1
     finally:
         worker.stop(timeout=10)
+
+
+def test_an_idle_engine_asked_about_its_group_never_holds_up_a_submission(
+    make_engine: Callable[..., LLMEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An idle worker asks its engine whether a rank of its group went (a broken group takes up to a second to say
+    which): outside the lock that ``submit`` (called on the server's event loop) takes."""
+    engine = make_engine()
+    asking = threading.Event()
+
+    def slow_idle_fault() -> None:
+        asking.set()
+        time.sleep(1.0)  # as RankGroup.failed waits to name the rank that exited
+
+    monkeypatch.setattr(engine, "idle_fault", slow_idle_fault, raising=False)
+    worker = EngineWorker(engine)
+    worker.start()
+    try:
+        assert asking.wait(5)
+        started = time.monotonic()
+        worker.submit([EngineRequest("r", [5, 6, 7], SamplingParams(max_tokens=1))], lambda result: None)
+        assert time.monotonic() - started < 0.2
+    finally:
+        worker.stop(timeout=10)
+
+
+def test_an_engines_grammar_compiler_goes_with_it(make_engine: Callable[..., LLMEngine]) -> None:
+    """The process's compilers are kept while an engine holds them: an engine gone (a restart, another model) leaves
+    none behind, nor its tokenizer."""
+    import gc
+
+    from batchgen.server.engine import grammar
+
+    engine = make_engine()
+    key = (id(engine.tokenizer), engine.vocab_size)
+    assert grammar._COMPILERS[key] is engine.grammars
+    del engine
+    gc.collect()
+    assert key not in grammar._COMPILERS

@@ -6,6 +6,7 @@ noticed within a second or two, and the group is back before the next request.""
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import time
@@ -19,6 +20,7 @@ from server_helpers import LiveServer, chat_line
 
 from batchgen.server.app import create_app
 from batchgen.server.engine.config import EngineConfig
+from batchgen.server.engine.distributed import group as group_module
 from batchgen.server.settings import Settings
 
 LINES = 6
@@ -56,12 +58,32 @@ def _kill_and_watch(server: LiveServer, rank: int) -> list[str]:
     raise AssertionError(f"the group was not back within 60 s: {reasons}")
 
 
+def _exit_hooks(monkeypatch: pytest.MonkeyPatch) -> set[object]:
+    """The groups' exit hooks registered and not unregistered, as they come and go."""
+    hooks: set[object] = set()
+
+    class Recording:
+        def register(self, hook: Callable[[], None]) -> None:
+            hooks.add(hook)
+            atexit.register(hook)
+
+        def unregister(self, hook: Callable[[], None]) -> None:
+            hooks.discard(hook)
+            atexit.unregister(hook)
+
+    monkeypatch.setattr(group_module, "atexit", Recording())
+    return hooks
+
+
 def test_a_killed_rank_restarts_the_group_and_every_line_is_answered_once(
-    serve: Callable[[ASGIApp], AbstractContextManager[str]], tmp_path_factory: pytest.TempPathFactory
+    serve: Callable[[ASGIApp], AbstractContextManager[str]],
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     storage = tmp_path_factory.mktemp("tp")
     engine = EngineConfig(torch_threads=1, cpu_kv_cache_gib=0.0625, tensor_parallel_size=2, distributed_timeout_s=20)
     settings = Settings(storage_dir=storage, flush_interval_s=0.05, engine=engine)
+    exit_hooks = _exit_hooks(monkeypatch)
     with serve(create_app(settings)) as base_url:
         server = LiveServer(base_url=base_url, storage_dir=storage)
         (rank,) = _ranks()
@@ -87,6 +109,7 @@ def test_a_killed_rank_restarts_the_group_and_every_line_is_answered_once(
         assert [line for line in metrics if line.startswith("batchgen_engine_restarts")] == [
             'batchgen_engine_restarts_total{model_name="demo"} 2.0'
         ]
+        assert len(exit_hooks) == 1  # the live group's: a dead group's went with it
         # n > 1 forks copy their block in the new group (the scheduler held the dead runner's copy).
         chat = [{"role": "user", "content": "fork me, then"}]  # 37 tokens: a partly filled block, copied
         body = {"model": "demo", "messages": chat, "max_tokens": 8}

@@ -12,6 +12,7 @@ more per token (computed lazily, 67 us against 11 at 32k tokens), which the fill
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -207,7 +208,8 @@ class MaskFill:
         return self._future.result()
 
 
-_COMPILERS: dict[tuple[int, int], GrammarCompiler] = {}
+_COMPILERS: weakref.WeakValueDictionary[tuple[int, int], GrammarCompiler] = weakref.WeakValueDictionary()
+"""Kept while an engine holds them (a restarted engine, another model, leaves none behind)."""
 _COMPILERS_LOCK = threading.Lock()
 
 
@@ -216,8 +218,9 @@ def compiler_for(tokenizer: Any, vocab_size: int, timeout_s: float) -> GrammarCo
     (running it) share its cache, so a grammar compiles once."""
     with _COMPILERS_LOCK:
         compiler = _COMPILERS.get((id(tokenizer), vocab_size))
-        if compiler is None:  # the compiler holds the tokenizer: its id is never reused meanwhile
-            compiler = _COMPILERS[(id(tokenizer), vocab_size)] = GrammarCompiler(tokenizer, vocab_size, timeout_s)
+        if compiler is None:  # the compiler holds the tokenizer: its id is never reused while it lives
+            compiler = GrammarCompiler(tokenizer, vocab_size, timeout_s)
+            _COMPILERS[(id(tokenizer), vocab_size)] = compiler
         return compiler
 
 

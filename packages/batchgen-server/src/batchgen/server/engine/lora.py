@@ -255,6 +255,8 @@ class LoRASlots:
         """Slots no row uses, least recently used first (the one a new adapter takes)."""
         self._cache: OrderedDict[tuple[str, int], AdapterWeights | AdapterRefused] = OrderedDict()
         self._cache_lock = threading.Lock()
+        self._reading: dict[tuple[str, int], threading.Lock] = {}
+        """Adapters being read, each behind a lock of its own (taken under ``_cache_lock``)."""
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchgen-lora")
         self.on_load: Callable[[int, LoRARequest], None] | None = None
         """Told of each adapter copied into a slot: a tensor-parallel group's driver sends it to the other ranks,
@@ -311,22 +313,32 @@ class LoRASlots:
         """The adapter's weights, read from its directory unless among the ``--max-cpu-loras`` kept; raises
         ``AdapterRefused`` (kept too: a refused adapter's files are not read for each of its requests)."""
         key = (request.name, request.salt)
+        found = self._cached(key)
+        if found is None:
+            with self._cache_lock:
+                reading = self._reading.setdefault(key, threading.Lock())
+            with reading:  # read once: a caller that comes meanwhile takes the first one's (not a second copy)
+                found = self._cached(key)
+                if found is None:
+                    try:
+                        found = read_adapter(request, self.linears, self.max_rank, self.unreached, self.elsewhere)
+                    except AdapterRefused as exc:
+                        found = exc
+                    with self._cache_lock:
+                        self._cache[key] = found
+                        while len(self._cache) > self.max_cpu_loras:
+                            self._cache.popitem(last=False)
+                        del self._reading[key]
+        if isinstance(found, AdapterRefused):
+            raise found
+        return found
+
+    def _cached(self, key: tuple[str, int]) -> AdapterWeights | AdapterRefused | None:
         with self._cache_lock:
             found = self._cache.get(key)
             if found is not None:
                 self._cache.move_to_end(key)
-        if found is None:
-            try:
-                found = read_adapter(request, self.linears, self.max_rank, self.unreached, self.elsewhere)
-            except AdapterRefused as exc:
-                found = exc
-            with self._cache_lock:
-                self._cache[key] = found
-                while len(self._cache) > self.max_cpu_loras:
-                    self._cache.popitem(last=False)
-        if isinstance(found, AdapterRefused):
-            raise found
-        return found
+            return found
 
     def read(self, request: LoRARequest) -> Future[AdapterWeights]:
         """``weights``, read in a thread of its own (a request waits for it before it enters the engine)."""

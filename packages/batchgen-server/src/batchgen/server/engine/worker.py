@@ -129,25 +129,27 @@ class EngineWorker:
     def stats(self) -> EngineStats:
         return self._stats
 
+    def _idle(self) -> bool:
+        """Nothing to do (under ``_cond``)."""
+        return not (self._stopping or self._pending or self._aborts or self._prepared) and not (
+            self.engine.has_unfinished_requests() or self._probation
+        )
+
     def _loop(self) -> None:
         while True:
-            fault = None
             with self._cond:
-                while not (self._stopping or self._pending or self._aborts or self._prepared) and not (
-                    self.engine.has_unfinished_requests() or self._probation
-                ):
+                if self._idle():
                     self._cond.wait(IDLE_CHECK_S)
-                    if (fault := _idle_fault(self.engine)) is not None:
-                        break
                 if self._stopping:
                     return
-                if fault is None:
+                idle = self._idle()
+                if not idle:
                     pending, self._pending = self._pending, []
                     aborts, self._aborts = self._aborts, []
                     self._prepared = False
-            if fault is not None:  # restarted now, not at the next request
-                if not self._restart(fault):
-                    return
+            if idle:  # asked outside the lock: a broken group takes a moment to name the rank (submit waits on it)
+                if (fault := _idle_fault(self.engine)) is not None and not self._restart(fault):
+                    return  # restarted now, not at the next request; or dead
                 continue
             try:
                 self._apply(pending, aborts)
@@ -224,7 +226,7 @@ class EngineWorker:
         """Empty the engine and give it back every request it held but the quarantined; ``False`` if the engine
         keeps failing."""
         logger.error("engine step failed; restarting the engine", exc_info=exc)
-        self.error, self.state = exc, "restarting"
+        self.error, self.state = _untraced(exc), "restarting"
         now = time.monotonic()
         self._failures.append(now)
         while self._failures and self._failures[0] < now - RESTART_WINDOW_S:
@@ -264,6 +266,18 @@ class EngineWorker:
         )
         error = EngineError("server_error", message)
         return EngineResult(request.request_id, len(request.prompt_token_ids), error=error)
+
+
+def _untraced(exc: BaseException) -> BaseException:
+    """``exc`` (logged already), kept for the record without its tracebacks: their frames would keep what failed
+    alive (a dead group's runner: its model shard and cache)."""
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        link.__traceback__ = None
+        link = link.__cause__ or link.__context__
+    return exc
 
 
 def _idle_fault(engine: SteppingEngine) -> Exception | None:

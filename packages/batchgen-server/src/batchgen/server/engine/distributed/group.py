@@ -185,6 +185,7 @@ class RankGroup:
         self.launcher.close()
         self.processes = []
         self._failed = True
+        atexit.unregister(self.stop)  # a restarted group registers its own
         self.channel = None
         if dist.is_initialized():
             with contextlib.suppress(Exception):
