@@ -1,4 +1,4 @@
-"""The packed linear (``engine/cpu_linear.cpp``) against MKL and oneDNN on CPU, alone and in the engine.
+"""The packed linear (``engine/ops/cpu_linear.cpp``) against MKL and oneDNN on CPU, alone and in the engine.
 
     python benchmarks/cpu_linear.py                 # the GEMMs alone, then the engine (about 5 minutes)
     python benchmarks/cpu_linear.py --gemm-only
@@ -30,8 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages" / "batch
 
 import engine_throughput
 
-from batchgen.server.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams, cpu_linear
-from batchgen.server.engine.demo_model import build_tokenizer
+from batchgen.server.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams
+from batchgen.server.engine.loading.demo_model import build_tokenizer
+from batchgen.server.engine.ops import cpu_linear
 from batchgen.server.engine.self_check import check_engine
 
 SHAPES = {

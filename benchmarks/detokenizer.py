@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages" / "batch
 
 import structured
 
-from batchgen.server.engine.demo_model import build_tokenizer
-from batchgen.server.engine.detokenizer import IncrementalDetokenizer
+from batchgen.server.engine.loading.demo_model import build_tokenizer
+from batchgen.server.engine.sampling.detokenizer import IncrementalDetokenizer
 
 
 class WindowsOnly:

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages" / "batch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages" / "batchgen-schemas" / "src"))
 
 from batchgen.server.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams
-from batchgen.server.engine.demo_model import build_tokenizer
+from batchgen.server.engine.loading.demo_model import build_tokenizer
 
 SHAPE = {
     "vocab_size": 32000,

@@ -67,7 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages" / "batch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages" / "batchgen-schemas" / "src"))
 
 from batchgen.server.engine import EngineConfig, EngineRequest, EngineStats, LLMEngine, SamplingParams
-from batchgen.server.engine.demo_model import build_model, build_tokenizer
+from batchgen.server.engine.loading.demo_model import build_model, build_tokenizer
 from batchgen.server.engine.self_check import check_engine
 
 SIZES = {
@@ -187,7 +187,7 @@ def run_engine(
 ) -> tuple[Row, Row, EngineStats, list[list[int]]]:
     """The engine's row, the raw-forward ceiling of the same run, the engine's final stats and every request's tokens;
     request ``i`` runs with the LoRA adapter ``loras[i]`` where given (``benchmarks/lora.py``). ``kernels=False``: the
-    state layers run their own forwards, as where the Gated DeltaNet kernels (``engine/state/gdn.py``) are off.
+    state layers run their own forwards, as where the Gated DeltaNet kernels (``engine/features/state/gdn.py``) are off.
 
     The engine (and its KV cache) is released on return, so that the next system gets the memory back.
     """

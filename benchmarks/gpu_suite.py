@@ -65,7 +65,7 @@ from batchgen.server.engine.attention import DecodeBlocks, SeqSlice
 from batchgen.server.engine.attention.decode import DecodeKernel, paged_decode
 from batchgen.server.engine.attention.gather import GatherBackend, _Decodes
 from batchgen.server.engine.attention.layer import LayerAttention
-from batchgen.server.engine.demo_model import build_tokenizer
+from batchgen.server.engine.loading.demo_model import build_tokenizer
 from batchgen.server.engine.self_check import check_engine
 
 SHAPES: dict[str, dict[str, Any]] = {

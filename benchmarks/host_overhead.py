@@ -46,20 +46,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages" / "batchgen-server" / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages" / "batchgen-schemas" / "src"))
 
-from batchgen.server.engine import (
-    EngineConfig,
-    EngineRequest,
-    LLMEngine,
-    SamplingParams,
-    model_runner,
-    sampler,
-    transfer,
-)
-from batchgen.server.engine import engine as engine_module
+from batchgen.server.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams
 from batchgen.server.engine.attention import DecodeBlocks
-from batchgen.server.engine.demo_model import build_model, build_tokenizer
-from batchgen.server.engine.inputs import InputBuffers
-from batchgen.server.engine.scheduler import Scheduler
+from batchgen.server.engine.core import engine as engine_module
+from batchgen.server.engine.core.scheduler import Scheduler
+from batchgen.server.engine.loading.demo_model import build_model, build_tokenizer
+from batchgen.server.engine.ops import transfer
+from batchgen.server.engine.runner import model_runner
+from batchgen.server.engine.runner.inputs import InputBuffers
+from batchgen.server.engine.sampling import sampler
 from batchgen.server.engine.self_check import check_engine
 
 PARTS = ["schedule", "prepare", "decode tables", "sampler", "settle", "rest of the step"]

@@ -40,7 +40,7 @@ from vlm_helpers import data_url, hf_greedy, image, png_bytes, qwen2_5_vl
 
 from batchgen.schemas import ChatCompletionRequest
 from batchgen.server.engine import EngineConfig, LLMEngine
-from batchgen.server.engine.multimodal.processor import ImageProcessor
+from batchgen.server.engine.features.multimodal.processor import ImageProcessor
 from batchgen.server.serving import BatchDefaults, OpenAIServing
 from batchgen.server.serving.config import ServingConfig
 from batchgen.server.serving.images import media_of

@@ -46,7 +46,7 @@ from engine_throughput import (
 )
 from lora_helpers import make_adapters
 
-from batchgen.server.engine.adapters import Adapters
+from batchgen.server.engine.features.adapters import Adapters
 
 
 def main() -> None:

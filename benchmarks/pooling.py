@@ -39,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_throughput import vllm_python
 from scoring import SERVED_NAME, VllmServer, cpu_seconds
 
-from batchgen.server.engine.demo_model import build_tokenizer
-from batchgen.server.engine.pooling_spec import (
+from batchgen.server.engine.loading.demo_model import build_tokenizer
+from batchgen.server.engine.loading.pooling_spec import (
     QWEN3_RERANKER_INSTRUCTION,
     QWEN3_RERANKER_PREFIX,
     QWEN3_RERANKER_SUFFIX,

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages" / "batch
 from engine_throughput import run_vllm, same_tokens, vllm_python
 
 from batchgen.server.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams, build_engine
-from batchgen.server.engine.demo_model import build_model, build_tokenizer
+from batchgen.server.engine.loading.demo_model import build_model, build_tokenizer
 
 METHODS = {"float32": None, "bitsandbytes (4-bit nf4)": "bitsandbytes", "torchao (int8 weight-only)": "torchao"}
 

@@ -46,7 +46,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_throughput import SIZES, make_model, vllm_python
 
-from batchgen.server.engine.demo_model import build_tokenizer
+from batchgen.server.engine.loading.demo_model import build_tokenizer
 from batchgen.server.launcher import ServerProcess, free_port
 
 SERVED_NAME = "scoring-bench"

@@ -40,7 +40,7 @@ import torch
 from engine_throughput import SIZES, Clock, Row, best_round, make_model, print_table, run_vllm, vllm_python
 
 from batchgen.server.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams
-from batchgen.server.engine.grammar import GrammarCompiler, GrammarError
+from batchgen.server.engine.sampling.grammar import GrammarCompiler, GrammarError
 from batchgen.server.engine.self_check import check_engine
 from batchgen.server.serving.structured import json_grammar
 

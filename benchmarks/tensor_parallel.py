@@ -41,7 +41,7 @@ def save_model(path: Path, layers: int) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from batchgen.server.engine.demo_model import build_tokenizer
+    from batchgen.server.engine.loading.demo_model import build_tokenizer
 
     tokenizer = build_tokenizer()
     vocab = tokenizer.get_vocab()

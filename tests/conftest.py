@@ -130,7 +130,7 @@ def lora_adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Three LoRA adapters of the demo model made with peft (``lora_helpers.ADAPTERS``), by name."""
     from lora_helpers import make_adapters
 
-    from batchgen.server.engine.demo_model import demo_model_dir
+    from batchgen.server.engine.loading.demo_model import demo_model_dir
 
     return make_adapters(demo_model_dir(), tmp_path_factory.mktemp("adapters"))
 
@@ -141,7 +141,7 @@ def peft_text(lora_adapters: dict[str, Path]) -> Callable[[list[int], int, str |
     from lora_helpers import peft_reference
     from transformers import AutoTokenizer
 
-    from batchgen.server.engine.demo_model import demo_model_dir
+    from batchgen.server.engine.loading.demo_model import demo_model_dir
 
     greedy = peft_reference(demo_model_dir(), lora_adapters)
     tokenizer = AutoTokenizer.from_pretrained(demo_model_dir())

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from batchgen.server.engine.demo_model import build_tokenizer
+from batchgen.server.engine.loading.demo_model import build_tokenizer
 
 WORDS = ["the", "a", "cat", "dog", "sat", "on", "mat", "ran", "far", "and", "big", "red", "blue", "house", "tree"]
 BERT_VOCAB = ["[UNK]", "[PAD]", "[CLS]", "[SEP]", "[MASK]", *WORDS] + [chr(c) for c in range(97, 123)]

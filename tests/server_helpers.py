@@ -114,7 +114,7 @@ def _run_cli(argv: list[str], env: dict[str, str], log_path: str, open_files: in
     if env.get("BATCHGEN_TEST_CRASH_MARKER"):  # what tests/faults/sitecustomize.py does at a new interpreter's start
         runpy.run_path(str(FAULTS))
     if compiled:
-        from batchgen.server.engine import model_runner
+        from batchgen.server.engine.runner import model_runner
 
         model_runner.EAGER_BELOW_PARAMETERS = 0
     from batchgen.server.cli import main

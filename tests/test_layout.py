@@ -106,7 +106,49 @@ def test_the_engine_modules_import_without_a_circle() -> None:
     )
 
 
+LAYERS = ("ops", "attention", "sampling", "loading", "features", "runner", "core", "distributed")
+"""The engine's subpackages, lowest first: each imports only from those before it (and the root's modules)."""
+MAX_ROOT_MODULES = 12
+
+
+def _layer(name: str) -> str | None:
+    """The subpackage a module is in (``None``: the engine's root)."""
+    parts = _short(name).split(".")
+    return parts[0] if len(parts) > 1 and parts[0] in LAYERS else None
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """The imports of ``graph`` from a layer to one above it, as ``module -> target``."""
+    return sorted(
+        f"{_short(module)} -> {_short(target)}"
+        for module, targets in graph.items()
+        for target in targets
+        if (here := _layer(module)) is not None
+        and (there := _layer(target)) is not None
+        and LAYERS.index(there) > LAYERS.index(here)
+    )
+
+
+def test_the_engine_is_laid_out_in_layers_that_import_only_downward() -> None:
+    """``ops`` (kernels, fast paths) < ``attention`` < ``sampling`` < ``loading`` < ``features`` (LoRA, state layers,
+    images, pooling) < ``runner`` < ``core`` (the step, the scheduler, the block manager) < ``distributed``; the
+    root's few modules (the requests, the sequences, the config; the factory and the worker) serve every layer."""
+    upward = upward_imports(import_graph())
+    assert not upward, "upward imports between the engine's layers: " + "; ".join(upward)
+    root = sorted(path.name for path in ROOT.glob("*.py"))
+    assert len(root) <= MAX_ROOT_MODULES, f"{len(root)} modules at engine/'s root: {', '.join(root)}"
+    assert {path.name for path in ROOT.iterdir() if path.is_dir() and (path / "__init__.py").exists()} == set(LAYERS)
+
+
+def test_an_upward_import_is_found_at_any_depth() -> None:
+    runner, core, state = (
+        f"{PACKAGE}.{name}" for name in ("runner.model_runner", "core.engine", "features.state.slots")
+    )
+    graph = {runner: {core, state}, core: {runner}, state: {f"{PACKAGE}.sequence"}}
+    assert upward_imports(graph) == ["runner.model_runner -> core.engine"]
+
+
 def test_a_circle_is_found_at_any_depth_of_a_module() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(graph) == [["a", "b", "c"]]
-    assert "batchgen.server.engine.scheduler" in import_graph()
+    assert "batchgen.server.engine.core.scheduler" in import_graph()

@@ -46,7 +46,7 @@ def byte_tokenizer(specials: list[str], chat_template: str) -> Any:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from batchgen.server.engine.demo_model import BOS, EOS, PAD, _bytes_to_unicode
+    from batchgen.server.engine.loading.demo_model import BOS, EOS, PAD, _bytes_to_unicode
 
     byte_to_char = _bytes_to_unicode()
     tokenizer = Tokenizer(models.BPE(vocab={byte_to_char[b]: b for b in range(256)}, merges=[]))

@@ -13,7 +13,8 @@ import torch
 from graph_helpers import Rerun
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from batchgen.server.engine import EngineConfig, EngineRequest, EngineResult, LLMEngine, model_runner
+from batchgen.server.engine import EngineConfig, EngineRequest, EngineResult, LLMEngine
+from batchgen.server.engine.runner import model_runner
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -36,7 +37,7 @@ def one_torch_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def demo_path(demo_cache_dir: Path) -> Path:
-    from batchgen.server.engine.demo_model import demo_model_dir
+    from batchgen.server.engine.loading.demo_model import demo_model_dir
 
     return demo_model_dir()
 

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from batchgen.server.engine.cuda_graphs import Graph
+from batchgen.server.engine.runner.cuda_graphs import Graph
 
 
 class Rerun:

@@ -23,9 +23,10 @@ from packaging.version import Version
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from batchgen.server import cli
-from batchgen.server.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams, model_runner
-from batchgen.server.engine.demo_model import build_tokenizer
+from batchgen.server.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams
 from batchgen.server.engine.errors import ModelNotSupported
+from batchgen.server.engine.loading.demo_model import build_tokenizer
+from batchgen.server.engine.runner import model_runner
 from batchgen.server.engine.self_check import check_engine
 
 WINDOW = 12

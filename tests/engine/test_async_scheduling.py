@@ -18,12 +18,12 @@ import torch
 
 from batchgen.server.engine import EngineRequest, EngineResult, LLMEngine, SamplingParams
 from batchgen.server.engine.errors import ModelLoadError
-from batchgen.server.engine.inputs import InputBuffers, StepInputs
-from batchgen.server.engine.launched import Launched
-from batchgen.server.engine.sampler import Sampled
+from batchgen.server.engine.ops.transfer import HostCopy
+from batchgen.server.engine.runner.inputs import InputBuffers, StepInputs
+from batchgen.server.engine.runner.launched import Launched
+from batchgen.server.engine.sampling.sampler import Sampled
 from batchgen.server.engine.scheduler_output import ScheduledSeq
 from batchgen.server.engine.sequence import PENDING
-from batchgen.server.engine.transfer import HostCopy
 
 Run = Callable[..., dict[str, EngineResult]]
 

@@ -25,14 +25,15 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_mask
 
-from batchgen.server.engine import EngineRequest, EngineResult, LLMEngine, SamplingParams, native
+from batchgen.server.engine import EngineRequest, EngineResult, LLMEngine, SamplingParams
 from batchgen.server.engine.attention import DecodeBlocks, PagedStep, SeqSlice, cpu_decode, decode, make_backend
 from batchgen.server.engine.attention.flex import Q_BLOCK, _block_mask
 from batchgen.server.engine.attention.gather import GatherBackend
 from batchgen.server.engine.attention.kernels import attend, causal_mask
+from batchgen.server.engine.attention.kv_cache import KVCache, LayerShape
 from batchgen.server.engine.attention.layer import LayerAttention
 from batchgen.server.engine.attention.varlen import VarlenAttention
-from batchgen.server.engine.kv_cache import KVCache, LayerShape
+from batchgen.server.engine.ops import native
 
 Run = Callable[[LLMEngine, list[EngineRequest]], dict[str, EngineResult]]
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from batchgen.server.engine import EngineRequest, LLMEngine, SamplingParams
-from batchgen.server.engine.block_tables import BlockTables
+from batchgen.server.engine.core.block_tables import BlockTables
 
 
 @pytest.mark.parametrize("async_scheduling", ["off", "on"])

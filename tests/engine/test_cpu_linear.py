@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from batchgen.server.engine import cpu_linear, native
+from batchgen.server.engine.ops import cpu_linear, native
 
 
 @pytest.mark.parametrize("bias", [False, True])

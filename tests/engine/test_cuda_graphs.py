@@ -14,7 +14,7 @@ from graph_helpers import Rerun
 
 from batchgen.server.engine import EngineRequest, LLMEngine, SamplingParams
 from batchgen.server.engine.attention import DecodeBlocks
-from batchgen.server.engine.cuda_graphs import batch_buckets
+from batchgen.server.engine.runner.cuda_graphs import batch_buckets
 
 
 def test_batch_buckets() -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-BUILD = "from batchgen.server.engine.demo_model import demo_model_dir; print(demo_model_dir())"
+BUILD = "from batchgen.server.engine.loading.demo_model import demo_model_dir; print(demo_model_dir())"
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from batchgen.server.engine.detokenizer import IncrementalDetokenizer
+from batchgen.server.engine.sampling.detokenizer import IncrementalDetokenizer
 
 CORPUS = [
     "the quick brown fox jumps over the lazy dog",

@@ -17,10 +17,10 @@ import pytest
 from llguidance import LLMatcher
 
 from batchgen.server.engine import EngineRequest, EngineResult, EngineWorker, LLMEngine, SamplingParams
-from batchgen.server.engine.model_runner import ModelRunner
-from batchgen.server.engine.sampler import Sampler
-from batchgen.server.engine.scheduler import Scheduler
-from batchgen.server.engine.seeds import int64_bits, mix64
+from batchgen.server.engine.core.scheduler import Scheduler
+from batchgen.server.engine.runner.model_runner import ModelRunner
+from batchgen.server.engine.sampling.sampler import Sampler
+from batchgen.server.engine.sampling.seeds import int64_bits, mix64
 from batchgen.server.engine.worker import MAX_RESTARTS
 
 FORWARD_FAULT = "<forward-fault>"

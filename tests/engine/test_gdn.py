@@ -1,4 +1,4 @@
-"""The Gated DeltaNet fast path (``engine/state/gdn.py``, ``gdn.cpp``): its kernels against transformers' torch
+"""The Gated DeltaNet fast path (``engine/features/state/gdn.py``, ``gdn.cpp``): its kernels against transformers' torch
 functions on random inputs, and its step of a whole packed row (fresh chunks, continued chunks, decodes, checkpoints
 inside a chunk) against the layer's own forward run sequence by sequence. The engine through it against ``generate``
 is ``test_hybrid.py``'s (Qwen3.5, Qwen3.5-MoE, Qwen3-Next)."""
@@ -14,10 +14,10 @@ from transformers import Qwen3_5TextConfig, Qwen3NextConfig
 from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
-from batchgen.server.engine import native
-from batchgen.server.engine.state import gdn
-from batchgen.server.engine.state.discovery import StateLayer, StateShape
-from batchgen.server.engine.state.facade import StateFacade, StateKey
+from batchgen.server.engine.features.state import gdn
+from batchgen.server.engine.features.state.discovery import StateLayer, StateShape
+from batchgen.server.engine.features.state.facade import StateFacade, StateKey
+from batchgen.server.engine.ops import native
 
 TOLERANCE = 2e-5
 

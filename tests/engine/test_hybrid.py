@@ -17,13 +17,13 @@ import pytest
 from test_architectures import NEW_TOKENS, Reference, _build, _check, _engine, _prompts, _run
 
 from batchgen.server.engine import EngineRequest, SamplingParams
-from batchgen.server.engine.capacity import cache_sizes
 from batchgen.server.engine.config import EngineConfig
-from batchgen.server.engine.demo_model import build_tokenizer
-from batchgen.server.engine.fast_paths import FastPath
-from batchgen.server.engine.model_runner import ModelRunner
-from batchgen.server.engine.state.mixers import StateRun
-from batchgen.server.engine.state.slots import StateSlots
+from batchgen.server.engine.features.state.mixers import StateRun
+from batchgen.server.engine.features.state.slots import StateSlots
+from batchgen.server.engine.loading.demo_model import build_tokenizer
+from batchgen.server.engine.ops.fast_paths import FastPath
+from batchgen.server.engine.runner.capacity import cache_sizes
+from batchgen.server.engine.runner.model_runner import ModelRunner
 
 GDN = {
     "linear_conv_kernel_dim": 4,
@@ -183,8 +183,8 @@ def test_preemption_recomputes_the_state(qwen3_5: tuple[Path, Reference], tokeni
 
 def test_a_shared_system_prompt_is_computed_once(qwen3_5: tuple[Path, Reference], tokenizer: Any) -> None:
     """Lines under one 27-token system prompt, two at a time: the second line waits for the first's blocks (a twin:
-    ``engine/twins.py``), which leaves a checkpoint of the state where their shared prefix ends (24 tokens, 3 blocks
-    of 8: far below vLLM's 528-token blocks), and it and every later line start from there."""
+    ``engine/core/twins.py``), which leaves a checkpoint of the state where their shared prefix ends (24 tokens, 3
+    blocks of 8: far below vLLM's 528-token blocks), and it and every later line start from there."""
     path, reference = qwen3_5
     engine = _engine(path, tokenizer, block_size=8, max_num_seqs=2)
     system = list(_prompts()[4][:27])

@@ -1,10 +1,9 @@
-"""LoRA adapters on hybrid models (``engine/lora.py`` over ``engine/state/``): adapters made with peft on a tiny
-Qwen3.5 (its Gated DeltaNet layers on the engine's fast path, projections on the whole packed row), and tiny
-Nemotron-H and LFM2 (their Mamba2 layers and short convolutions through the layer's own forward per
-sequence piece and for the step's decodes, each call on some of the step's rows; Nemotron-H's MLP-only layers), two
-adapters and the base mixed in one batch with chunked prefill: the same greedy tokens as peft's ``generate`` and
-logprobs within 1e-4 (float32); an adapter on a convolution is refused by name.
-"""
+"""LoRA adapters on hybrid models (``engine/features/lora.py`` over ``engine/features/state/``): adapters made with
+peft on a tiny Qwen3.5 (its Gated DeltaNet layers on the engine's fast path, projections on the whole packed row), and
+tiny Nemotron-H and LFM2 (their Mamba2 layers and short convolutions through the layer's own forward per sequence piece
+and for the step's decodes, each call on some of the step's rows; Nemotron-H's MLP-only layers), two adapters and the
+base mixed in one batch with chunked prefill: the same greedy tokens as peft's ``generate`` and logprobs within 1e-4
+(float32); an adapter on a convolution is refused by name."""
 
 from __future__ import annotations
 
@@ -21,8 +20,8 @@ from test_hybrid import FAMILIES
 from transformers import AutoModelForCausalLM
 
 from batchgen.server.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams
-from batchgen.server.engine.adapters import AdapterRefused, Adapters, adapter_config
-from batchgen.server.engine.demo_model import build_tokenizer
+from batchgen.server.engine.features.adapters import AdapterRefused, Adapters, adapter_config
+from batchgen.server.engine.loading.demo_model import build_tokenizer
 from batchgen.server.engine.self_check import check_engine
 
 TOKENS = 6

@@ -8,10 +8,10 @@ import random
 import torch
 
 from batchgen.server.engine.attention import SeqSlice
-from batchgen.server.engine.batch_state import BatchState
-from batchgen.server.engine.block_tables import BlockTables
-from batchgen.server.engine.inputs import InputBuffers
+from batchgen.server.engine.core.block_tables import BlockTables
 from batchgen.server.engine.request import EngineRequest
+from batchgen.server.engine.runner.inputs import InputBuffers
+from batchgen.server.engine.sampling.batch_state import BatchState
 from batchgen.server.engine.scheduler_output import ScheduledSeq
 from batchgen.server.engine.sequence import RequestState, Sequence
 

@@ -1,5 +1,6 @@
-"""LoRA adapters (``engine/lora.py``): adapters made with peft on the demo model (float32), mixed with the base in one
-batch, against peft's own forward of each; through the eager, compiled and CUDA-graph paths; the refusals."""
+"""LoRA adapters (``engine/features/lora.py``): adapters made with peft on the demo model (float32), mixed with the
+base in one batch, against peft's own forward of each; through the eager, compiled and CUDA-graph paths; the
+refusals."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ import torch
 from lora_helpers import make_adapters, peft_reference
 from transformers import AutoModelForCausalLM
 
-from batchgen.server.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams, model_runner
-from batchgen.server.engine.adapters import AdapterRefused, Adapters, adapter_config
+from batchgen.server.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams
 from batchgen.server.engine.errors import ModelLoadError
+from batchgen.server.engine.features.adapters import AdapterRefused, Adapters, adapter_config
+from batchgen.server.engine.runner import model_runner
 from batchgen.server.engine.self_check import check_engine
 
 NAMES = [None, "alpha", "beta", "gamma"]
@@ -163,7 +165,7 @@ def test_a_request_for_an_adapter_of_another_model_fails_alone(
 ) -> None:
     """An adapter loaded at run time, made for another base (hidden size 32): its request fails with the reason when
     the engine reads it, the others run."""
-    from batchgen.server.engine.demo_model import BOS, EOS, PAD, build_model
+    from batchgen.server.engine.loading.demo_model import BOS, EOS, PAD, build_model
 
     vocab = tokenizer.get_vocab()
     build_model(len(vocab), vocab[BOS], vocab[EOS], vocab[PAD], hidden_size=32).save_pretrained(tmp_path / "other")
@@ -216,7 +218,7 @@ def test_a_broken_adapter_fails_its_requests_alone(
     ``invalid_adapter``, and everyone else's (the base's, a good adapter's, in the same steps) run as peft's."""
     from lora_helpers import MALFORMED, malformed_adapters
 
-    from batchgen.server.engine.adapters import LoRARequest
+    from batchgen.server.engine.features.adapters import LoRARequest
 
     broken = malformed_adapters(adapters["alpha"], tmp_path)
     for name in MALFORMED[:-2]:
@@ -248,7 +250,7 @@ def test_what_one_adapter_makes_of_a_token_never_reaches_another_row(
     it to every row)."""
     from lora_helpers import malformed_adapters
 
-    from batchgen.server.engine.adapters import LoRARequest
+    from batchgen.server.engine.features.adapters import LoRARequest
 
     huge = malformed_adapters(adapters["alpha"], tmp_path)["huge-weights-inf"]
     engine = lora_engine(demo_path, tokenizer, adapters, self_check=False)
@@ -304,7 +306,7 @@ def test_an_adapter_asked_for_twice_at_once_is_read_once(
     demo_path: Path, tokenizer: Any, adapters: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Its weights read once (two readers at once had read two copies), the second caller given the first's."""
-    from batchgen.server.engine import lora
+    from batchgen.server.engine.features import lora
 
     engine = lora_engine(demo_path, tokenizer, adapters)
     assert engine.lora is not None

@@ -18,8 +18,8 @@ from test_tensor_parallel import LORA_TOKENS, adapters, config_of, llama, peft_s
 from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
 
 from batchgen.server.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams, build_engine
-from batchgen.server.engine.demo_model import build_tokenizer
 from batchgen.server.engine.errors import GroupFailed, ModelNotSupported
+from batchgen.server.engine.loading.demo_model import build_tokenizer
 
 __all__ = ["adapters", "llama", "peft_steps"]  # the fixtures, shared
 

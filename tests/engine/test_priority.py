@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from batchgen.server.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams
-from batchgen.server.engine.step_costs import SMOOTHING, StepCosts
+from batchgen.server.engine.core.step_costs import SMOOTHING, StepCosts
 
 Run = Callable[..., Any]
 LONG = SamplingParams(max_tokens=40, ignore_eos=True)

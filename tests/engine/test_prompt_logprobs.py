@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from batchgen.server.engine import EngineRequest, EngineResult, LLMEngine, SamplingParams, prompt_logprobs
+from batchgen.server.engine import EngineRequest, EngineResult, LLMEngine, SamplingParams
+from batchgen.server.engine.sampling import prompt_logprobs
 
 
 def _reference(hf_model: Any, prompt: list[int]) -> torch.Tensor:

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from batchgen.server.cli import main
 from batchgen.server.engine.config import EngineConfig
-from batchgen.server.engine.quantization import in_flight
+from batchgen.server.engine.loading.quantization import in_flight
 
 pytest.importorskip("bitsandbytes")
 pytest.importorskip("torchao")
@@ -97,7 +97,7 @@ REFUSED = {  # checkpoint -> its quantization_config, as its quantizer writes it
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory, demo_path: Path) -> dict[str, Path]:
     """Every checkpoint by name: the float one, each quantized one, each refused one."""
-    from batchgen.server.engine.demo_model import build_model
+    from batchgen.server.engine.loading.demo_model import build_model
 
     root = tmp_path_factory.mktemp("quantized")
     tokenizer = AutoTokenizer.from_pretrained(demo_path)

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from batchgen.server.engine import EngineRequest, LLMEngine, SamplingParams
-from batchgen.server.engine.batch_state import BatchState, SamplingInputs
-from batchgen.server.engine.sampler import Sampler, argmax_first
-from batchgen.server.engine.seeds import uniform, uniforms
+from batchgen.server.engine.sampling.batch_state import BatchState, SamplingInputs
+from batchgen.server.engine.sampling.sampler import Sampler, argmax_first
+from batchgen.server.engine.sampling.seeds import uniform, uniforms
 
 Run = Callable[..., Any]
 

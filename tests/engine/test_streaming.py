@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from batchgen.server.engine import EngineRequest, EngineResult, EngineWorker, LLMEngine, SamplingParams
-from batchgen.server.engine.scheduler import Scheduler
+from batchgen.server.engine.core.scheduler import Scheduler
 
 Run = Callable[..., Any]
 

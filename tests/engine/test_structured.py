@@ -296,7 +296,7 @@ def test_compilations_past_their_limit_give_their_places_to_the_next() -> None:
     once in another (here the slow work waits on an event, standing in for a pathological grammar)."""
     from concurrent.futures import Future
 
-    from batchgen.server.engine.grammar import Compilations, GrammarError
+    from batchgen.server.engine.sampling.grammar import Compilations, GrammarError
 
     pool = Compilations(threads=2, timeout_s=0.2)
     release = threading.Event()
@@ -318,7 +318,7 @@ def test_compilations_past_their_limit_give_their_places_to_the_next() -> None:
 
 
 def test_a_grammar_compiled_after_its_limit_serves_the_next_requests(tokenizer: Any) -> None:
-    from batchgen.server.engine.grammar import GrammarCompiler, GrammarError
+    from batchgen.server.engine.sampling.grammar import GrammarCompiler, GrammarError
     from batchgen.server.serving.structured import json_grammar
 
     compiler = GrammarCompiler(tokenizer, len(tokenizer), timeout_s=0.01)

@@ -21,9 +21,9 @@ from test_architectures import Reference, _build, _check, _run
 
 from batchgen.schemas.requests import JsonSchemaFormat, ResponseFormat
 from batchgen.server.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams, build_engine
-from batchgen.server.engine.adapters import Adapters
-from batchgen.server.engine.demo_model import build_tokenizer
 from batchgen.server.engine.errors import ModelNotSupported
+from batchgen.server.engine.features.adapters import Adapters
+from batchgen.server.engine.loading.demo_model import build_tokenizer
 from batchgen.server.serving.structured import format_constraint
 
 

@@ -16,9 +16,9 @@ from test_vision_language import CONVERSATIONS, Family, _run, _same
 from vlm_helpers import BUILDERS
 
 from batchgen.server.engine import EngineConfig, LLMEngine, build_engine
-from batchgen.server.engine.demo_model import build_tokenizer
-from batchgen.server.engine.distributed.plan import split_state_problem
 from batchgen.server.engine.errors import ModelLoadError
+from batchgen.server.engine.loading.demo_model import build_tokenizer
+from batchgen.server.engine.loading.split import split_state_problem
 
 FAULTS = Path(__file__).resolve().parents[1] / "faults"
 

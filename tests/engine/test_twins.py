@@ -1,5 +1,5 @@
 """Lines that share a prompt prefix, submitted together, compute it once: a line whose first block still to compute
-is being computed by another waits for it (``engine/twins.py``), and the lines behind it run meanwhile."""
+is being computed by another waits for it (``engine/core/twins.py``), and the lines behind it run meanwhile."""
 
 from __future__ import annotations
 

@@ -14,12 +14,11 @@ import torch
 from transformers import AutoModelForImageTextToText
 from vlm_helpers import BUILDERS, hf_greedy, image, png_bytes
 
-from batchgen.server.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams
+from batchgen.server.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams, build_engine
+from batchgen.server.engine.core.step_costs import StepCosts
 from batchgen.server.engine.errors import ModelNotSupported
-from batchgen.server.engine.loader import load_model
-from batchgen.server.engine.multimodal.processor import ImageProcessor
+from batchgen.server.engine.features.multimodal.processor import ImageProcessor
 from batchgen.server.engine.self_check import check_engine
-from batchgen.server.engine.step_costs import StepCosts
 from batchgen.server.media import image_hash
 
 NEW_TOKENS = 6
@@ -173,13 +172,14 @@ def test_prefix_cache_keys_include_the_images(family: Family) -> None:
 
 @pytest.mark.parametrize("name", ["glm4v", "kimi_k25"])
 def test_unsupported_family_is_refused_in_one_line(tmp_path: Path, name: str) -> None:
-    """A family the engine does not drive, and one whose image processor needs torchvision (absent here)."""
+    """A family the engine does not drive, and one whose image processor needs torchvision (absent here): refused by
+    the factory from the config alone (there are no weights to load)."""
     from transformers import Glm4vConfig, Kimi_K25Config
 
     config = Glm4vConfig() if name == "glm4v" else Kimi_K25Config()
     config.save_pretrained(tmp_path)
     with pytest.raises(ModelNotSupported) as refused:
-        load_model(EngineConfig(model=str(tmp_path), device="cpu"))
+        build_engine(EngineConfig(model=str(tmp_path), device="cpu"))
     said = str(refused.value)
     assert "\n" not in said and ("glm4v" in said if name == "glm4v" else "needs torchvision" in said)
 
@@ -225,7 +225,7 @@ def test_lora_on_the_language_model_with_images(tmp_path: Path) -> None:
     from peft import LoraConfig, get_peft_model
     from vlm_helpers import llava
 
-    from batchgen.server.engine.adapters import Adapters
+    from batchgen.server.engine.features.adapters import Adapters
 
     family = Family("llava", llava(tmp_path / "llava"))
     torch.manual_seed(7)

@@ -197,7 +197,7 @@ def test_an_engines_grammar_compiler_goes_with_it(make_engine: Callable[..., LLM
     none behind, nor its tokenizer."""
     import gc
 
-    from batchgen.server.engine import grammar
+    from batchgen.server.engine.sampling import grammar
 
     engine = make_engine()
     key = (id(engine.tokenizer), engine.vocab_size)

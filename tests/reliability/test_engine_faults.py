@@ -20,7 +20,7 @@ from transformers import LlamaModel
 
 from batchgen.server.app import create_app
 from batchgen.server.engine.config import EngineConfig
-from batchgen.server.engine.scheduler import Scheduler
+from batchgen.server.engine.core.scheduler import Scheduler
 from batchgen.server.settings import Settings
 
 MARKER = [14, 15, 16]

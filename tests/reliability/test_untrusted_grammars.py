@@ -13,8 +13,8 @@ import llguidance
 import pytest
 from server_helpers import TENANT_KEYS, LiveServer, chat_line
 
-from batchgen.server.engine import grammar as engine_grammar
-from batchgen.server.engine.demo_model import build_tokenizer
+from batchgen.server.engine.loading.demo_model import build_tokenizer
+from batchgen.server.engine.sampling import grammar as engine_grammar
 from batchgen.server.security.grammar_probe import PROBE_STACK_BYTES, GrammarProbe, Verdict
 
 

@@ -17,7 +17,7 @@ from server_helpers import LiveServer, ServerProcess
 from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from batchgen.schemas import MAX_POOLING_INPUTS
-from batchgen.server.engine.pooling_spec import (
+from batchgen.server.engine.loading.pooling_spec import (
     QWEN3_RERANKER_INSTRUCTION,
     QWEN3_RERANKER_PREFIX,
     QWEN3_RERANKER_SUFFIX,

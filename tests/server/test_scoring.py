@@ -13,7 +13,7 @@ import torch
 from server_helpers import LiveServer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from batchgen.server.engine.demo_model import demo_model_dir
+from batchgen.server.engine.loading.demo_model import demo_model_dir
 
 TOLERANCE = 1e-4
 

@@ -15,7 +15,7 @@ from lora_helpers import make_adapters, peft_model
 from server_helpers import LiveServer, ServerProcess
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from batchgen.server.engine.demo_model import build_tokenizer
+from batchgen.server.engine.loading.demo_model import build_tokenizer
 
 TOKENS = 8
 PREFIX = "You are a terse assistant. Answer in one word. "

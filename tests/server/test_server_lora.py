@@ -13,7 +13,7 @@ import pytest
 from lora_helpers import MALFORMED, make_adapters, malformed_adapters
 from server_helpers import TENANT_KEYS, LiveServer
 
-from batchgen.server.engine.adapters import LoRAModule
+from batchgen.server.engine.features.adapters import LoRAModule
 
 PROMPTS = [[10, 20, 30, 40, 50, 60, 70, 80, 90], [5, 4, 3, 2, 1, 200, 201], [33] * 12]
 TOKENS = 8
@@ -147,7 +147,7 @@ def test_model_not_found_lists_a_few_names_and_echoes_a_bounded_model(lora_serve
 
 
 def test_an_adapter_the_engine_cannot_apply_is_refused_by_name(admin: httpx.Client, tmp_path: Path) -> None:
-    from batchgen.server.engine.demo_model import demo_model_dir
+    from batchgen.server.engine.loading.demo_model import demo_model_dir
 
     dora = make_adapters(demo_model_dir(), tmp_path, {"dora": {"r": 4, "target_modules": ["q_proj"], "use_dora": True}})
     response = admin.post("/v1/load_lora_adapter", json={"lora_name": "dora", "lora_path": str(dora["dora"])})

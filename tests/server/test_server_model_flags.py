@@ -14,9 +14,9 @@ from server_helpers import LiveServer
 
 from batchgen.server.cli import build_parser, settings_from_args
 from batchgen.server.engine.config import EngineConfig
-from batchgen.server.engine.demo_model import demo_model_dir
 from batchgen.server.engine.errors import ModelLoadError
-from batchgen.server.engine.loader import load_generation_defaults, load_model, load_tokenizer
+from batchgen.server.engine.loading.demo_model import demo_model_dir
+from batchgen.server.engine.loading.loader import load_generation_defaults, load_model, load_tokenizer
 
 REPO = "batchgen-test/tiny"
 REVISIONS = {"main": "a" * 40, "custom": "b" * 40}

@@ -298,7 +298,7 @@ NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 def thinker(tmp_path_factory: pytest.TempPathFactory, server_factory: Callable[..., LiveServer]) -> LiveServer:
     """A server with ``--enable-auto-tool-choice --tool-call-parser hermes --reasoning-parser qwen3`` over a random
     model whose tokenizer has Qwen's markers as tokens of their own (``ids`` holds them)."""
-    from batchgen.server.engine.demo_model import BOS, EOS, PAD, build_model, build_tokenizer
+    from batchgen.server.engine.loading.demo_model import BOS, EOS, PAD, build_model, build_tokenizer
 
     path = tmp_path_factory.mktemp("thinker")
     tokenizer = build_tokenizer()

@@ -33,8 +33,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 def _run_batch(args: argparse.Namespace, settings: Settings) -> int:
     from batchgen.schemas.validation import validate_input_file
 
-    from .engine.adapters import lora_names
     from .engine.errors import ModelLoadError
+    from .engine.features.adapters import lora_names
     from .engines import load_engine
     from .run_batch import InvalidInputFile, run_batch
     from .serving import BatchDefaults

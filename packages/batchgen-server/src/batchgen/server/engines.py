@@ -41,7 +41,7 @@ def load_engine(config: EngineConfig, cluster: ClusterConfig) -> EngineClient:
     # This process loads no model, yet the app's threads reach transformers' classes (the serving's generation
     # config, the tokenizer's): transformers imports them lazily, and two threads importing one at once can fail
     # ("Could not import module 'PreTrainedModel'"). Import them now, in this thread, before any other starts.
-    from .engine import loader  # noqa: F401
+    from .engine.loading import loader  # noqa: F401
 
     return pool
 

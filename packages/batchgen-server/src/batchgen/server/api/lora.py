@@ -14,7 +14,7 @@ from litestar.openapi import ResponseSpec
 
 from batchgen.schemas import ErrorResponse
 
-from ..engine.adapters import AdapterRefused, Adapters, name_problem
+from ..engine.features.adapters import AdapterRefused, Adapters, name_problem
 from ..security.auth import tenant_id
 from .deps import ServerContext
 from .errors import ERROR_RESPONSES, APIError, invalid, not_found

@@ -9,14 +9,14 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .deferred_imports import defer_torchao
+from .loading.deferred_imports import defer_torchao
 
 defer_torchao()
 
 if TYPE_CHECKING:
     from .config import EngineConfig
-    from .encoder_engine import EncoderEngine
-    from .engine import LLMEngine
+    from .core.encoder_engine import EncoderEngine
+    from .core.engine import LLMEngine
     from .factory import build_engine
     from .interface import EngineClient, EngineStats, ServedModel, SteppingEngine
     from .request import CompletionOutput, EngineError, EngineRequest, EngineResult, SamplingParams, TokenLogprob
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 _MODULES = {
     "CompletionOutput": ".request",
-    "EncoderEngine": ".encoder_engine",
+    "EncoderEngine": ".core.encoder_engine",
     "EngineConfig": ".config",
     "EngineError": ".request",
     "EngineRequest": ".request",
@@ -35,7 +35,7 @@ _MODULES = {
     "SteppingEngine": ".interface",
     "build_engine": ".factory",
     "EngineWorker": ".worker",
-    "LLMEngine": ".engine",
+    "LLMEngine": ".core.engine",
     "SamplingParams": ".request",
     "TokenLogprob": ".request",
 }

@@ -8,16 +8,17 @@ import logging
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-from .adapters import Adapters
 from .config import EngineConfig
+from .core.encoder_engine import EncoderEngine
+from .core.engine import LLMEngine
 from .distributed.group import RankGroup
-from .encoder_engine import EncoderEngine
-from .engine import LLMEngine
 from .errors import ModelLoadError, refused
-from .fast_paths import describe
-from .loader import load_model
-from .pooling import pooler_for
-from .pooling_spec import PoolingSpec, spec_of
+from .features.adapters import Adapters
+from .features.multimodal.processor import check_driven
+from .features.pooling import pooler_for
+from .loading.loader import load_model
+from .loading.pooling_spec import PoolingSpec, spec_of
+from .ops.fast_paths import describe
 from .self_check import check_engine
 
 logger = logging.getLogger(__name__)
@@ -32,6 +33,7 @@ def build_engine(config: EngineConfig) -> LLMEngine | EncoderEngine:
     except (OSError, ValueError):
         load_model(config)  # says in one line why it cannot be loaded
         raise
+    check_driven(config)
     name = config.served_model_names[0]
     group: RankGroup | None = None
     starting: AbstractContextManager[None] = nullcontext()

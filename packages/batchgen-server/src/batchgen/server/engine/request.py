@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
-    from .adapters import LoRARequest
-    from .multimodal.prompt import MultimodalPrompt
+    from .features.adapters import LoRARequest
+    from .features.multimodal.prompt import MultimodalPrompt
 
 logger = logging.getLogger("batchgen.server.engine")
 

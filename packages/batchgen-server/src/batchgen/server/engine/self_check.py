@@ -23,17 +23,17 @@ from typing import TYPE_CHECKING
 import torch
 
 from .attention import ATTENTION_NAME
+from .attention.reach import mechanisms
 from .errors import ModelNotSupported, refused
-from .loader import input_embeddings
-from .multimodal.vision_step import attention_for
-from .quantization import method_of
-from .reach import mechanisms
+from .features.multimodal.vision_step import attention_for
+from .loading.loader import input_embeddings
+from .loading.quantization import method_of
 from .request import EngineRequest, EngineResult, SamplingParams
 
 if TYPE_CHECKING:
-    from .adapters import LoRARequest
-    from .engine import LLMEngine
-    from .model_runner import ModelRunner
+    from .core.engine import LLMEngine
+    from .features.adapters import LoRARequest
+    from .runner.model_runner import ModelRunner
 
 NEW_TOKENS = 4
 TOP = 5

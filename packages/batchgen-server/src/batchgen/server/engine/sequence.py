@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from .detokenizer import IncrementalDetokenizer
 from .request import EngineRequest, FinishReason, TokenLogprob
-from .seeds import mix64
+from .sampling.detokenizer import IncrementalDetokenizer
+from .sampling.seeds import mix64
 
 PENDING = -1
 """The token id a sequence holds, at its end, for a token sampled on the device that the host has not read yet (a

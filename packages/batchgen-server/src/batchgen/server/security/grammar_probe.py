@@ -1,10 +1,10 @@
 """Untrusted grammars compiled first where a crash costs nothing but that grammar: llguidance's compiler is native
 code, and a grammar can crash it (3,000 chained Lark rules, or a chain of a few hundred JSON-schema ``$ref``\\ s,
 overflow its stack: a segfault, and the whole server with it). Each grammar a request brings is compiled first in a
-child process (``python -m batchgen.server.security.grammar_probe``) whose compiling thread has a quarter of the
-stack that the engine's compile threads have (``engine/grammar.py``'s ``COMPILE_STACK_BYTES``), so what compiles
-here compiles there with room to spare. A grammar that kills its child, or outlasts the time limit, is refused and
-costs that child alone: the next grammar starts a new one.
+child process (``python -m batchgen.server.security.grammar_probe``) whose compiling thread has a quarter of the stack
+that the engine's compile threads have (``engine/sampling/grammar.py``'s ``COMPILE_STACK_BYTES``), so what compiles here
+compiles there with room to spare. A grammar that kills its child, or outlasts the time limit, is refused and costs that
+child alone: the next grammar starts a new one.
 
 The children speak over their standard input and output: a ready byte first, then for each grammar its UTF-8 text in
 and llguidance's verdict out (``""``: it compiles), each message after its length (4 bytes, big-endian). A child is

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 from batchgen.schemas import BatchOutputLine, RequestBody
 
-from ..engine.adapters import Adapters, ServedNames
-from ..engine.pooling_spec import Kind, PoolingSpec
+from ..engine.features.adapters import Adapters, ServedNames
+from ..engine.loading.pooling_spec import Kind, PoolingSpec
 from ..engine.request import EngineResult, Task
 from ..media.fetcher import Fetched
 from .answers import Answers, ResponseBody
@@ -80,8 +80,8 @@ class OpenAIServing:
     ) -> OpenAIServing:
         """The serving of a loaded engine: under the names ``config`` serves it by, with its generation config's
         defaults, reading chat outputs as ``serving`` says."""
-        from ..engine.loader import load_generation_defaults  # transformers: only once a model is loaded
-        from ..engine.pooling_spec import spec_of
+        from ..engine.loading.loader import load_generation_defaults  # transformers: only once a model is loaded
+        from ..engine.loading.pooling_spec import spec_of
 
         set_grammar_timeout(config.grammar_timeout_s)
         return cls(

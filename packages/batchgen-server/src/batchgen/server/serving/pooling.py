@@ -38,8 +38,8 @@ from batchgen.schemas import (
     pairs_of,
 )
 
-from ..engine.adapters import LoRARequest
-from ..engine.pooling_spec import (
+from ..engine.features.adapters import LoRARequest
+from ..engine.loading.pooling_spec import (
     QWEN3_RERANKER_INSTRUCTION,
     QWEN3_RERANKER_PREFIX,
     QWEN3_RERANKER_SUFFIX,

@@ -21,8 +21,8 @@ from batchgen.schemas import (
 )
 from batchgen.schemas.responses_api import translate
 
-from ..engine.adapters import MAX_NAME_CHARS, LoRARequest, ServedNames
-from ..engine.pooling_spec import PoolingSpec
+from ..engine.features.adapters import MAX_NAME_CHARS, LoRARequest, ServedNames
+from ..engine.loading.pooling_spec import PoolingSpec
 from ..engine.request import EngineRequest, SamplingParams, Task, vocabulary_problem
 from ..ids import engine_request_id
 from ..media.fetcher import Fetched

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .. import native
-from ..fast_paths import plain_tensor
+from ..ops import native
+from ..ops.fast_paths import plain_tensor
 
 if TYPE_CHECKING:
     from .step import DecodeBlocks

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..fast_paths import FastPath
+from ..ops.fast_paths import FastPath
 from . import cpu_decode
 from .layer import LayerAttention
 from .step import DecodeBlocks

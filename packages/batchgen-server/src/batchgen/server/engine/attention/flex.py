@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
-from ..fast_paths import FastPath
-from ..transfer import to_device
+from ..ops.fast_paths import FastPath
+from ..ops.transfer import to_device
 from .layer import LayerAttention
 from .step import PagedStep
 

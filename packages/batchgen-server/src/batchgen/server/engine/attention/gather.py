@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..fast_paths import FastPath
-from ..transfer import indices, to_device
+from ..ops.fast_paths import FastPath
+from ..ops.transfer import indices, to_device
 from .decode import DecodeKernel, first_visible
 from .kernels import attend, both_ways, causal_mask
 from .layer import LayerAttention

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ..kv_cache import IndexerShape, LayerShape
 from .kernels import attend, causal_mask
+from .kv_cache import IndexerShape, LayerShape
 from .layer import AttentionRefused, LayerAttention
 from .selection import selected_mask
 

@@ -17,9 +17,9 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from ..fast_paths import FastPath
-from ..kv_cache import KVCache
-from ..transfer import to_device
+from ..ops.fast_paths import FastPath
+from ..ops.transfer import to_device
+from .kv_cache import KVCache
 from .layer import LayerAttention
 from .selection import Chunk, Decodes, SparseContexts, attend_selected
 

@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..fast_paths import FastPath
-from ..transfer import to_device
+from ..ops.fast_paths import FastPath
+from ..ops.transfer import to_device
 from .decode import first_visible
 from .layer import LayerAttention
 from .step import PagedStep, SeqSlice

@@ -19,10 +19,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..adapters import LoRARequest
 from ..attention import SeqSlice
-from ..inputs import PackedInputs
-from ..multimodal.vision_step import StepImages
+from ..features.adapters import LoRARequest
+from ..features.multimodal.vision_step import StepImages
+from ..runner.inputs import PackedInputs
 
 HEADER = 16
 IDLE_TIMEOUT = timedelta(days=1)

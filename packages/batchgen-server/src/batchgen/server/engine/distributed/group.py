@@ -17,17 +17,17 @@ import torch
 import torch.distributed as dist
 from transformers import PreTrainedModel
 
-from ..adapters import LoRARequest
 from ..config import EngineConfig
 from ..errors import GroupFailed, ModelLoadError
-from ..grammar import GrammarCompiler
-from ..inputs import PackedInputs
-from ..loader import resolve_model_path
-from ..model_runner import ModelRunner
-from ..multimodal.vision_step import StepImages
+from ..features.adapters import LoRARequest
+from ..features.multimodal.vision_step import StepImages
+from ..loading.loader import resolve_model_path
+from ..loading.split import check_split
+from ..runner.inputs import PackedInputs
+from ..runner.model_runner import ModelRunner
+from ..sampling.grammar import GrammarCompiler
 from .channel import Channel
 from .launch import Launcher, RankHandle, launcher_for
-from .plan import check_split
 from .rank import START_TIMEOUT_S, join, one_line
 
 logger = logging.getLogger(__name__)

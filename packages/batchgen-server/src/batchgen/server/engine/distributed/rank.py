@@ -21,11 +21,11 @@ import torch.distributed as dist
 from transformers import PreTrainedModel
 
 from ..config import EngineConfig
-from ..grammar import compiler_for
-from ..loader import load_model
-from ..model_runner import ModelRunner
+from ..features.state.step import StateStep
+from ..loading.loader import load_model
+from ..runner.model_runner import ModelRunner
+from ..sampling.grammar import compiler_for
 from ..self_check import reference_logits
-from ..state.step import StateStep
 from .channel import Channel, Command
 
 logger = logging.getLogger(__name__)

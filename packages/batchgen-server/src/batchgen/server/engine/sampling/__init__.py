@@ -1,0 +1,1 @@
+"""The sampler and its seeds, the running rows' sampling state, grammars (llguidance), detokenizing, prompt logprobs."""
