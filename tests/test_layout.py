@@ -6,7 +6,10 @@ means a concept sits in the wrong module)."""
 from __future__ import annotations
 
 import ast
+import inspect
 from pathlib import Path
+
+import pytest
 
 import batchgen.server.engine as engine_package
 
@@ -152,3 +155,62 @@ def test_a_circle_is_found_at_any_depth_of_a_module() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(graph) == [["a", "b", "c"]]
     assert "batchgen.server.engine.core.scheduler" in import_graph()
+
+
+FEATURE_NAMES = {
+    *("lora", "adapters", "adapter_slot", "LoRARequest", "LoRASlots", "AdapterSlots"),
+    *("states", "state_slot", "state_source", "state_checkpoints", "state_reuse", "state_marks", "StateSlots"),
+    *("multimodal", "mm", "images", "vision", "spans"),
+    *("pooled_from_last", "embed", "wants_prompt_logprobs", "prompt_logprobs"),
+    *("dsa", "sparse", "grammar", "matcher"),
+}
+"""What names a step's features (LoRA, state layers, images, pooling, DSA, grammars) in code."""
+
+
+def feature_names(path: Path) -> list[str]:
+    """The features ``path``'s code names: an import from ``features``, or an identifier, argument or string above."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and "features" in node.module.split("."):
+            found.append(f"import from {node.module}")
+        names = {
+            ast.Name: lambda n: n.id,
+            ast.Attribute: lambda n: n.attr,
+            ast.arg: lambda n: n.arg,
+            ast.keyword: lambda n: n.arg,
+            ast.alias: lambda n: n.name,
+            ast.Constant: lambda n: n.value if isinstance(n.value, str) and n.value.isidentifier() else None,
+        }
+        for kind, name_of in names.items():
+            if isinstance(node, kind) and name_of(node) in FEATURE_NAMES:
+                found.append(f"{name_of(node)} (line {getattr(node, 'lineno', '?')})")
+    return found
+
+
+@pytest.mark.parametrize("module", ["core/scheduler.py", "core/block_manager.py"])
+def test_the_scheduler_and_the_block_manager_name_no_feature(module: str) -> None:
+    """They know what a feature asks of a step by protocols alone: seats a running sequence holds (a LoRA slot), a
+    cache group beside the blocks (a hybrid model's state slots), where a prompt's chunk may end and what keys its
+    blocks (images), whether its prompt may start from the prefix cache (pooling, prompt logprobs)."""
+    named = feature_names(ROOT / module)
+    assert not named, f"{module} names features: {', '.join(named)}"
+
+
+def test_a_feature_named_is_found(tmp_path: Path) -> None:
+    source = tmp_path / "m.py"
+    source.write_text("from ..features.lora import X\ndef f(seq):\n    return seq.state_slot, g(lora=1)\n")
+    assert feature_names(source) == ["import from features.lora", "state_slot (line 3)", "lora (line 3)"]
+
+
+def test_the_model_runner_builds_each_feature_in_a_method_of_its_own() -> None:
+    """``ModelRunner.__init__`` composes what its helpers build (the caches, the state layers, the vision step, the fast
+    paths, the LoRA slots): under 40 lines."""
+    from batchgen.server.engine.runner.model_runner import ModelRunner
+
+    source = Path(inspect.getsourcefile(ModelRunner) or "")
+    init = next(
+        node
+        for node in ast.walk(ast.parse(source.read_text()))
+        if isinstance(node, ast.FunctionDef) and node.name == "__init__"
+    )
+    assert init.end_lineno is not None and init.end_lineno - init.lineno + 1 < 40

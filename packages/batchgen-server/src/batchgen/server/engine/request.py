@@ -109,6 +109,17 @@ class EngineRequest:
     token_type_ids: list[int] | None = None
     """A BERT-style cross-encoder's pair: each prompt token's segment (0: the query, 1: the document)."""
 
+    def block_keys(self, start: int, end: int) -> tuple[bytes, ...]:
+        """What the KV block of prompt positions ``start`` to ``end`` is keyed by besides its tokens: the images whose
+        placeholders it holds (the same tokens, another picture)."""
+        return () if self.multimodal is None else self.multimodal.block_keys(start, end)
+
+    def chunk_tokens(self, computed: int, num_tokens: int) -> int:
+        """The tokens a prefill chunk from ``computed`` may take of ``num_tokens``: it does not end inside a run of
+        image tokens that attend both ways."""
+        mm = self.multimodal
+        return num_tokens if mm is None or not mm.spans else mm.chunk_tokens(computed, num_tokens)
+
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:

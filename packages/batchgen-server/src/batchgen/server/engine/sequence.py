@@ -46,10 +46,21 @@ class RequestState:
     scheduled: float | None = None
     first_token: float | None = None
 
+    reads_cache_when_pooled: bool = False
+    """An ``embed`` request's prompt may start from the prefix cache: its model pools the last token alone (mean or
+    first-token pooling needs every position's hidden state, which a cached token does not have)."""
+
     @property
     def salt(self) -> int:
         """What its prompt's KV blocks are hashed from, besides their tokens: its LoRA adapter's salt (0: the base)."""
         return self.request.lora.salt if self.request.lora is not None else 0
+
+    def reads_prefix_cache(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s prompt may start from cached blocks: not where every prompt position must be computed
+        (mean pooling, prompt logprobs)."""
+        if self.request.task == "embed":
+            return self.reads_cache_when_pooled
+        return not self.wants_prompt_logprobs(seq)
 
     @property
     def finished(self) -> bool:
@@ -96,20 +107,6 @@ class Sequence:
     row: int = -1
     """Its row in the model runner's ``BatchState`` (its sampling state) while it runs (``BatchState.update``); ``-1``
     otherwise."""
-    adapter_slot: int = 0
-    """The LoRA slot its adapter holds while it runs (0: the base model), taken and given back by the scheduler as
-    its blocks are."""
-    state_slot: int = -1
-    """Its live slot in the state cache while it runs (models with state layers: ``state/slots.py``)."""
-    state_source: int | None = None
-    """The checkpoint its prefix hit starts from, copied into its live slot when it is admitted."""
-    state_checkpoints: list[tuple[int, int]] = field(default_factory=list)
-    """(boundary, checkpoint slot): checkpoints its steps write, published once settled."""
-    state_reuse: int = 0
-    """A boundary its prompt shares with an earlier one that has no checkpoint: it leaves one there."""
-    state_marks: set[int] = field(default_factory=set)
-    """Boundaries where lines waiting for its prompt's blocks resume (``BlockManager.twin``): it leaves a checkpoint
-    at each."""
     block_hashes: list[int] = field(default_factory=list)
     """Content hashes of the full blocks, in order (filled lazily, kept across preemption)."""
     finish_reason: FinishReason | None = None

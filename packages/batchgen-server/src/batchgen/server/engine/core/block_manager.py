@@ -4,29 +4,69 @@ A full block is identified by the hash of (its parent block's hash, its token id
 hash chains. Blocks whose reference count drops to zero keep their hash and go to the back of the free list; they are
 reused by a later request with the same prefix, or recycled least recently freed first.
 
-A model with state layers (recurrent mixers, short convolutions) also has state slots (``state/slots.py``), which
-follow the blocks: a sequence holds a live slot while it holds blocks, a fork copies it, and a prefix hit reaches only
-as far as a checkpoint of the state, which is published with the blocks it ends and dropped when its block is
-recycled.
+A cache group may sit beside the blocks (``CacheGroup``, as vLLM's KV cache groups: a hybrid model's state slots,
+``features/state/slots.py``) and follow them: a sequence holds its share of it while it holds blocks, a fork copies
+it, and a prefix hit reaches only as far as the group can start from, which is published with the blocks it ends and
+dropped when its block is recycled. The block manager knows it by this protocol alone.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ..sequence import Sequence
 from .block_tables import BlockTables
 from .twins import Claims
 
-if TYPE_CHECKING:
-    from ..features.state.slots import StateSlots
+
+class CacheGroup(Protocol):
+    """A cache beside the KV blocks that follows them, per sequence."""
+
+    @property
+    def keeps_prefixes(self) -> bool:
+        """A prefix hit may start from it past the blocks' first one (else no hit is ever made)."""
+        ...
+
+    def reset(self) -> None: ...
+
+    def can_run(self, seq: Sequence) -> bool:
+        """``seq`` can hold its share now (it holds it already, or some is free)."""
+        ...
+
+    def admit(self, seq: Sequence) -> None:
+        """``seq`` runs: it holds its share, from where its prefix hit starts."""
+        ...
+
+    def hit(self, seq: Sequence, hashes: list[int], block_size: int) -> int:
+        """How many of the cached leading blocks ``hashes`` of ``seq``'s prompt its hit may use."""
+        ...
+
+    def mark(self, seq: Sequence, boundary: int) -> None:
+        """Lines waiting for ``seq``'s prompt blocks will resume at ``boundary``."""
+        ...
+
+    def fork(self, parent: Sequence, child: Sequence) -> bool:
+        """``child`` continues from ``parent``'s share (``False``: none is free)."""
+        ...
+
+    def settle(self, seq: Sequence, hashes: list[int], block_size: int) -> None:
+        """``seq``'s full blocks ``hashes`` are published: so is what it computed of the group with them."""
+        ...
+
+    def leave(self, seq: Sequence) -> None:
+        """``seq`` stops running: its share goes back."""
+        ...
+
+    def forget(self, block_hash: int) -> None:
+        """The block ``block_hash`` names was recycled: a hit can no longer start there."""
+        ...
 
 
 class BlockManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool, states: StateSlots | None = None
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool, group: CacheGroup | None = None
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -37,9 +77,10 @@ class BlockManager:
         self.hash_to_block: dict[int, int] = {}
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         """Free blocks, least recently freed first; a cached one leaves the hash map only when it is recycled."""
-        self.states = states
-        if states is not None:
-            states.reset()
+        self.group = group
+        """The cache group beside the blocks, if any."""
+        if group is not None:
+            group.reset()
         self.tables = BlockTables()
         """The sequences' block tables as rows of one array: every change to a ``block_table`` goes through it."""
         self.claims = Claims()
@@ -54,7 +95,7 @@ class BlockManager:
         return max(0, -(-total // self.block_size) - len(seq.block_table))
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        if self.states is not None and not self.states.can_run(seq):
+        if self.group is not None and not self.group.can_run(seq):
             return False
         return self.blocks_needed(seq, num_new_tokens) <= len(self.free)
 
@@ -62,10 +103,10 @@ class BlockManager:
         """Give ``seq`` room for ``num_new_tokens`` more tokens (check ``can_allocate`` first)."""
         for _ in range(self.blocks_needed(seq, num_new_tokens)):
             self.tables.append(seq, self._take_free())
-        if self.states is not None:
-            if self.states.checkpoints:  # the keys of the state checkpoints its prompt may leave
+        if self.group is not None:
+            if self.group.keeps_prefixes:  # the keys of what its prompt may leave to start from
                 self._full_block_hashes(seq, seq.num_prompt_tokens // self.block_size)
-            self.states.admit(seq)
+            self.group.admit(seq)
 
     def match_prefix(self, seq: Sequence) -> int:
         """Attach the cached blocks that hold a prefix of ``seq``; return how many tokens they cover.
@@ -82,8 +123,8 @@ class BlockManager:
             if block is None or self.block_tokens[block] != tokens:
                 break
             blocks.append(block)
-        if self.states is not None:
-            del blocks[self.states.hit(seq, hashes[: len(blocks)], self.block_size) :]
+        if self.group is not None:
+            del blocks[self.group.hit(seq, hashes[: len(blocks)], self.block_size) :]
         for block in blocks:
             if self.ref_counts[block] == 0:
                 del self.free[block]
@@ -94,14 +135,15 @@ class BlockManager:
 
     def twin(self, seq: Sequence) -> Sequence | None:
         """The running sequence computing the first block of waiting ``seq``'s prompt that is not cached (``None``:
-        none): ``seq`` should wait for that block to be published rather than compute it again. With state layers a
-        hit ends at a checkpoint, so that sequence is asked to leave one where the prefix of ``seq`` it computes ends
-        (and a line finding the blocks before it published without one waits too: its hit will reach there)."""
+        none): ``seq`` should wait for that block to be published rather than compute it again. With a cache group a
+        hit ends where the group can start from, so that sequence is asked to leave such a point where the prefix of
+        ``seq`` it computes ends (and a line finding the blocks before it published without one waits too: its hit
+        will reach there)."""
         owner = self.claims.owner
         if not owner or not self.enable_prefix_caching or seq.block_table:
             return None
-        if self.states is not None and not self.states.checkpoints:
-            return None  # no state checkpoints: a hybrid model's prefix is never a hit
+        if self.group is not None and not self.group.keeps_prefixes:
+            return None  # a prefix is never a hit
         hashes = self._full_block_hashes(seq, (len(seq) - 1) // self.block_size)
         cached = 0
         while cached < len(hashes) and hashes[cached] in self.hash_to_block:
@@ -109,11 +151,11 @@ class BlockManager:
         twin = owner.get(hashes[cached]) if cached < len(hashes) else None
         if twin is None or twin is seq:
             return None
-        if self.states is not None:
+        if self.group is not None:
             end = cached
             while end < len(hashes) and owner.get(hashes[end]) is twin:
                 end += 1
-            twin.state_marks.add(end * self.block_size)
+            self.group.mark(twin, end * self.block_size)
         return twin
 
     def claim(self, seq: Sequence) -> None:
@@ -128,8 +170,8 @@ class BlockManager:
         if not self.enable_prefix_caching or num_full <= first_block:
             return
         hashes = self._full_block_hashes(seq, num_full)
-        if self.states is not None:
-            self.states.settle(seq, hashes, self.block_size)
+        if self.group is not None:
+            self.group.settle(seq, hashes, self.block_size)
         self.claims.settle(seq, hashes, num_full)
         for i in range(first_block, num_full):
             block = seq.block_table[i]
@@ -144,7 +186,7 @@ class BlockManager:
         Returns ``False`` (sharing nothing) when no block is free for that copy.
         """
         partial = parent.num_computed_tokens % self.block_size != 0
-        if (partial and not self.free) or (self.states is not None and not self.states.fork(parent, child)):
+        if (partial and not self.free) or (self.group is not None and not self.group.fork(parent, child)):
             return False
         self.tables.copy(parent, child)
         child.block_hashes = list(parent.block_hashes)
@@ -167,8 +209,8 @@ class BlockManager:
         self.tables.release(seq)
         self.claims.release(seq, seq.block_hashes)
         seq.num_computed_tokens = 0
-        if self.states is not None:
-            self.states.leave(seq)
+        if self.group is not None:
+            self.group.leave(seq)
 
     def _take_free(self) -> int:
         block, _ = self.free.popitem(last=False)
@@ -176,8 +218,8 @@ class BlockManager:
         if block_hash is not None:
             if self.hash_to_block.get(block_hash) == block:
                 del self.hash_to_block[block_hash]
-                if self.states is not None:
-                    self.states.forget(block_hash)
+                if self.group is not None:
+                    self.group.forget(block_hash)
             self.block_hash[block] = None
             self.block_tokens[block] = None
         self.ref_counts[block] = 1
@@ -189,11 +231,8 @@ class BlockManager:
         bs = self.block_size
         while len(hashes) < count:
             i = len(hashes)
-            # The first block's parent is the LoRA adapter's salt (0: the base): adapters never share blocks.
+            # The first block's parent is the request's salt: what else its KV depends on (0: nothing else).
             parent = hashes[-1] if hashes else seq.state.salt
             tokens = seq.token_ids[i * bs : (i + 1) * bs]
-            mm = seq.state.request.multimodal
-            # A block with image placeholders is keyed by the images too: the same tokens, another picture.
-            keys = () if mm is None else mm.block_keys(i * bs, (i + 1) * bs)
-            hashes.append(hash((parent, *tokens, *keys)))
+            hashes.append(hash((parent, *tokens, *seq.state.request.block_keys(i * bs, (i + 1) * bs))))
         return hashes[:count]

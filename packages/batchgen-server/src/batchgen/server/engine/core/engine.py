@@ -78,10 +78,10 @@ class LLMEngine:
             self.runner.max_num_seqs,
             config.max_num_batched_tokens,
             lambda src, dst: self.runner.copy_block(src, dst),  # the runner's now: a group restart replaces it
-            self.lora,
-            pooled_from_last=pooler.mode == "last",
+            self.runner.seats,
             step_costs=self.step_costs,
         )
+        self._pooled_from_last = pooler.mode == "last"
         self.outputs = OutputProcessor(tokenizer, self.scheduler, self._requests, pooler)
         self._ready: list[EngineResult] = []
         self._step: list[ScheduledSeq] | None = None
@@ -103,7 +103,8 @@ class LLMEngine:
         failed is started again whole, every rank's shard loaded again."""
         if (group := self.runner.group) is not None and group.broken:
             self.runner = group.restarted(self.grammars)
-            self.lora = self.scheduler.adapters = self.runner.lora  # the new shards' slots (empty: read again)
+            self.lora = self.runner.lora  # the new shards' slots (empty: read again)
+            self.scheduler.seats = self.runner.seats
         self.scheduler.reset(self._fresh_cache())
         self.runner.reset()
         self._requests.clear()
@@ -164,6 +165,7 @@ class LLMEngine:
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(64)
         state = RequestState(request, max_len, max_tokens, frozenset(stop_ids), seed)
+        state.reads_cache_when_pooled = self._pooled_from_last
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None] * prompt_len
         seq = state.new_sequence(list(request.prompt_token_ids), 0, self.tokenizer)

@@ -22,34 +22,35 @@ where online prompts are at least half as many as the streams (a burst) and step
 or wait (the batch's throughput is not traded for the streams' smoothness).
 
 The scheduler decides; it owns every change of a sequence's place: admission, the tokens computed as steps run,
-preemption and finishing, the forks of ``n`` choices, and what a running sequence holds: its KV blocks and its LoRA
-adapter's slot. Each step it reports what runs and which sequences started or stopped running
-(``SchedulerOutput``); the model runner turns that into the step's inputs.
+preemption and finishing, the forks of ``n`` choices, and what a running sequence holds: its KV blocks (and the cache
+group beside them: the block manager's), and its seats (``Seats``: a resource a running sequence holds, such as an
+adapter's slot on the device). Each step it reports what runs and which sequences started or stopped running
+(``SchedulerOutput``); the model runner turns that into the step's inputs. It knows the features a request may
+carry by what they ask of a step alone: where a prompt's chunk may end (``EngineRequest.chunk_tokens``), whether its
+prompt may start from cached blocks (``RequestState.reads_prefix_cache``), and its seats.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Container
+from collections.abc import Sequence as Seq
 from itertools import takewhile
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from ..scheduler_output import ScheduledSeq, SchedulerOutput
 from ..sequence import PENDING, Sequence, Status
 from .block_manager import BlockManager
 from .step_costs import StepCosts
 
-if TYPE_CHECKING:
-    from ..features.adapters import LoRARequest
 
+class Seats(Protocol):
+    """A resource the scheduler hands out as it does KV blocks: a running sequence holds a seat, and one that finds
+    none it can take waits."""
 
-class AdapterSlots(Protocol):
-    """The LoRA adapters' slots on the device (``lora.LoRASlots``), a resource the scheduler hands out as it does KV
-    blocks: a running sequence holds its adapter's slot, and one whose adapter finds none waits."""
-
-    def can_take(self, request: LoRARequest) -> bool: ...
-    def acquire(self, request: LoRARequest | None) -> int: ...
-    def release(self, slot: int) -> None: ...
+    def can_take(self, seq: Sequence) -> bool: ...
+    def take(self, seq: Sequence) -> None: ...
+    def give_back(self, seq: Sequence) -> None: ...
     def reset(self) -> None: ...
 
 
@@ -60,19 +61,16 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         copy_block: Callable[[int, int], None],
-        adapters: AdapterSlots | None = None,
-        pooled_from_last: bool = False,
+        seats: Seq[Seats] = (),
         step_costs: StepCosts | None = None,
     ) -> None:
         self.block_manager = block_manager
-        self.pooled_from_last = pooled_from_last
-        """Embed requests pool their last token alone: they read the prefix cache as generation does."""
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self._copy_block = copy_block
         """Copies a cache block's contents (a fork's partly filled last block)."""
-        self.adapters = adapters
-        """The LoRA slots: a sequence runs once its adapter holds one."""
+        self.seats = seats
+        """What a running sequence holds besides its blocks: it runs once it can take one of each."""
         self.step_costs = step_costs
         """What bounds the prefill tokens of a step that carries online requests' decodes (``None``: nothing)."""
         self.waiting: deque[Sequence] = deque()
@@ -86,8 +84,8 @@ class Scheduler:
     def reset(self, block_manager: BlockManager) -> None:
         """Forget every sequence, on a fresh cache (how the engine recovers from a failed step)."""
         self.block_manager = block_manager
-        if self.adapters is not None:
-            self.adapters.reset()
+        for seats in self.seats:
+            seats.reset()
         self.waiting.clear()
         self.running = []
         self._started, self._stopped = [], []
@@ -140,13 +138,9 @@ class Scheduler:
                 if not _is_interactive(seq) or (refund := self._preempt_batch(scheduled)) is None:
                     break
                 budget, prefill = budget + refund[0], prefill + refund[1]
-            lora = seq.state.request.lora
-            if lora is not None and self.adapters is not None and not self.adapters.can_take(lora):
-                break  # every slot holds another adapter that runs: it waits for one to be released
-            # Mean or first-token pooling and prompt logprobs need every prompt position computed: a cached token has
-            # no hidden state (last-token pooling needs only the last, which is always computed).
-            request = seq.state.request
-            reads_cache = self.pooled_from_last if request.task == "embed" else not seq.state.wants_prompt_logprobs(seq)
+            if not all(seats.can_take(seq) for seats in self.seats):
+                break  # it waits for a seat to be given back
+            reads_cache = seq.state.reads_prefix_cache(seq)
             if reads_cache and _is_batch(seq) and self.block_manager.twin(seq) is not None:
                 place += 1  # it waits for the blocks another computes, in its place; those behind it may run
                 if place >= self.max_num_seqs:
@@ -231,18 +225,17 @@ class Scheduler:
 
     def _run(self, seq: Sequence) -> None:
         seq.status = Status.RUNNING
-        if self.adapters is not None:
-            seq.adapter_slot = self.adapters.acquire(seq.state.request.lora)
+        for seats in self.seats:
+            seats.take(seq)
         self.running.append(seq)
         self._started.append(seq)
 
     def _leave(self, seq: Sequence) -> None:
-        """Give back what ``seq`` holds: its blocks, and while it runs its adapter's slot."""
+        """Give back what ``seq`` holds: its blocks, and while it runs its seats."""
         self.block_manager.free_seq(seq)
         if seq.status is Status.RUNNING:
-            if self.adapters is not None:
-                self.adapters.release(seq.adapter_slot)
-            seq.adapter_slot = 0
+            for seats in self.seats:
+                seats.give_back(seq)
             self._stopped.append(seq)
 
     def _preempt(self, seq: Sequence) -> None:
@@ -309,6 +302,5 @@ def _is_batch(seq: Sequence) -> bool:
 
 
 def _chunk(seq: Sequence, num_tokens: int) -> int:
-    """``num_tokens`` of ``seq``, unless a prefill chunk would end inside an image whose tokens attend both ways."""
-    mm = seq.state.request.multimodal
-    return num_tokens if mm is None or not mm.spans else mm.chunk_tokens(seq.num_computed_tokens, num_tokens)
+    """``num_tokens`` of ``seq``, or fewer where its request says a prefill chunk may not end there."""
+    return seq.state.request.chunk_tokens(seq.num_computed_tokens, num_tokens)

@@ -42,6 +42,7 @@ from .lora_split import add_inside, local, other_stages_linears, shard_adapter
 
 if TYPE_CHECKING:
     from ..config import EngineConfig
+    from ..sequence import Sequence
 
 PEFT_PREFIX = "base_model.model."
 
@@ -253,6 +254,8 @@ class LoRASlots:
         """Running rows per slot."""
         self._idle: OrderedDict[int, None] = OrderedDict((slot, None) for slot in range(1, max_loras + 1))
         """Slots no row uses, least recently used first (the one a new adapter takes)."""
+        self._seats: dict[Sequence, int] = {}
+        """The slot each running sequence of an adapter holds."""
         self._cache: OrderedDict[tuple[str, int], AdapterWeights | AdapterRefused] = OrderedDict()
         self._cache_lock = threading.Lock()
         self._reading: dict[tuple[str, int], threading.Lock] = {}
@@ -346,15 +349,18 @@ class LoRASlots:
 
     # ---- slots ---------------------------------------------------------------------------------------------------
 
-    def can_take(self, request: LoRARequest) -> bool:
-        """Whether a row of ``request``'s adapter can run now: its adapter holds a slot, or one is idle."""
-        return request in self.held or bool(self._idle)
+    def can_take(self, seq: Sequence) -> bool:
+        """Whether ``seq`` (a row of its adapter) can run now: its adapter holds a slot, or one is idle (the base:
+        always). The scheduler's ``Seats``."""
+        request = seq.state.request.lora
+        return request is None or request in self.held or bool(self._idle)
 
-    def acquire(self, request: LoRARequest | None) -> int:
-        """A slot for a row of this adapter (check ``can_take``): the one it holds, or the idle slot used least
-        recently, its weights copied in. 0 (the base) for ``None``."""
+    def take(self, seq: Sequence) -> None:
+        """``seq`` runs with its adapter's slot: the one it holds, or the idle slot used least recently, its weights
+        copied in (check ``can_take``); the base's slot 0 for none."""
+        request = seq.state.request.lora
         if request is None:
-            return 0
+            return
         if request in self.held:
             slot = self.held.index(request)
         else:
@@ -362,16 +368,22 @@ class LoRASlots:
             self.load(slot, request)
         self._idle.pop(slot, None)
         self.users[slot] += 1
-        return slot
+        self._seats[seq] = slot
 
-    def release(self, slot: int) -> None:
+    def give_back(self, seq: Sequence) -> None:
+        slot = self._seats.pop(seq, 0)
         if slot:
             self.users[slot] -= 1
             if not self.users[slot]:
                 self._idle[slot] = None  # most recently used: kept loaded the longest
 
+    def slot_of(self, seq: Sequence) -> int:
+        """The slot ``seq`` runs with (0: the base)."""
+        return self._seats.get(seq, 0)
+
     def reset(self) -> None:
         """No row runs (the engine reset): every slot idle, the adapters left in them."""
+        self._seats.clear()
         self.users = [0] * len(self.users)
         self._idle = OrderedDict((slot, None) for slot in range(1, self.max_loras + 1))
 

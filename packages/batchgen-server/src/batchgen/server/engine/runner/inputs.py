@@ -10,6 +10,7 @@ the device.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,9 +95,11 @@ class InputBuffers:
         block_tables: np.ndarray,
         batch: BatchState,
         previous: Launched | None = None,
+        slot_of: Callable[[Sequence], int] | None = None,
     ) -> StepInputs:
         """The step's inputs; its sequences' blocks are rows of ``block_tables`` (``block_tables.py``), their sampling
-        state rows of ``batch``; ``previous`` is the step in flight, whose sampled tokens the host has not read."""
+        state rows of ``batch``; ``previous`` is the step in flight, whose sampled tokens the host has not read;
+        ``slot_of``: each sequence's LoRA slot, with LoRA on (its tokens' rows of ``adapter_slots``)."""
         host = self._host
         ids, positions, slots = host
         bs = self.block_size
@@ -144,13 +147,13 @@ class InputBuffers:
                 ids[row] = token_ids[start]
                 positions[row] = start
                 slots[row] = seq.block_table[start // bs] * bs + start % bs
-                adapter_slots.append(seq.adapter_slot)
             else:
                 span = np.arange(start, end)
                 ids[row : row + n] = token_ids[start:end]
                 positions[row : row + n] = span
                 slots[row : row + n] = block_tables[seq.table_row, span // bs] * bs + span % bs
-                adapter_slots += [seq.adapter_slot] * n
+            if slot_of is not None:
+                adapter_slots += [slot_of(seq)] * n
             row += n
             if end == length and token_ids[-1] == PENDING:  # the step in flight samples it
                 assert previous is not None

@@ -118,6 +118,16 @@ class StepOutput:
 
 
 class ModelRunner:
+    pooling_only: bool
+    """Every step only pools: the base model's forward (no LM or classifier head: the pooler applies one on the
+    pooled rows), which any ``*Model``, ``*ForCausalLM`` or ``*ForSequenceClassification`` has."""
+    grammars: GrammarCompiler
+    """Fills the constrained rows' token masks while the forward runs."""
+    stages: Any
+    """A pipeline stage's forward (``runner/stages.py``): the model's calls run its layers alone."""
+    windows: set[int | None]
+    """The layers' sliding windows (``None``: full attention), which the self-check reaches past."""
+
     def __init__(
         self,
         model: PreTrainedModel,
@@ -128,109 +138,136 @@ class ModelRunner:
     ) -> None:
         """``group``: on the driver of a tensor-parallel group, the other ranks, which run every forward with it;
         ``pooling_only``: the model only pools, through its base model's forward."""
-        # No autograd, whatever thread steps the engine (grad mode is per thread). With trainable weights, the
-        # in-place K/V writes made the cache tensors part of an autograd graph that grew by every step's saved
-        # activations and was never freed: RSS grew by gigabytes per few thousand requests.
+        # No autograd, whatever thread steps (grad mode is per thread): with trainable weights the in-place K/V writes
+        # made the cache part of a graph that kept every step's activations (gigabytes per few thousand requests).
         model.requires_grad_(False)
-        self.model = model
+        self.model, self.group, self.grammars, self.pooling_only = model, group, grammars, pooling_only
         self.architecture = type(model).__name__
-        self.pooling_only = pooling_only
-        """Every step only pools: the base model's forward (no LM or classifier head: the pooler applies one on the
-        pooled rows), which any ``*Model``, ``*ForCausalLM`` or ``*ForSequenceClassification`` has."""
         if not pooling_only and "logits_to_keep" not in inspect.signature(model.forward).parameters:
             raise ModelNotSupported(self.architecture, "its forward takes no `logits_to_keep`")
         self.device: torch.device = model_weight(model).device
-        self.stages = stages_of(model)
-        """A pipeline stage's forward (``distributed/stages.py``): the model's calls run its layers alone."""
-        self.block_size = config.block_size
-        self.sparse = dsa.install(model)
-        """DSA layers (``dsa.py``): their indexers run per sequence, so the model runs eagerly (no compiled layers,
-        no CUDA graphs) and without LoRA slots (the indexer's projections run on parts of the packed row)."""
-        if self.sparse and config.enable_lora:
-            raise ModelNotSupported(self.architecture, "LoRA adapters on DSA sparse-attention layers are not served")
-        self._masks: dict[str, Any] = {"attention_mask": Selections()} if self.sparse else {}
+        self.stages, self.block_size = stages_of(model), config.block_size
+        self.sparse = self._sparse_layers(config)
         probe = self._probe_layers()
         self.windows = probe.windows
-        """The layers' sliding windows (``None``: full attention), which the self-check reaches past."""
         state_layers = self._state_layers(probe)
         shapes = self._cache_shapes(probe.shapes, config)
-        self.block_bytes = KVCache.block_bytes(shapes, self.block_size, probe.indexers)
-        budget = None if config.num_kv_blocks else self._cache_budget(config)
-        context = config.max_model_len or getattr(model.config.get_text_config(), "max_position_embeddings", None)
-        sizes = cache_sizes(budget, self.block_bytes, States.slot_bytes_of(state_layers), config, context)
-        distributed = config.world_size > 1
-        if distributed:  # each rank holds its share of the same blocks (its heads', its stage's layers') and the same
-            # state slots: as many as the fullest rank has room for
-            sizes = CacheSizes(*(smallest_across_ranks(size, self.device) for size in dataclasses.astuple(sizes)))
+        sizes = self._cache_sizes(shapes, probe.indexers, state_layers, config)
         self.num_blocks = sizes.blocks
-        self.group = group
-        self.states: States | None = None
-        """The state layers' cache and slots (models with recurrent mixers or short convolutions)."""
-        if state_layers:
-            interval = config.state_checkpoint_interval
-            if interval % self.block_size:
-                raise ModelLoadError("--state-checkpoint-interval must be a multiple of --block-size")
-            if distributed and (problem := split_state_problem(model, state_layers, config)):
-                raise ModelNotSupported(self.architecture, problem)
-            self.states = States(state_layers, sizes.live_slots, sizes.checkpoint_slots, self.block_size, interval)
-            if group is not None:  # every rank holds the whole state: a slot copied here is copied there
-                self.states.slots.copy = self._copy_state
-        self.vision: VisionStep | None = vision_step_for(model, config.encoder_cache_mib * 2**20)
-        """A vision-language model's vision step (``multimodal/``): its steps may run on embeddings."""
-        if self.vision is not None and self.vision.family.bidirectional:
-            both_ways_refused(self.architecture, config)
-        # A split model runs eagerly: its collectives sit between the layers' ops, and every rank must run alike.
-        big = model.num_parameters() >= EAGER_BELOW_PARAMETERS
-        self.compiled = not config.enforce_eager and big and not self.sparse and not distributed
-        # No decode graphs with state layers yet: their mixers run per call from Python lists of rows and slots. Nor
-        # for vision-language models: graphs replay a decode's token ids and plain positions, M-RoPE's are not those.
-        # Nor for pooling models, which never decode.
-        special = self.states is not None or self.vision is not None or pooling_only
-        graphs = uses_graphs(self.compiled, self.device, config) and not special
+        self.states = self._build_states(state_layers, sizes, config)
+        self.vision = self._build_vision(config)
+        self.compiled, graphs = self._compiled(config)
         # With graphs, one more block than the block manager hands out: the scratch block of padding rows.
         self.cache = KVCache(shapes, self.num_blocks + graphs, self.block_size, probe.indexers)
         self.inputs = InputBuffers(config.max_num_batched_tokens, self.block_size, self.device)
+        layers = [*probe.modules, *(layer.module for layer in state_layers)]  # mixer-only layers compile too
+        self.graphs = self._build_fast_paths(config, layers, probe.windows, graphs)
+        self.vocab_size: int = model.config.get_text_config().vocab_size
+        live = self.states.slots.live if self.states is not None else config.max_num_seqs  # a running sequence's slot
+        self.max_num_seqs = min(config.max_num_seqs, live)
+        self.batch, self.sampler = BatchState(self.vocab_size, self.device, capacity=self.max_num_seqs), Sampler()
+        self.lora = self._build_lora(config, layers)
+
+    def _sparse_layers(self, config: EngineConfig) -> bool:
+        """DSA layers (``attention/dsa.py``) installed: their indexers run per sequence, so the model runs eagerly
+        (no compiled layers, no CUDA graphs) and without LoRA slots (the indexer's projections run on parts of the
+        packed row)."""
+        sparse = dsa.install(self.model)
+        if sparse and config.enable_lora:
+            raise ModelNotSupported(self.architecture, "LoRA adapters on DSA sparse-attention layers are not served")
+        self._masks: dict[str, Any] = {"attention_mask": Selections()} if sparse else {}
+        return sparse
+
+    def _cache_sizes(
+        self, shapes: list[LayerShape], indexers: Any, state_layers: list[StateLayer], config: EngineConfig
+    ) -> CacheSizes:
+        """The KV blocks and state slots the budget holds; on a split model as many as the fullest rank has room
+        for (each rank holds its share of the same blocks, its heads' or its stage's layers', and the same slots)."""
+        self.block_bytes = KVCache.block_bytes(shapes, self.block_size, indexers)
+        budget = None if config.num_kv_blocks else self._cache_budget(config)
+        context = config.max_model_len or getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+        sizes = cache_sizes(budget, self.block_bytes, States.slot_bytes_of(state_layers), config, context)
+        if config.world_size > 1:
+            sizes = CacheSizes(*(smallest_across_ranks(size, self.device) for size in dataclasses.astuple(sizes)))
+        return sizes
+
+    def _build_states(self, layers: list[StateLayer], sizes: CacheSizes, config: EngineConfig) -> States | None:
+        """The state layers' cache and slots (models with recurrent mixers or short convolutions)."""
+        if not layers:
+            return None
+        if config.state_checkpoint_interval % self.block_size:
+            raise ModelLoadError("--state-checkpoint-interval must be a multiple of --block-size")
+        if config.world_size > 1 and (problem := split_state_problem(self.model, layers, config)):
+            raise ModelNotSupported(self.architecture, problem)
+        states = States(
+            layers, sizes.live_slots, sizes.checkpoint_slots, self.block_size, config.state_checkpoint_interval
+        )
+        if self.group is not None:  # every rank holds the whole state: a slot copied here is copied there
+            states.slots.copy = self._copy_state
+        return states
+
+    def _build_vision(self, config: EngineConfig) -> VisionStep | None:
+        """A vision-language model's vision step (``features/multimodal/``): its steps may run on embeddings."""
+        vision = vision_step_for(self.model, config.encoder_cache_mib * 2**20)
+        if vision is not None and vision.family.bidirectional:
+            both_ways_refused(self.architecture, config)
+        return vision
+
+    def _compiled(self, config: EngineConfig) -> tuple[bool, bool]:
+        """Whether the layers are compiled, and decode steps run as CUDA graphs."""
+        # A split model runs eagerly: its collectives sit between the layers' ops, and every rank must run alike.
+        big = self.model.num_parameters() >= EAGER_BELOW_PARAMETERS
+        compiled = not config.enforce_eager and big and not self.sparse and config.world_size == 1
+        # No decode graphs with state layers yet: their mixers run per call from Python lists of rows and slots. Nor
+        # for vision-language models: graphs replay a decode's token ids and plain positions, M-RoPE's are not those.
+        # Nor for pooling models, which never decode.
+        special = self.states is not None or self.vision is not None or self.pooling_only
+        return compiled, uses_graphs(compiled, self.device, config) and not special
+
+    def _build_fast_paths(
+        self, config: EngineConfig, layers: list[torch.nn.Module], windows: Any, graphs: bool
+    ) -> DecodeGraphs | None:
+        """The attention backends, the compiled layers, the CUDA graphs of decode steps: its fast paths
+        (``ops/fast_paths.py``; none for a model that runs eagerly); returns the graphs."""
         # The eager retry's attention: what any device runs without compiling (eager flex is a dense reference over
         # the whole cache, far too large for a real one).
         self.eager_backend = make_backend("gather", self.device, compiled=False)
         self.backend = self.eager_backend
         if self.compiled or config.attention_backend == "flex":
             self.backend = make_backend(config.attention_backend, self.device, self.compiled)
-        layers = [*probe.modules, *(layer.module for layer in state_layers)]  # mixer-only layers compile too
-        self.fast = FastForward(model, layers, on_off=self._eager_from_now_on) if self.compiled else None
-        self.graphs: DecodeGraphs | None = None
+        self.fast = FastForward(self.model, layers, on_off=self._eager_from_now_on) if self.compiled else None
+        decode_graphs = None
         if graphs:
-            make_graph = CudaGraph.maker()
-            self.graphs = DecodeGraphs(
-                model, self.cache, self.num_blocks, probe.windows, config.max_num_seqs, make_graph
+            decode_graphs = DecodeGraphs(
+                self.model, self.cache, self.num_blocks, windows, config.max_num_seqs, CudaGraph.maker()
             )
         self.graph_path = FastPath("CUDA graphs")
         self.paths: list[FastPath] = [
             *(self.fast.paths if self.fast else []),
             *self.backend.paths,
-            *([self.graph_path] if self.graphs else []),
+            *([self.graph_path] if decode_graphs else []),
             *(self.states.mixers.paths if self.states else []),
         ]
-        """Its fast paths (``fast_paths.py``): none for a model that runs eagerly."""
-        self.vocab_size: int = model.config.get_text_config().vocab_size
-        self.max_num_seqs = config.max_num_seqs
-        if self.states is not None:  # each running sequence holds a slot of state
-            self.max_num_seqs = min(self.max_num_seqs, self.states.slots.live)
-        self.batch = BatchState(self.vocab_size, self.device, capacity=self.max_num_seqs)
-        self.sampler = Sampler()
-        self.grammars = grammars
-        """Fills the constrained rows' token masks while the forward runs."""
-        self.lora: LoRASlots | None = None
-        if config.enable_lora:
-            graph_rows = self.graphs.buckets[-1] if self.graphs is not None else 0
-            self.lora = build_slots(model, layers, graph_rows, config)
-            self.lora.find_unreached(lambda: self._probe_forward(LayerProbe()))
-            if group is not None:  # the other ranks copy each adapter into the same slot, and run with the same mask
-                self.lora.on_load = group.send_adapter
-            if self.states is not None:  # a state layer's own forward runs on some of the rows: their slots
-                self.states.mixers.token_rows = self.lora
-        else:
-            detach(model)  # an earlier engine's slots, on a model shared with it
+        return decode_graphs
+
+    def _build_lora(self, config: EngineConfig, layers: list[torch.nn.Module]) -> LoRASlots | None:
+        """The LoRA adapters' slots over the layers' linears (``features/lora.py``), with LoRA on."""
+        if not config.enable_lora:
+            detach(self.model)  # an earlier engine's slots, on a model shared with it
+            return None
+        graph_rows = self.graphs.buckets[-1] if self.graphs is not None else 0
+        lora = build_slots(self.model, layers, graph_rows, config)
+        lora.find_unreached(lambda: self._probe_forward(LayerProbe()))
+        if self.group is not None:  # the other ranks copy each adapter into the same slot, and run with the same mask
+            lora.on_load = self.group.send_adapter
+        if self.states is not None:  # a state layer's own forward runs on some of the rows: their slots
+            self.states.mixers.token_rows = lora
+        return lora
+
+    @property
+    def seats(self) -> list[LoRASlots]:
+        """What a running sequence of this runner holds besides its blocks (the scheduler's ``Seats``)."""
+        return [self.lora] if self.lora is not None else []
 
     @torch.no_grad()
     def _probe_layers(self) -> LayerProbe:
@@ -331,7 +368,8 @@ class ModelRunner:
         the step in flight, whose tokens the host has not read), run its forward and sample it, leaving it on the
         device. The only state it changes is the penalised rows' counts catching up with tokens already committed,
         so a step computed again (the engine's fault isolation) reads what the first attempt read."""
-        step = self.inputs.prepare(scheduled, block_tables, self.batch, previous)
+        slot_of = self.lora.slot_of if self.lora is not None else None
+        step = self.inputs.prepare(scheduled, block_tables, self.batch, previous, slot_of)
         if self.states is not None:
             step.packed = dataclasses.replace(step.packed, states=self.states.step(scheduled, step.packed.seqs))
         if self.lora is not None:  # each token runs with its sequence's adapter slot

@@ -51,6 +51,7 @@ class States:
         bs = self.block_size
         for item, piece in zip(scheduled, seqs, strict=True):
             seq = item.seq
+            held = self.slots.of(seq)
             start, end = piece.start, piece.end
             checkpoints: list[tuple[int, int]] = []
             if self.slots.checkpoints and start < seq.num_prompt_tokens:
@@ -58,13 +59,13 @@ class States:
                 # The prompt's last block boundary (what a longer prompt extending it resumes from) and the last one
                 # before its end (what a repeat resumes from: a hit leaves the last token to compute); one boundary
                 # unless the prompt is a whole number of blocks. And where lines waiting for its blocks resume.
-                ends = (prompt // bs * bs, (prompt - 1) // bs * bs, seq.state_reuse, *seq.state_marks)
+                ends = (prompt // bs * bs, (prompt - 1) // bs * bs, held.reuse, *held.marks)
                 for boundary in range((start // bs + 1) * bs, min(end, prompt) + 1, bs):
                     if not (boundary in ends or (self.interval and boundary % self.interval == 0)):
                         continue
                     # Keyed by the hash of the block ending there (hashed at admission: ``BlockManager.allocate``).
                     if (slot := self.slots.take(seq.block_hashes[boundary // bs - 1])) is not None:
                         checkpoints.append((boundary, slot))
-                seq.state_checkpoints += checkpoints
-            step.add(piece.row, piece.num_tokens, start, seq.state_slot, tuple(checkpoints))
+                held.checkpoints += checkpoints
+            step.add(piece.row, piece.num_tokens, start, held.slot, tuple(checkpoints))
         return self.mixers.bind(step)

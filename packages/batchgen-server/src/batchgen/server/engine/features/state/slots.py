@@ -10,16 +10,37 @@
   recently used first within their budget, and dropped with their block when the block manager recycles it.
 
 Slot numbers: live slots first, then the checkpoints, all rows of one ``StateCache``.
+
+The block manager drives them as the cache group beside its KV blocks (``core/block_manager.py``'s ``CacheGroup``);
+what each sequence holds of them is kept here (``SeqState``), not on the sequence.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ...sequence import Sequence
+
+
+@dataclass(slots=True)
+class SeqState:
+    """What one sequence holds of the state cache."""
+
+    slot: int = -1
+    """Its live slot while it runs."""
+    source: int | None = None
+    """The checkpoint its prefix hit starts from, copied into its live slot when it is admitted."""
+    checkpoints: list[tuple[int, int]] = field(default_factory=list)
+    """(boundary, checkpoint slot): checkpoints its steps write, published once settled."""
+    reuse: int = 0
+    """A boundary its prompt shares with an earlier one that has no checkpoint: it leaves one there."""
+    marks: set[int] = field(default_factory=set)
+    """Boundaries where lines waiting for its prompt's blocks resume (``BlockManager.twin``): it leaves a checkpoint
+    at each."""
 
 
 class StateSlots:
@@ -36,6 +57,7 @@ class StateSlots:
         """Checkpoint slot -> block hash, taken by a step and not yet published or discarded."""
         self._last_prompt: list[int] = []
         """The prompt of the sequence admitted last: what the next one is compared with (``hit``)."""
+        self._held: dict[Sequence, SeqState] = {}
         self.reset()
 
     def reset(self) -> None:
@@ -45,6 +67,19 @@ class StateSlots:
         self._published.clear()
         self._writing.clear()
         self._last_prompt = []
+        self._held.clear()
+
+    @property
+    def keeps_prefixes(self) -> bool:
+        """A prefix hit may reach past the live state (there are checkpoints to start from)."""
+        return bool(self.checkpoints)
+
+    def of(self, seq: Sequence) -> SeqState:
+        """What ``seq`` holds (nothing yet: a fresh record, kept until it leaves)."""
+        held = self._held.get(seq)
+        if held is None:
+            held = self._held[seq] = SeqState()
+        return held
 
     # ---- live slots ----------------------------------------------------------------------------------------------
 
@@ -121,57 +156,65 @@ class StateSlots:
         sequence leaves a checkpoint there as it computes it (a reuse point). So does the prefix it shares with the
         prompt admitted just before it (a batch's lines under one system prompt, before any of them is cached), up
         to where a repeat of it resumes (the same prompt again: its last token is always computed)."""
-        blocks, slot = self.longest(hashes)
-        seq.state_source = slot
+        held = self.of(seq)
+        blocks, held.source = self.longest(hashes)
         prompt = seq.token_ids[: seq.num_prompt_tokens]
         # Where a line repeating this prompt can resume: a hit leaves its last token to compute.
         shared = min(_common_prefix(prompt, self._last_prompt), len(prompt) - 1) // block_size * block_size
         self._last_prompt = prompt
         reuse = max(len(hashes) * block_size, shared)
-        seq.state_reuse = reuse if reuse > blocks * block_size else 0
+        held.reuse = reuse if reuse > blocks * block_size else 0
         return blocks
 
+    def mark(self, seq: Sequence, boundary: int) -> None:
+        """Lines waiting for ``seq``'s prompt blocks resume at ``boundary``: it leaves a checkpoint there."""
+        self.of(seq).marks.add(boundary)
+
     def can_run(self, seq: Sequence) -> bool:
-        return seq.state_slot >= 0 or self.can_take()
+        held = self._held.get(seq)
+        return (held is not None and held.slot >= 0) or self.can_take()
 
     def admit(self, seq: Sequence) -> None:
         """``seq`` runs: it holds a live slot, holding its prefix hit's checkpoint where it has one."""
-        if seq.state_slot < 0:
-            seq.state_slot = self.acquire()
-        if seq.state_source is not None:
-            self.copy(seq.state_source, seq.state_slot)
-            seq.state_source = None
+        held = self.of(seq)
+        if held.slot < 0:
+            held.slot = self.acquire()
+        if held.source is not None:
+            self.copy(held.source, held.slot)
+            held.source = None
 
     def fork(self, parent: Sequence, child: Sequence) -> bool:
         """``child`` continues from ``parent``'s state (``False``: no live slot free)."""
         if not self.can_take():
             return False
-        child.state_slot = self.acquire()
-        self.copy(parent.state_slot, child.state_slot)
+        slot = self.of(child).slot = self.acquire()
+        self.copy(self.of(parent).slot, slot)
         return True
 
     def settle(self, seq: Sequence, hashes: list[int], block_size: int) -> None:
         """Publish ``seq``'s checkpoints whose boundaries its settled steps have computed (``hashes``: its full
         blocks')."""
+        held = self._held.get(seq)
+        if held is None:
+            return
         pending = []
-        for boundary, slot in seq.state_checkpoints:
+        for boundary, slot in held.checkpoints:
             if boundary // block_size <= len(hashes):
                 self.publish(hashes[boundary // block_size - 1], slot)
             else:
                 pending.append((boundary, slot))
-        seq.state_checkpoints = pending
+        held.checkpoints = pending
 
     def leave(self, seq: Sequence) -> None:
         """``seq`` stops running (finished, aborted, preempted): its live slot goes back, with the checkpoints it did
         not get to publish."""
-        if seq.state_slot >= 0:
-            self.release(seq.state_slot)
-            seq.state_slot = -1
-        for _, slot in seq.state_checkpoints:
+        held = self._held.pop(seq, None)
+        if held is None:
+            return
+        if held.slot >= 0:
+            self.release(held.slot)
+        for _, slot in held.checkpoints:
             self.discard(slot)
-        seq.state_checkpoints = []
-        seq.state_source = None
-        seq.state_marks.clear()
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
