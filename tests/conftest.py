@@ -30,6 +30,7 @@ LONGEST_FIRST = (
     "test_tensor_parallel_families.py",
     "test_storage_faults.py",
     "test_structured_outputs.py",
+    "test_untrusted_media.py",
     "test_tensor_parallel_faults.py",
     "test_quantized.py",
     "test_demo_model.py",

@@ -89,13 +89,12 @@ def test_an_moe_model_in_two_stages(tmp_path: Path) -> None:
         engine.close()
 
 
-@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "llava"])
-def test_images_on_two_ranks(model_type: str, tmp_path: Path) -> None:
-    """A vision-language model split two ways: the driver encodes the pictures, every rank takes their rows (and
-    M-RoPE's positions) into the embeddings it looks up with the others (the vocabulary is split): transformers'
-    tokens and logprobs. The driver once looked them up alone, a collective the ranks never joined (every image
-    chat answered 500 after 30 s)."""
-    family = Family(model_type, BUILDERS[model_type](tmp_path / model_type))
+def test_images_on_two_ranks(tmp_path: Path) -> None:
+    """Qwen2.5-VL split two ways: the driver encodes the pictures, every rank takes their rows (and M-RoPE's
+    positions) into the embeddings it looks up with the others (the vocabulary is split): transformers' tokens and
+    logprobs (LLaVA's plain positions too, measured). The driver once looked them up alone, a collective the ranks
+    never joined (every image chat answered 500 after 30 s)."""
+    family = Family("qwen2_5_vl", BUILDERS["qwen2_5_vl"](tmp_path / "qwen2_5_vl"))
     engine = build_engine(config_of(family.path, max_num_batched_tokens=2048, num_kv_blocks=64))
     assert isinstance(engine, LLMEngine) and engine.runner.group is not None
     try:
@@ -144,3 +143,17 @@ def test_state_layers_split_only_where_every_rank_holds_the_whole_state() -> Non
     assert split_state_problem(model, layers, EngineConfig(tensor_parallel_size=2)) is None
     staged = split_state_problem(model, layers, EngineConfig(pipeline_parallel_size=2))
     assert staged is not None and "--pipeline-parallel-size 2" in staged
+
+
+def test_a_sparse_attention_model_on_two_ranks(tmp_path: Path) -> None:
+    """DeepSeek-V3.2's lightning indexer beside MLA and experts, split two ways: every rank's indexer picks the same
+    past tokens for its heads' share of the attention, and the tokens and logprobs are transformers'."""
+    from sparse_models import build
+
+    path = build("deepseek_v32", build_tokenizer(), tmp_path)
+    engine = build_engine(config_of(path))
+    assert isinstance(engine, LLMEngine) and engine.runner.group is not None and engine.runner.sparse
+    try:
+        _check(engine, Reference(path))
+    finally:
+        engine.close()

@@ -189,8 +189,8 @@ def test_a_request_over_its_pixel_budget_is_a_400_naming_it(server: LiveServer) 
 def test_requests_within_the_servers_budget_take_turns_and_give_their_memory_back(server: LiveServer) -> None:
     """Three requests of two 36 MP pictures at once, with room for one: one is decoded, the others are answered
     429 (Retry-After) while it holds the room; the server's peak stays within one request's pictures, and the
-    memory is given back after. Measured over three rounds after a first: +107 MB (a thread's malloc arena keeps
-    ~70 MB of its own); without giving it back, +700 MB after two, +1 GB after four."""
+    memory is given back after. Measured over a round after a first: +139 MB (a thread's malloc arena keeps ~70 MB of
+    its own), a plateau over the next; without giving it back, +483 MB after one, +1 GB after four."""
     body = _chat(_url(BLACK_36MP), _url(BLACK_36MP))
 
     def round_of_three() -> list[httpx.Response]:
@@ -200,7 +200,6 @@ def test_requests_within_the_servers_budget_take_turns_and_give_their_memory_bac
     round_of_three()  # what a first round's threads and the vision tower keep
     before = server.memory_mib()
     server.reset_peak_memory()
-    round_of_three()
     answers = round_of_three()
     statuses = sorted(answer.status_code for answer in answers)
     assert statuses[0] == 200 and statuses[-1] == 429, [answer.text for answer in answers]  # [200, 429, 429] at once
@@ -266,10 +265,8 @@ def test_a_slow_line_of_one_tenant_holds_no_batch_of_another(
     assert fast["request_counts"] == {"total": 2, "completed": 2, "failed": 0}, fast
     assert time.monotonic() - started < FETCH_TIMEOUT_S - 1
     assert server.batch(slow["id"])["status"] == "in_progress"
-    done = server.wait(slow["id"], timeout_s=30)
-    assert done["request_counts"] == {"total": 14, "completed": 0, "failed": 14}
-    codes = {line["response"]["body"]["error"]["code"] for line in server.lines(done["error_file_id"])}
-    assert codes == {"image_fetch_failed"}
+    cancelled = server.http.post(f"/v1/batches/{slow['id']}/cancel")  # (its lines' own failure: the online test's)
+    assert cancelled.status_code == 200
 
 
 @pytest.mark.parametrize("url", ["file://{folder}/ok.png", "file://{folder}/ok.png%00.jpg"])
