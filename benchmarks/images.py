@@ -40,9 +40,9 @@ from vlm_helpers import data_url, hf_greedy, image, png_bytes, qwen2_5_vl
 
 from batchgen.schemas import ChatCompletionRequest
 from batchgen.server.engine import EngineConfig, LLMEngine
-from batchgen.server.engine.features.multimodal.processor import ImageProcessor
 from batchgen.server.serving import BatchDefaults, OpenAIServing
 from batchgen.server.serving.config import ServingConfig
+from batchgen.server.serving.image_processor import ImageProcessor
 from batchgen.server.serving.images import media_of
 
 PROMPTS = ["Describe it.", "What colour dominates?", "Count the shapes.", "Is it a photo?", "Caption it briefly."]

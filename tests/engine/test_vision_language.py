@@ -17,9 +17,9 @@ from vlm_helpers import BUILDERS, hf_greedy, image, png_bytes
 from batchgen.server.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams, build_engine
 from batchgen.server.engine.core.step_costs import StepCosts
 from batchgen.server.engine.errors import ModelNotSupported
-from batchgen.server.engine.features.multimodal.processor import ImageProcessor
 from batchgen.server.engine.self_check import check_engine
 from batchgen.server.media import image_hash
+from batchgen.server.serving.image_processor import ImageProcessor
 
 NEW_TOKENS = 6
 PICTURES = [image(70, 50, 1), image(40, 100, 2), image(60, 60, 3), image(60, 60, 4)]

@@ -167,7 +167,7 @@ def test_a_picture_counts_what_the_processor_resizes_it_to(llava_path: Path) -> 
     56 x 11,200; Qwen2-VL's resizes within its own pixel budget, so a picture counts its own pixels there."""
     from vlm_helpers import qwen2_5_vl
 
-    from batchgen.server.engine.features.multimodal.processor import ImageProcessor
+    from batchgen.server.serving.image_processor import ImageProcessor
 
     clip = ImageProcessor(str(llava_path), None)
     assert clip.processed_pixels(5, 1_000) == clip.processed_pixels(1_000, 5) == 56 * 11_200

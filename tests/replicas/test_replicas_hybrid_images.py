@@ -16,7 +16,7 @@ from server_helpers import LiveServer, ServerProcess, assert_exactly_once
 from transformers import AutoModelForImageTextToText
 from vlm_helpers import data_url, hf_greedy, image, png_bytes, qwen3_5
 
-from batchgen.server.engine.features.multimodal.processor import ImageProcessor
+from batchgen.server.serving.image_processor import ImageProcessor
 
 PICTURES = [image(60, 60, 3), image(70, 50, 1)]
 TOKENS = 4

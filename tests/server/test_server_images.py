@@ -18,7 +18,7 @@ from server_helpers import LiveServer
 from transformers import AutoModelForImageTextToText
 from vlm_helpers import data_url, hf_greedy, image, png_bytes, qwen2_5_vl
 
-from batchgen.server.engine.features.multimodal.processor import ImageProcessor
+from batchgen.server.serving.image_processor import ImageProcessor
 
 PROMPT = "what is it?"
 PICTURES = [image(60, 60, 3), image(70, 50, 1)]

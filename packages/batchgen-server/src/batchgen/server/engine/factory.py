@@ -14,7 +14,7 @@ from .core.engine import LLMEngine
 from .distributed.group import RankGroup
 from .errors import ModelLoadError, refused
 from .features.adapters import Adapters
-from .features.multimodal.processor import check_driven
+from .features.multimodal.families import check_driven
 from .features.pooling import pooler_for
 from .loading.loader import load_model
 from .loading.pooling_spec import PoolingSpec, spec_of

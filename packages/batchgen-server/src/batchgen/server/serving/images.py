@@ -16,8 +16,8 @@ from ..media.fetcher import Fetched
 from .errors import RequestRejected
 
 if TYPE_CHECKING:
-    from ..engine.features.multimodal.processor import ImageProcessor
     from ..engine.features.multimodal.prompt import MultimodalPrompt
+    from .image_processor import ImageProcessor
 
 
 def image_parts(body: ChatCompletionRequest) -> list[tuple[str, ImageContentPart | FileContentPart]]:
@@ -157,8 +157,8 @@ def image_processor_for(config: Any, tokenizer: Any) -> ImageProcessor | None:
     """The processor of a served vision-language model (``EngineConfig``); ``None`` for a text model."""
     from transformers import AutoConfig
 
-    from ..engine.features.multimodal.processor import ImageProcessor
     from ..engine.loading.loader import is_vision_language, resolve_model_path
+    from .image_processor import ImageProcessor
 
     path = resolve_model_path(config.model)
     model_config = AutoConfig.from_pretrained(

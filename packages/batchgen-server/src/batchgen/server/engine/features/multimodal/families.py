@@ -5,11 +5,17 @@ prompt's processor output split into each image's pixels and placeholder positio
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
+from transformers import AutoConfig, PretrainedConfig
+
+from ...config import EngineConfig
+from ...errors import ModelNotSupported
+from ...loading.loader import is_vision_language, resolve_model_path
 
 
 class Family:
@@ -312,4 +318,36 @@ def family_of(config: Any) -> Family | None:
         family._merge_size = vision.spatial_merge_size
     if isinstance(family, Gemma4):  # both ways only where the config asks for it, and only on sliding layers
         family.bidirectional = family.sliding_only = config.get_text_config().use_bidirectional_attention == "vision"
+    return family
+
+
+TORCHVISION_ONLY = {"kimi_k25": "Kimi_K25ImageProcessor"}
+"""Families whose image processor transformers writes for torchvision alone (no Pillow backend)."""
+
+
+def check_driven(config: EngineConfig) -> None:
+    """A vision-language model whose family the engine does not drive is refused in one line, before its weights
+    load."""
+    model_config = AutoConfig.from_pretrained(
+        resolve_model_path(config.model), revision=config.revision, trust_remote_code=config.trust_remote_code
+    )
+    if is_vision_language(model_config):
+        driven_family(model_config, model_config.model_type)
+
+
+def driven_family(config: PretrainedConfig, architecture: str) -> Family:
+    """The family of a vision-language model the engine drives exactly; ``ModelNotSupported`` (one line) for
+    another."""
+    family = family_of(config)
+    if config.model_type in TORCHVISION_ONLY and importlib.util.find_spec("torchvision") is None:
+        raise ModelNotSupported(
+            architecture,
+            f"its image processor ({TORCHVISION_ONLY[config.model_type]}) needs torchvision, not installed",
+        )
+    if family is None:
+        raise ModelNotSupported(
+            architecture,
+            f"the engine does not drive {config.model_type!r} vision-language models exactly yet (it drives "
+            f"{', '.join(sorted(FAMILIES))})",
+        )
     return family

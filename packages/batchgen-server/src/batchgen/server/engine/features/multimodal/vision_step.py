@@ -196,7 +196,7 @@ def both_ways_refused(architecture: str, config: Any) -> None:
 def vision_step_for(model: Any, cache_bytes: int) -> VisionStep | None:
     """The vision step of a vision-language model (``None`` for a text model)."""
     from ...loading.loader import is_vision_language
-    from .processor import driven_family
+    from .families import driven_family
 
     if not is_vision_language(model.config):
         return None

@@ -6,54 +6,20 @@ and the ``MultimodalPrompt`` an engine request carries."""
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 import numpy as np
-from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer, PretrainedConfig
+from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 from transformers.models.auto.processing_auto import (
     PROCESSOR_MAPPING_NAMES,
     processor_class_from_name,
 )
 
-from ...config import EngineConfig
-from ...errors import ModelNotSupported
-from ...loading.loader import is_vision_language, resolve_model_path
-from .families import FAMILIES, Family, family_of, runs
+from ..engine.features.multimodal.families import driven_family, runs
+from ..engine.features.multimodal.prompt import ImageInput, MultimodalPrompt
 from .pixtral import PixtralPrompts
-from .prompt import ImageInput, MultimodalPrompt
 
 IMAGE_ONLY_ATTRIBUTES = ("image_processor", "tokenizer")
-TORCHVISION_ONLY = {"kimi_k25": "Kimi_K25ImageProcessor"}
-"""Families whose image processor transformers writes for torchvision alone (no Pillow backend)."""
-
-
-def check_driven(config: EngineConfig) -> None:
-    """A vision-language model whose family the engine does not drive is refused in one line, before its weights
-    load."""
-    model_config = AutoConfig.from_pretrained(
-        resolve_model_path(config.model), revision=config.revision, trust_remote_code=config.trust_remote_code
-    )
-    if is_vision_language(model_config):
-        driven_family(model_config, model_config.model_type)
-
-
-def driven_family(config: PretrainedConfig, architecture: str) -> Family:
-    """The family of a vision-language model the engine drives exactly; ``ModelNotSupported`` (one line) for
-    another."""
-    family = family_of(config)
-    if config.model_type in TORCHVISION_ONLY and importlib.util.find_spec("torchvision") is None:
-        raise ModelNotSupported(
-            architecture,
-            f"its image processor ({TORCHVISION_ONLY[config.model_type]}) needs torchvision, not installed",
-        )
-    if family is None:
-        raise ModelNotSupported(
-            architecture,
-            f"the engine does not drive {config.model_type!r} vision-language models exactly yet (it drives "
-            f"{', '.join(sorted(FAMILIES))})",
-        )
-    return family
 
 
 def _size_field(size: Any, name: str) -> Any:
