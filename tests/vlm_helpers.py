@@ -121,6 +121,24 @@ def llava(path: Path) -> Path:
     return _save(path, model, tok, ip, processor)
 
 
+def llava_adapter(path: Path, seed: int) -> tuple[Path, Any]:
+    """LLaVA saved at ``path / "llava"`` and a random LoRA adapter on its language model's q/v projections saved at
+    ``path / "adapter"``; returns the model's path and peft's model (the reference, in eval mode)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForImageTextToText
+
+    model_path = llava(path / "llava")
+    torch.manual_seed(seed)
+    spec = LoraConfig(r=4, lora_alpha=8, target_modules=r".*language_model.*\.(q_proj|v_proj)", init_lora_weights=False)
+    peft = get_peft_model(AutoModelForImageTextToText.from_pretrained(model_path, dtype=torch.float32), spec)
+    with torch.no_grad():
+        for key, param in peft.named_parameters():
+            if "lora_" in key:  # large enough to change the greedy tokens
+                param.normal_(0, 0.5 if "lora_A" in key else 0.2)
+    peft.save_pretrained(path / "adapter")
+    return model_path, peft.eval()
+
+
 BUILDERS = {"llava": llava, "qwen2_5_vl": qwen2_5_vl}
 
 

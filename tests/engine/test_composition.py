@@ -19,7 +19,6 @@ from test_architectures import _build
 from test_hybrid import FAMILIES as HYBRID_FAMILIES
 from test_hybrid_lora import peft_generate
 from test_vision_language import CONVERSATIONS, PICTURES, Family, _run
-from transformers import AutoModelForImageTextToText
 
 from batchgen.server.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams, build_engine
 from batchgen.server.engine.errors import ModelLoadError
@@ -149,18 +148,10 @@ def test_an_adapter_with_images_under_a_grammar(tmp_path: Path) -> None:
     """LLaVA with an adapter on its language model, a picture in the prompt and a choice grammar: the engine's text
     is peft's greedy decoding of the same picture, each step's choice the most likely of the tokens the grammar
     allows (the reference masks peft's logits with llguidance's own masks)."""
-    from peft import LoraConfig, get_peft_model
-    from vlm_helpers import llava
+    from vlm_helpers import llava_adapter
 
-    family = Family("llava", llava(tmp_path / "llava"))
-    torch.manual_seed(11)
-    spec = LoraConfig(r=4, lora_alpha=8, target_modules=r".*language_model.*\.(q_proj|v_proj)", init_lora_weights=False)
-    peft = get_peft_model(AutoModelForImageTextToText.from_pretrained(family.path, dtype=torch.float32), spec)
-    with torch.no_grad():
-        for key, param in peft.named_parameters():
-            if "lora_" in key:
-                param.normal_(0, 0.5 if "lora_A" in key else 0.2)
-    peft.save_pretrained(tmp_path / "adapter")
+    path, peft = llava_adapter(tmp_path, seed=11)
+    family = Family("llava", path)
     grammar = llguidance.grammar_from("choice", CHOICES)  # type: ignore[arg-type]
     engine = family.engine(enable_lora=True, lora_modules=(f"a={tmp_path / 'adapter'}",), max_lora_rank=8)
     request = family.request(1, "lora", pictures=[2])
@@ -169,7 +160,7 @@ def test_an_adapter_with_images_under_a_grammar(tmp_path: Path) -> None:
     result = _run(engine, [request])["lora"]
     assert result.error is None, result.error
     text = family.processor.processor.tokenizer.decode(result.outputs[0].token_ids, skip_special_tokens=True)
-    assert text == _constrained_greedy(peft.eval(), family, grammar) and text in CHOICES
+    assert text == _constrained_greedy(peft, family, grammar) and text in CHOICES
 
 
 @torch.no_grad()

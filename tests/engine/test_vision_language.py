@@ -222,21 +222,12 @@ def test_run_batch_reads_local_images_under_the_allowed_path(tmp_path: Path) -> 
 def test_lora_on_the_language_model_with_images(tmp_path: Path) -> None:
     """A LoRA adapter on LLaVA's language model, with a picture in the prompt: the engine's greedy tokens are peft's
     ``generate`` on the same picture."""
-    from peft import LoraConfig, get_peft_model
-    from vlm_helpers import llava
+    from vlm_helpers import llava_adapter
 
     from batchgen.server.engine.features.adapters import Adapters
 
-    family = Family("llava", llava(tmp_path / "llava"))
-    torch.manual_seed(7)
-    spec = LoraConfig(r=4, lora_alpha=8, target_modules=r".*language_model.*\.(q_proj|v_proj)", init_lora_weights=False)
-    peft_model = get_peft_model(AutoModelForImageTextToText.from_pretrained(family.path, dtype=torch.float32), spec)
-    with torch.no_grad():
-        for key, param in peft_model.named_parameters():
-            if "lora_" in key:
-                param.normal_(0, 0.5 if "lora_A" in key else 0.2)
-    peft_model.save_pretrained(tmp_path / "adapter")
-    reference = peft_model.eval()  # the adapter as peft applies it
+    path, reference = llava_adapter(tmp_path, seed=7)
+    family = Family("llava", path)
     messages = [{"role": "user", "content": CONVERSATIONS[1]}]
     tokens, _, _ = hf_greedy(reference, family.processor.processor, messages, [PICTURES[2]], NEW_TOKENS)
     engine = family.engine(enable_lora=True, lora_modules=(f"a={tmp_path / 'adapter'}",), max_lora_rank=8)
