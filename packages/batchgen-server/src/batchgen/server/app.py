@@ -45,6 +45,7 @@ from .observability.logs import log_activity
 from .observability.metrics import Metrics, ServerState
 from .security.auth import ApiKeyAuthMiddleware
 from .serving import OpenAIServing
+from .serving.structured import stop_grammar_probes
 from .settings import MIB, Settings
 from .storage.blobs import BlobStore
 from .storage.database import Database
@@ -83,6 +84,7 @@ def create_app(settings: Settings, engine: EngineClient | None = None) -> Litest
             sources = serving.preparer.images.sources
             sources.files = UploadedImages(db, blobs)  # images named by file id
             started.callback(sources.fetcher.close)
+            started.callback(stop_grammar_probes)
             if not settings.serving.serve_local_media and sources.local_root is not None:
                 log.warning("--allowed-local-media-path is run-batch's: serve reads it only with --serve-local-media")
                 sources.local_root = None  # every caller of the server could read the operator's folder

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+from functools import partial
 from typing import Annotated
 
 from litestar import Controller, get, post
@@ -127,7 +128,7 @@ async def _create_batch(data: CreateBatchRequest, context: ServerContext, owner:
         raise invalid(f"top_k must be at most {MAX_TOP_K}.", param="top_k")
     if data.response_format is not None:
         try:  # compiled here once, and cached for the batch's lines
-            await asyncio.to_thread(format_constraint, data.response_format)
+            await context.preparations.run(owner, partial(format_constraint, data.response_format))
         except RequestRejected as exc:
             raise invalid(exc.message, param=exc.param, code=exc.code) from None
     file = await owned_file(context, data.input_file_id, owner)

@@ -6,6 +6,7 @@ import asyncio
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Annotated, Any, Literal
 from urllib.parse import quote
 
@@ -33,6 +34,7 @@ from ..media.files import IMAGE_PURPOSES
 from ..security.limits import is_valid_id
 from ..storage.blobs import ContentCorrupt, UploadWriter
 from .deps import ServerContext, ensure_admitting, now
+from .engine_calls import RETRY_AFTER_S
 from .errors import ERROR_RESPONSES, APIError, invalid, not_found
 from .idempotency import IDEMPOTENCY_KEY, idempotent
 from .uploads import read_upload
@@ -238,7 +240,7 @@ async def _store_upload(request: Request[Any, Any, Any], context: ServerContext,
         created_at = now()
         expires_at = _expires_at(form.fields, created_at)
         if purpose != "batch":  # an image, which requests name by its id: it must read as one (its header)
-            await asyncio.to_thread(_check_image, writer, context)
+            await context.preparations.run(owner, partial(_check_image, writer, context))
         elif form.check_error is not None:
             error = form.check_error
             where = f"line {error.line}: " if error.line is not None else ""
@@ -289,7 +291,8 @@ def _check_image(writer: UploadWriter, context: ServerContext) -> None:
             decoded(image, "file")
     except MediaError as exc:
         if exc.status_code == 429:  # no room to decode it now
-            raise APIError(429, exc.message, code=exc.code, param="file", headers={"Retry-After": "1"}) from None
+            retry = {"Retry-After": str(RETRY_AFTER_S)}
+            raise APIError(429, exc.message, code=exc.code, param="file", headers=retry) from None
         raise APIError(422, f"Invalid image: {exc.message}", code=exc.code, param="file") from None
 
 

@@ -41,7 +41,7 @@ from ..serving.answers import ResponseBody
 from ..serving.response_stream import ResponseStream
 from ..serving.streaming import StreamedResponse
 from .deps import ServerContext
-from .engine_calls import EngineCall, StreamBacklog
+from .engine_calls import RETRY_AFTER_S, EngineCall, StreamBacklog
 from .errors import ERROR_RESPONSES, APIError
 
 NO_DEFAULTS = BatchDefaults()
@@ -105,7 +105,7 @@ async def prepare(
         with files_of(owner):  # the images its parts name by file id: the caller's own (copied into the thread)
             return await context.preparations.run(owner, work)  # a long prompt takes a while: not on the event loop
     except RequestRejected as exc:
-        headers = {"Retry-After": "1"} if exc.status_code == 429 else None
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status_code == 429 else None
         raise APIError(exc.status_code, exc.message, code=exc.code, param=exc.param, headers=headers) from None
 
 

@@ -1,7 +1,8 @@
 """Online requests made ready to run (the chat template, the tokenizer, images decoded: tens of ms, a second for
-large pictures) in threads of their own rather than asyncio's default executor, which the API's storage calls share:
-six slow requests there once held every call of every other tenant (files, batches, models) for as long as they
-took. One tenant holds at most half of these threads; its other requests wait their turn on the event loop."""
+large pictures), uploaded images checked and batches' grammars compiled, in threads of their own rather than
+asyncio's default executor, which the API's storage calls share: six slow requests there once held every call of
+every other tenant (files, batches, models) for as long as they took. One tenant holds at most half of these
+threads; its other requests wait their turn on the event loop."""
 
 from __future__ import annotations
 

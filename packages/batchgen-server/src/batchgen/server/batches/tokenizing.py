@@ -22,15 +22,16 @@ from functools import partial
 
 from batchgen.schemas import RequestBody
 
-from ..media.fetcher import PER_TENANT, Fetched
+from ..media.fetcher import Fetched
 from ..media.files import files_of
 from ..serving import BatchDefaults, OpenAIServing, PreparedRequest, RequestRejected
 
 Outcome = PreparedRequest | Exception
 """The line made ready to run (its engine requests), or why it is not (``RequestRejected``, a storage fault, a
 bug)."""
-MAX_FETCHING = PER_TENANT
-"""A tenant's lines waiting for their pictures at once: as many as the fetcher fetches for it at a time."""
+MAX_FETCHING = 8
+"""A tenant's lines waiting for their pictures at once (the fetcher takes ``PER_TENANT`` of their URLs at a time, the
+rest waiting their turn there): enough to keep its fetches busy, few of the window's places."""
 
 
 @dataclass(frozen=True, slots=True)

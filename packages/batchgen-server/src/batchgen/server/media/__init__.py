@@ -3,7 +3,7 @@
 and how many pixels are decoded at once (``budget``)."""
 
 from .budget import PixelBudget
-from .decode import MediaLimits, decode_image, decoded, image_hash, open_image
+from .decode import MediaLimits, decoded, image_hash, open_image
 from .errors import MediaError
 from .sources import ImageSources
 
@@ -12,7 +12,6 @@ __all__ = [
     "MediaError",
     "MediaLimits",
     "PixelBudget",
-    "decode_image",
     "decoded",
     "image_hash",
     "open_image",

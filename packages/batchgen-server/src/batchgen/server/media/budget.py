@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import threading
 from collections.abc import Callable, Iterator
 
@@ -77,12 +78,18 @@ class PixelBudget:
 TRIM_FROM_PIXELS = 4_000_000
 """A request's pictures from this size give their memory back (a few ms to walk the arenas; smaller ones are
 served from what is free)."""
-_libc_name = ctypes.util.find_library("c")
-_malloc_trim = getattr(ctypes.CDLL(_libc_name), "malloc_trim", None) if _libc_name else None
-"""glibc's (``None`` elsewhere: musl and macOS give freed pages back themselves)."""
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's (``None`` elsewhere: musl and macOS give freed pages back themselves); looked up on first use, as
+    ``find_library`` runs ``ldconfig``."""
+    name = ctypes.util.find_library("c")
+    return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
 
 
 def give_back_memory() -> None:
     """The free memory of every malloc arena back to the system (a few ms for hundreds of MB)."""
-    if _malloc_trim is not None:
-        _malloc_trim(0)
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)

@@ -80,11 +80,6 @@ def decoded(image: Image.Image, param: str) -> Image.Image:
         raise MediaError("invalid_image", f"The image could not be decoded: {exc}.", param) from None
 
 
-def decode_image(data: bytes, param: str, limits: MediaLimits) -> Image.Image:
-    """``data`` as an RGB picture; ``MediaError`` naming ``param`` when it is over a limit or not an image."""
-    return decoded(open_image(data, param, limits), param)
-
-
 def too_many_pixels(what: str, param: str, limits: MediaLimits) -> MediaError:
     message = f"The image {what}; this server takes at most {limits.max_image_pixels} pixels an image."
     return MediaError("image_too_large", message, param)
@@ -99,7 +94,7 @@ def _short_jpeg(data: bytes, width: int, height: int) -> bool:
     cut short, and libjpeg would make up the rest in grey. Arithmetic-coded JPEGs, which can spend less, are not
     judged."""
     start = data.find(b"\xff\xda")
-    if start < 0 or any(marker in data[:start] for marker in _ARITHMETIC_FRAMES):
+    if start < 0 or any(data.find(marker, 0, start) >= 0 for marker in _ARITHMETIC_FRAMES):
         return False
     blocks = -(-width // 8) * -(-height // 8)
     return (len(data) - start) * 8 < blocks

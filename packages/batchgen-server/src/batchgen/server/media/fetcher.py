@@ -52,24 +52,20 @@ class MediaFetcher:
         return asyncio.run_coroutine_threadsafe(self._fetch_all(urls, owner), self._running_loop())
 
     def close(self) -> None:
-        """Its connections closed and its loop stopped (a server's shutdown); fetching again starts them anew."""
+        """Its connections closed and its loop stopped, then closed, on the loop's own thread (a server's shutdown
+        waits for neither); fetching again starts them anew."""
         with self._started:
             loop, self._loop = self._loop, None
-        if loop is None:
-            return
-        if self._client is not None:
-            asyncio.run_coroutine_threadsafe(self._client.aclose(), loop).result(timeout=5)
-            self._client = None
-        self._tenants.clear()
-        self._all = None
-        loop.call_soon_threadsafe(loop.stop)
+            client, self._client = self._client, None
+        if loop is not None:
+            asyncio.run_coroutine_threadsafe(_shut_down(client, loop), loop)
 
     def _running_loop(self) -> asyncio.AbstractEventLoop:
         with self._started:
             if self._loop is None:
-                loop = asyncio.new_event_loop()
-                threading.Thread(target=loop.run_forever, name="batchgen-media", daemon=True).start()
-                self._loop = loop
+                self._loop = asyncio.new_event_loop()
+                self._tenants, self._all = {}, None  # the last loop's semaphores are no use on this one
+                threading.Thread(target=_serve, args=(self._loop,), name="batchgen-media", daemon=True).start()
             return self._loop
 
     async def _fetch_all(self, urls: Sequence[tuple[str, str]], owner: str) -> Fetched:
@@ -138,3 +134,18 @@ class MediaFetcher:
                 limits=httpx.Limits(max_connections=AT_ONCE),
             )
         return self._client
+
+
+def _serve(loop: asyncio.AbstractEventLoop) -> None:
+    try:
+        loop.run_forever()
+    finally:
+        loop.close()
+
+
+async def _shut_down(client: httpx.AsyncClient | None, loop: asyncio.AbstractEventLoop) -> None:
+    try:
+        if client is not None:
+            await client.aclose()
+    finally:
+        loop.stop()

@@ -48,7 +48,7 @@ class ImageSources:
         if url.startswith("file://"):
             return self._local(url, param)
         if fetched is None or url not in fetched:  # not fetched ahead (run-batch, a direct caller): now
-            self._checked(url, param)
+            self._checked(url, param)  # a refusal needs no fetcher's loop started
             fetched = self.fetch([(url, param)], owner="").result()
         result = fetched[url]
         if isinstance(result, MediaError):
@@ -60,8 +60,11 @@ class ImageSources:
         the request is prepared)."""
         if not self.allowed_domains:
             return []
-        remote = {url: param for url, param in reversed(list(urls)) if not url.startswith(("data:", "file://"))}
-        return list(reversed(remote.items()))  # each URL once, named by its first part
+        remote: dict[str, str] = {}
+        for url, param in urls:
+            if not url.startswith(("data:", "file://")):
+                remote.setdefault(url, param)  # each URL once, named by its first part
+        return list(remote.items())
 
     def fetch(self, urls: list[tuple[str, str]], owner: str) -> Future[Fetched]:
         """Each remote ``(url, param)``'s bytes (or its ``MediaError``), fetched at once for ``owner``'s request on

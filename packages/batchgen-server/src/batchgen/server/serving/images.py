@@ -96,21 +96,29 @@ class ImagePrompter:
             for param, part in parts:
                 data, field = self._bytes(param, part, fetched)
                 keys.append(image_hash(data))
-                image = open_image(data, field, self.limits)
-                images.append((image, field))
-                processed = self.processor.processed_pixels(*image.size)
-                if processed > self.limits.max_image_pixels:
-                    width, height = image.size
-                    resized = f"({width} x {height}) would be {processed} pixels once the model's processor resizes it"
-                    raise too_many_pixels(resized, field, self.limits)
-                pixels += processed
+                images.append((open_image(data, field, self.limits), field))
+                pixels += self._processed_pixels(*images[-1])
             with self.budget.held(pixels, "messages"):
+                pictures: list[Any] = []
                 try:
-                    return self._processed(text, [decoded(image, field) for image, field in images], keys)
-                finally:
-                    images.clear()  # the pictures, decoded in place, go before the budget gives their memory back
+                    while images:  # each original goes as its RGB picture comes (a converted one is a copy)
+                        pictures.append(decoded(*images.pop(0)))
+                    return self._processed(text, pictures, keys)
+                finally:  # no picture outlives the budget, which gives their memory back
+                    images.clear()
+                    pictures.clear()
         except MediaError as exc:
             raise RequestRejected(exc.code, exc.message, exc.param, status_code=exc.status_code) from None
+
+    def _processed_pixels(self, image: Any, field: str) -> int:
+        """What the model's processor resizes ``image`` to, within the limit for one image."""
+        assert self.processor is not None
+        processed = self.processor.processed_pixels(*image.size)
+        if processed > self.limits.max_image_pixels:
+            width, height = image.size
+            resized = f"({width} x {height}) would be {processed} pixels once the model's processor resizes it"
+            raise too_many_pixels(resized, field, self.limits)
+        return processed
 
     def _processed(self, text: str, pictures: list[Any], keys: list[bytes]) -> tuple[list[int], MultimodalPrompt]:
         assert self.processor is not None

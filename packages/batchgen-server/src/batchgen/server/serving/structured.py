@@ -101,6 +101,11 @@ def set_grammar_timeout(timeout_s: float) -> None:
     _probe.timeout_s = timeout_s
 
 
+def stop_grammar_probes() -> None:
+    """The idle probing children stopped (a server's shutdown); the next grammar checked starts another."""
+    _probe.close()
+
+
 def grammar_problem(grammar: str) -> str:
     """Why llguidance cannot build ``grammar`` (``""``: it can), compiled in a process of its own (``GrammarProbe``:
     a grammar may crash the compiler); each grammar checked once (a batch repeats its schema on every line),
