@@ -288,6 +288,35 @@ def test_a_fast_path_failing_midway_computes_the_step_again_from_scratch(
     assert failed and compiled.off == "RuntimeError: injected: the compiled forward failed"
 
 
+def test_a_step_the_plain_path_fails_too_is_the_inputs_fault_and_the_fast_path_stays(
+    qwen3_5: tuple[Path, Reference], tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode step fails on the compiled forward, and again as it is computed from scratch on the plain one: the
+    request is failed alone (its inputs' fault) and the compiled path stays on for the next request, which is exact."""
+    path, reference = qwen3_5
+    engine = _engine(path, tokenizer)
+    compiled = FastPath("compiled layers")
+    engine.runner.fast = SimpleNamespace(paths=[compiled], off=nullcontext)  # type: ignore[assignment]
+    failures: list[bool] = []
+    run = StateRun.run
+
+    def failing_twice(self: StateRun, hidden: Any) -> Any:
+        # The compiled decode step, then its recomputation from scratch (a prefill).
+        if (self.step.decode_rows or failures) and len(failures) < 2:
+            failures.append(True)
+            raise RuntimeError("injected: this step's inputs fail")
+        return run(self, hidden)
+
+    monkeypatch.setattr(StateRun, "run", failing_twice)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    prompt = list(_prompts()[1])
+    failed = _run(engine, [EngineRequest("failed", prompt, params)])["failed"]
+    assert failures == [True, True] and failed.error is not None
+    assert compiled.on
+    result = _run(engine, [EngineRequest("next", prompt, params)])["next"]
+    assert result.error is None and result.outputs[0].token_ids == reference.greedy(tuple(prompt))[0][:4]
+
+
 def test_live_slots_bound_the_running_sequences(qwen3_5: tuple[Path, Reference], tokenizer: Any) -> None:
     """The state slots come out of the cache's memory budget: the KV blocks keep room for one full context, the live
     slots take the rest (up to ``--max-num-seqs``), so no more sequences than that run at once, and every request

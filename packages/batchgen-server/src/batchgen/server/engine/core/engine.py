@@ -276,10 +276,13 @@ class LLMEngine:
             return self._start(scheduled)
         except GroupFailed:
             raise  # no request's fault: the worker starts the group again
-        except FastPathOff:  # no request's fault either: the step again, from scratch, on the plain path
+        except FastPathOff as off:  # the step again, from scratch, on the plain path: the fast one is off if it serves
             if self._in_flight is not None:
                 self._settle(finished)
-            self._run(scheduled, finished)
+            with off.path.bypassed():
+                whole = self._run(scheduled, finished)
+            if whole:  # else the plain path failed too: the inputs' fault, isolated, and the fast path stays
+                off.path.switch_off(off.reason)
             return None
         except Exception as exc:
             if self._in_flight is None:
@@ -289,15 +292,19 @@ class LLMEngine:
                 self._run(scheduled, finished)
             return None
 
-    def _run(self, scheduled: list[ScheduledSeq], finished: list[EngineResult]) -> None:
-        """With no step in flight: launch the step and settle it at once (``_launch`` isolates a fault)."""
+    def _run(self, scheduled: list[ScheduledSeq], finished: list[EngineResult]) -> bool:
+        """With no step in flight: launch the step and settle it at once (``_launch`` isolates a fault); whether it
+        ran whole."""
         scheduled = [item for item in scheduled if item.seq.status is Status.RUNNING]  # not failed or ended meanwhile
         if self.runner.states is not None:  # the failed attempt may have advanced their states: from scratch
             scheduled = [rewound(item) for item in scheduled]
-        if scheduled:
-            self._in_flight = self._launch(scheduled, finished)
-            if self._in_flight is not None:
-                self._settle(finished)
+        if not scheduled:
+            return True
+        self._in_flight = self._launch(scheduled, finished)
+        if self._in_flight is None:
+            return False
+        self._settle(finished)
+        return True
 
     def _isolate(self, scheduled: list[ScheduledSeq], exc: Exception, finished: list[EngineResult]) -> None:
         """After the sequences failed to compute together: compute them again in halves, down to one, so that only

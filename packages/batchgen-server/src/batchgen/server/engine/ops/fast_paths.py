@@ -7,16 +7,17 @@ prefill chunks, CUDA graphs), each with the plain path it stands in for, under o
 - if it fails where the plain path succeeds on the same inputs, it is switched off for good with the reason, logged
   once; if the plain path fails too, the fault is the inputs', and it raises as it would have anyway;
 - where the step cannot simply be run again (a hybrid model's state layers advance their states in place as the
-  forward goes), a failure switches it off and raises ``FastPathOff``: the engine computes the step again from its
-  sequences' first tokens (``engine.py``'s ``rewound``), the plain path serving.
+  forward goes), a failure raises ``FastPathOff``: the engine computes the step again from its sequences' first
+  tokens (``engine.py``'s ``rewound``) with the fast path ``bypassed``, and switches it off if that succeeds.
 
 Which are on, and why one is off, is in ``EngineStats.fast_paths`` (``/metrics``) and the engine's start-up log.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import torch
@@ -27,8 +28,13 @@ T = TypeVar("T")
 
 
 class FastPathOff(RuntimeError):
-    """A fast path failed where the step could not be run again as it was: it is off now, and the step is to be
-    computed again from scratch."""
+    """A fast path failed where the step could not be run again as it was: the step is to be computed again from
+    scratch on the plain path (``path.bypassed()``), and the fast path switched off if the plain one serves."""
+
+    def __init__(self, path: FastPath, reason: str) -> None:
+        super().__init__(reason)
+        self.path = path
+        self.reason = reason
 
 
 class FastPath:
@@ -41,6 +47,7 @@ class FastPath:
         path steps aside for what it is handed (said in the start-up log, not as a warning)."""
         self._on_off = on_off
         """What switching it off undoes (the compiled forwards installed on the model...), told the reason."""
+        self._bypassed = False
 
     @property
     def on(self) -> bool:
@@ -49,19 +56,27 @@ class FastPath:
     def run(self, fast: Callable[[], T], plain: Callable[[], T], *, retry: bool = True) -> T:
         """``fast()``; should it raise, ``plain()`` (whose own failure is the inputs' and raises), and the fast
         path is off from then on. Without ``retry`` (the fast path changed state the plain one would start from),
-        the fast path is switched off and ``FastPathOff`` raised instead of running ``plain()``."""
-        if self.off is not None:
+        ``FastPathOff`` is raised instead of running ``plain()``."""
+        if self.off is not None or self._bypassed:
             return plain()
         try:
             return fast()
         except Exception as exc:
             reason = f"{type(exc).__name__}: {exc}"
             if not retry:
-                self.switch_off(reason)
-                raise FastPathOff(reason) from exc
+                raise FastPathOff(self, reason) from exc
             result = plain()
             self.switch_off(reason)
             return result
+
+    @contextlib.contextmanager
+    def bypassed(self) -> Iterator[None]:
+        """The plain path serves while the block runs (a step computed again after ``FastPathOff``)."""
+        self._bypassed = True
+        try:
+            yield
+        finally:
+            self._bypassed = False
 
     def switch_off(self, reason: str) -> None:
         if self.off is None:
