@@ -30,7 +30,7 @@ MATRIX: dict[tuple[str, str], str] = {
     ("pipeline parallel", "images"): "test_composition.py::test_stages_of_a_vision_language_model_are_refused",
     ("tensor parallel", "hybrid"): "test_tensor_parallel_families.py::test_a_hybrid_model_on_two_ranks",
     ("pipeline parallel", "hybrid"): (
-        "test_tensor_parallel_families.py::test_state_layers_split_only_where_every_rank_holds_the_whole_state"
+        "test_tensor_parallel_families.py::test_stages_of_a_hybrid_model_are_refused_by_every_stage"
     ),
     ("tensor parallel", "DSA"): "test_tensor_parallel_families.py::test_a_sparse_attention_model_on_two_ranks",
     ("tensor parallel", "LoRA"): (

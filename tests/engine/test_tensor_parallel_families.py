@@ -145,6 +145,19 @@ def test_state_layers_split_only_where_every_rank_holds_the_whole_state() -> Non
     assert staged is not None and "--pipeline-parallel-size 2" in staged
 
 
+def test_stages_of_a_hybrid_model_are_refused_by_every_stage(tmp_path: Path) -> None:
+    """Qwen3.5 in two stages, its one state layer in the first: the second stage, which holds none, refuses too (it
+    once waited for the first's probe forward until the group's timeout, and the line named that timeout)."""
+    layer_types = ["linear_attention", "full_attention", "full_attention", "full_attention"]
+    spec = {**HYBRID_FAMILIES["qwen3_5_text"], "layer_types": layer_types}
+    path = _build("qwen3_5_text", spec, build_tokenizer(), tmp_path)
+    with pytest.raises(ModelLoadError) as refused:
+        build_engine(config_of(path, tensor_parallel_size=1, pipeline_parallel_size=2))
+    said = str(refused.value)
+    assert "its state layers (recurrent mixers, convolutions) with --pipeline-parallel-size 2" in said, said
+    assert "\n" not in said and not torch.distributed.is_initialized()
+
+
 def test_a_sparse_attention_model_on_two_ranks(tmp_path: Path) -> None:
     """DeepSeek-V3.2's lightning indexer beside MLA and experts, split two ways: every rank's indexer picks the same
     past tokens for its heads' share of the attention, and the tokens and logprobs are transformers'."""

@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 
 
-def smallest_across_ranks(value: int, device: torch.device) -> int:
-    """The smallest of every rank's ``value`` (all ranks call it at once)."""
-    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+def smallest_across_ranks(values: list[int], device: torch.device) -> list[int]:
+    """Each of ``values``, the smallest any rank has (all ranks call it at once): one collective for them all."""
+    tensor = torch.tensor(values, dtype=torch.int64, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
-    return int(tensor.item())
+    return [int(value) for value in tensor.tolist()]

@@ -40,11 +40,11 @@ from ..features.multimodal.vision_step import (
     both_ways_refused,
     vision_step_for,
 )
-from ..features.state.discovery import StateLayer, StateRefused, discover
+from ..features.state.discovery import StateLayer, StateRefused, discover, state_candidates
 from ..features.state.runtime import States
 from ..loading.loader import model_weight
 from ..loading.quantization import kv_cache_dtype
-from ..loading.split import split_state_problem
+from ..loading.split import split_state_problem, staged_state_problem
 from ..ops.fast_forward import FastForward
 from ..ops.fast_paths import FastPath
 from ..ops.transfer import indices
@@ -150,7 +150,7 @@ class ModelRunner:
         self.sparse = self._sparse_layers(config)
         probe = self._probe_layers()
         self.windows = probe.windows
-        state_layers = self._state_layers(probe)
+        state_layers = self._state_layers(probe, config)
         shapes = self._cache_shapes(probe.shapes, config)
         sizes = self._cache_sizes(shapes, probe.indexers, state_layers, config)
         self.num_blocks = sizes.blocks
@@ -188,7 +188,7 @@ class ModelRunner:
         context = config.max_model_len or getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
         sizes = cache_sizes(budget, self.block_bytes, States.slot_bytes_of(state_layers), config, context)
         if config.world_size > 1:
-            sizes = CacheSizes(*(smallest_across_ranks(size, self.device) for size in dataclasses.astuple(sizes)))
+            sizes = CacheSizes(*smallest_across_ranks(list(dataclasses.astuple(sizes)), self.device))
         return sizes
 
     def _build_states(self, layers: list[StateLayer], sizes: CacheSizes, config: EngineConfig) -> States | None:
@@ -295,15 +295,19 @@ class ModelRunner:
         finally:  # never left on the model (other engines may share it)
             self.model.set_attn_implementation(attention_for(self.model, ATTENTION_NAME))
 
-    def _state_layers(self, probe: LayerProbe) -> list[StateLayer]:
+    def _state_layers(self, probe: LayerProbe, config: EngineConfig) -> list[StateLayer]:
         """The layers that keep state across a sequence's tokens (``state/discovery.py``), found by a second probe
         forward; a model with neither attention nor state layers is refused."""
         no_attention = (
             "its attention does not run through transformers' AttentionInterface, so the engine cannot give it a "
             "paged KV cache"
         )
+        candidates = state_candidates(self.model, probe.modules)
+        if config.pipeline_parallel_size > 1 and not smallest_across_ranks([not candidates], self.device)[0]:
+            # Refused on every stage, also one that holds none (its probe forward would wait for the others' alone).
+            raise ModelNotSupported(self.architecture, staged_state_problem(config.pipeline_parallel_size))
         try:
-            layers = discover(self.model, probe.modules, lambda: self._probe_forward(LayerProbe()))
+            layers = discover(candidates, lambda: self._probe_forward(LayerProbe()))
         except StateRefused as exc:
             raise ModelNotSupported(self.architecture, str(exc)) from None
         except Exception as exc:  # a layer outside attention used the recording cache as no state layer does

@@ -97,11 +97,8 @@ class RecordingCache(StateFacade):
         layer.states.append(StateShape(key, shape, like.dtype, like.device))
 
 
-def discover(
-    model: torch.nn.Module, attention_modules: list[torch.nn.Module], forward: Callable[[], None]
-) -> list[StateLayer]:
-    """The model's state layers, in the order they run, found by ``forward()`` (a probe forward of one short
-    sequence); raises ``StateRefused`` for one the engine cannot drive."""
+def state_candidates(model: torch.nn.Module, attention_modules: list[torch.nn.Module]) -> list[StateLayer]:
+    """The outermost modules outside attention whose forward takes a cache: what may be a state layer."""
     names = {id(module): name for name, module in model.named_modules()}
     attention = [names[id(module)] for module in attention_modules]
     outside = {
@@ -109,11 +106,16 @@ def discover(
         for name, module in model.named_modules()
         if _takes_cache(type(module).forward) and not any(_within(other, name) for other in attention)
     }
-    candidates = [
+    return [
         StateLayer(module)
         for name, module in outside.items()
         if not any(_within(other, name) for other in outside if other != name)
     ]
+
+
+def discover(candidates: list[StateLayer], forward: Callable[[], None]) -> list[StateLayer]:
+    """The state layers among ``candidates`` (``state_candidates``), in the order they run, found by ``forward()``
+    (a probe forward of one short sequence); raises ``StateRefused`` for one the engine cannot drive."""
     if not candidates:  # an attention-only model: no second forward
         return []
     recording = RecordingCache()
