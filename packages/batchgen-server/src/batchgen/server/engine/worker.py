@@ -272,11 +272,13 @@ def _untraced(exc: BaseException) -> BaseException:
     """``exc`` (logged already), kept for the record without its tracebacks: their frames would keep what failed
     alive (a dead group's runner: its model shard and cache)."""
     seen: set[int] = set()
-    link: BaseException | None = exc
-    while link is not None and id(link) not in seen:
-        seen.add(id(link))
-        link.__traceback__ = None
-        link = link.__cause__ or link.__context__
+    links: list[BaseException | None] = [exc]
+    while links:
+        link = links.pop()
+        if link is not None and id(link) not in seen:
+            seen.add(id(link))
+            link.__traceback__ = None
+            links += [link.__cause__, link.__context__]
     return exc
 
 

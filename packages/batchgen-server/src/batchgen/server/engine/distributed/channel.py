@@ -188,7 +188,7 @@ def _image_parts(images: StepImages | None) -> list[torch.Tensor]:
     """A step's image rows and M-RoPE positions, as the payload's int64s."""
     if images is None:
         return []
-    parts = [] if images.rows is None else [images.rows.to("cpu", torch.int64)]
+    parts = [] if images.rows is None else [images.rows]
     if images.positions is not None:
         parts.append(torch.from_numpy(np.ascontiguousarray(images.positions, dtype=np.int64)).reshape(-1))
     return parts

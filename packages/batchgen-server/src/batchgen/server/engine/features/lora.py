@@ -327,11 +327,13 @@ class LoRASlots:
                         found = read_adapter(request, self.linears, self.max_rank, self.unreached, self.elsewhere)
                     except AdapterRefused as exc:
                         found = exc
-                    with self._cache_lock:
-                        self._cache[key] = found
-                        while len(self._cache) > self.max_cpu_loras:
-                            self._cache.popitem(last=False)
-                        del self._reading[key]
+                    finally:  # read or not (its files may fail to read: the next caller tries again)
+                        with self._cache_lock:
+                            if found is not None:
+                                self._cache[key] = found
+                                while len(self._cache) > self.max_cpu_loras:
+                                    self._cache.popitem(last=False)
+                            del self._reading[key]
         if isinstance(found, AdapterRefused):
             raise found
         return found

@@ -10,6 +10,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+from .quantization import method_of
+
 if TYPE_CHECKING:
     from ..config import EngineConfig
 
@@ -79,7 +81,6 @@ def shard_kwargs(config: EngineConfig, model_config: Any) -> dict[str, Any]:
     from transformers.distributed.configuration_utils import DistributedConfig
 
     from ..errors import ModelNotSupported
-    from .quantization import method_of
 
     size, stages, experts = config.tensor_parallel_size, config.pipeline_parallel_size, config.enable_expert_parallel
     problem = split_problem(model_config, size, experts) if size > 1 else None

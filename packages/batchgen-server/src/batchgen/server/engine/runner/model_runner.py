@@ -381,7 +381,7 @@ class ModelRunner:
         masks = None
         if step.matchers:  # the constrained rows' masks are filled while the forward runs
             masks = MaskFill(self.grammars, step.matchers, np.array(step.owners, dtype=np.int64), self.device)
-        images = self.vision.gather(scheduled, self.device) if self.vision is not None else None
+        images = self.vision.gather(scheduled) if self.vision is not None else None
         output = self.forward(step.packed, step.sample_rows, step.want_hidden, images)
         launched = step.launched
         launched.hidden = output.hidden

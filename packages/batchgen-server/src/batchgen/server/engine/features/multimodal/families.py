@@ -55,7 +55,7 @@ class Family:
         self, model: Any, input_ids: torch.Tensor, rows: torch.Tensor, features: torch.Tensor, embeds: torch.Tensor
     ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
         """What the model's ``forward`` hands its base model and its language model besides the embeddings, for a
-        step whose packed ``rows`` hold the image ``features`` (``VisionStep.inputs``)."""
+        step whose packed ``rows`` hold the image ``features`` (``VisionStep.assemble``)."""
         return None, None
 
 

@@ -17,8 +17,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from ...errors import ModelNotSupported
+from ...loading.loader import is_vision_language
 from .encoder_cache import EncoderCache
-from .families import Family
+from .families import Family, driven_family
 from .prompt import ImageInput, MultimodalPrompt
 
 
@@ -76,7 +78,7 @@ class StepImages:
     """What a step's images give its forward, on every rank alike."""
 
     rows: torch.Tensor | None
-    """The packed rows of the step's image placeholders (int64); ``None``: the step reaches none."""
+    """The packed rows of the step's image placeholders (int64, on the host); ``None``: the step reaches none."""
     features: torch.Tensor | None
     """``[rows, width]``: their encoder rows (a family's may be wider than the embeddings: deepstack)."""
     positions: np.ndarray | None
@@ -91,9 +93,10 @@ class VisionStep:
         self.encoded_images = 0
         """Images run through the vision tower so far (the encoder cache's misses that were encoded)."""
 
-    def gather(self, scheduled: Sequence[Any], device: torch.device) -> StepImages | None:
+    def gather(self, scheduled: Sequence[Any]) -> StepImages | None:
         """The step's image rows, encoded, and its positions (``scheduled``: the ``ScheduledSeq``s, in the packed
-        row's order); ``None``: no sequence of the step has images."""
+        row's order); ``None``: the step needs neither (no sequence of it has images, or it reaches none of them and
+        the family's positions are plain)."""
         wanted: list[tuple[int, int, int, ImageInput]] = []  # (packed row of the chunk, its start, tokens, image)
         positions: list[np.ndarray] | None = [] if self.family.mrope else None
         any_mm = False
@@ -110,9 +113,9 @@ class VisionStep:
             if positions is not None:
                 positions.append(self._positions(seq, mm, start, n))
             row += n
-        if not any_mm:
+        if not any_mm or (not wanted and positions is None):
             return None
-        rows, features = self._rows(wanted, device) if wanted else (None, None)
+        rows, features = self._rows(wanted) if wanted else (None, None)
         return StepImages(rows, features, None if positions is None else np.concatenate(positions, axis=1))
 
     def assemble(self, images: StepImages, input_ids: torch.Tensor) -> StepInputs:
@@ -130,9 +133,7 @@ class VisionStep:
             mrope = torch.from_numpy(np.ascontiguousarray(images.positions)).unsqueeze(1).to(input_ids.device)
         return StepInputs(embeds, mrope, base, language)
 
-    def _rows(
-        self, wanted: list[tuple[int, int, int, ImageInput]], device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rows(self, wanted: list[tuple[int, int, int, ImageInput]]) -> tuple[torch.Tensor, torch.Tensor]:
         """The packed rows of the step's image placeholders, and their encoder rows."""
         features = self._encode([image for *_, image in wanted])
         rows: list[np.ndarray] = []
@@ -142,7 +143,7 @@ class VisionStep:
             inside = np.flatnonzero((where >= start) & (where < start + n))  # this chunk's placeholders only
             rows.append(where[inside] - start + row)
             chosen.append(features[image.key][torch.from_numpy(inside)])
-        return torch.from_numpy(np.concatenate(rows)).to(device), torch.cat(chosen)
+        return torch.from_numpy(np.concatenate(rows)), torch.cat(chosen)
 
     def _encode(self, images: list[ImageInput]) -> dict[bytes, torch.Tensor]:
         """Every image's encoder output: from the cache, or the missing ones in one batch through the tower."""
@@ -183,8 +184,6 @@ class VisionStep:
 def both_ways_refused(architecture: str, config: Any) -> None:
     """Image tokens attending both ways (``MultimodalPrompt.spans``) are masked by the gather backend on one rank;
     ``ModelNotSupported`` where the engine would run them otherwise."""
-    from ...errors import ModelNotSupported
-
     if config.attention_backend == "flex" or config.tensor_parallel_size > 1:
         raise ModelNotSupported(
             architecture,
@@ -195,9 +194,6 @@ def both_ways_refused(architecture: str, config: Any) -> None:
 
 def vision_step_for(model: Any, cache_bytes: int) -> VisionStep | None:
     """The vision step of a vision-language model (``None`` for a text model)."""
-    from ...loading.loader import is_vision_language
-    from .families import driven_family
-
     if not is_vision_language(model.config):
         return None
     return VisionStep(model, driven_family(model.config, type(model).__name__), cache_bytes)
