@@ -476,3 +476,53 @@ def llava_onevision(path: Path) -> Path:
 
 BUILDERS["llava_next"] = llava_next
 BUILDERS["llava_onevision"] = llava_onevision
+
+
+KIMI_SPECIALS = [
+    "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>", "<|media_begin|>", "<|media_content|>",
+    "<|media_pad|>", "<|media_end|>", "<|kimi_k25_video_placeholder|>",
+]  # fmt: skip
+KIMI_TEMPLATE = (
+    "{% for message in messages %}<|im_{{ message['role'] }}|>{{ message['role'] }}<|im_middle|>"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for content in message['content'] %}"
+    + _IMAGE_PART
+    + "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>{% elif 'text' in content %}"
+    "{{ content['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>{% endif %}"
+)
+KIMI_TEXT = {
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 4, "max_position_embeddings": 512, "n_routed_experts": 4, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32, "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8, "v_head_dim": 16, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+}  # fmt: skip
+"""DeepSeek-V3's shape, as Kimi K2.5's text model is: MLA, a dense first layer, then routed experts."""
+
+
+def kimi_k25(path: Path) -> Path:
+    """Kimi K2.5 (the seed's model) built tiny from its own config: MoonViT (learned positions resampled to each
+    picture's grid, 2x2 merged patches) and DeepSeek-V3's text model; its Pillow image processor (transformers'
+    needs torchvision)."""
+    from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration
+
+    from batchgen.server.serving.kimi_k25 import KimiK25ImageProcessorPil
+
+    tok = byte_tokenizer(KIMI_SPECIALS, KIMI_TEMPLATE)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in KIMI_SPECIALS}
+    vision = {
+        "patch_size": 14, "pos_emb_height": 8, "pos_emb_width": 8, "num_attention_heads": 2, "num_hidden_layers": 2,
+        "hidden_size": 32, "intermediate_size": 64, "merge_kernel_size": [2, 2],
+    }  # fmt: skip
+    config = Kimi_K25Config(
+        text_config={"model_type": "deepseek_v3", **KIMI_TEXT, "vocab_size": len(tok)},
+        vision_config=vision, projection_hidden_size=32, image_token_id=ids["<|media_pad|>"],
+        video_token_id=ids["<|kimi_k25_video_placeholder|>"], vision_start_token_id=ids["<|media_begin|>"],
+        vision_end_token_id=ids["<|media_end|>"], tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Kimi_K25ForConditionalGeneration(config).float()
+    ip = KimiK25ImageProcessorPil(size={"max_height": 112, "max_width": 112}, max_patches=64)
+    return _save(path, model, tok, ip, {"processor_class": "Kimi_K25Processor"})
+
+
+BUILDERS["kimi_k25"] = kimi_k25

@@ -89,17 +89,25 @@ def test_an_moe_model_in_two_stages(tmp_path: Path) -> None:
         engine.close()
 
 
-def test_images_on_two_ranks(tmp_path: Path) -> None:
-    """Qwen2.5-VL split two ways: the driver encodes the pictures, every rank takes their rows (and M-RoPE's
-    positions) into the embeddings it looks up with the others (the vocabulary is split): transformers' tokens and
-    logprobs (LLaVA's plain positions too, measured). The driver once looked them up alone, a collective the ranks
-    never joined (every image chat answered 500 after 30 s)."""
-    family = Family("qwen2_5_vl", BUILDERS["qwen2_5_vl"](tmp_path / "qwen2_5_vl"))
-    engine = build_engine(config_of(family.path, max_num_batched_tokens=2048, num_kv_blocks=64))
+@pytest.mark.parametrize("name", ["qwen2_5_vl", "kimi_k25"])
+def test_images_on_two_ranks(tmp_path: Path, name: str) -> None:
+    """Split two ways, the driver encodes the pictures, every rank takes their rows (and M-RoPE's positions) into the
+    embeddings it looks up with the others (the vocabulary is split): transformers' tokens and logprobs. Qwen2.5-VL;
+    and the seed's Kimi K2.5 (MoonViT beside DeepSeek-V3's MLA and routed experts, the experts spread over the ranks)
+    with n = 2. The driver once looked them up alone, a collective the ranks never joined (every image chat answered
+    500 after 30 s)."""
+    family = Family(name, BUILDERS[name](tmp_path / name))
+    experts = name == "kimi_k25"
+    config = config_of(family.path, max_num_batched_tokens=2048, num_kv_blocks=64, enable_expert_parallel=experts)
+    engine = build_engine(config)
     assert isinstance(engine, LLMEngine) and engine.runner.group is not None
     try:
-        results = _run(engine, [family.request(i, f"r{i}") for i in range(len(CONVERSATIONS))])
+        if experts:  # whole experts, half of them each
+            assert engine.runner.model.model.language_model.layers[1].mlp.experts.gate_up_proj.to_local().shape[0] == 2
+        n = 2 if experts else 1
+        results = _run(engine, [family.request(i, f"r{i}", n=n) for i in range(len(CONVERSATIONS))])
         for i in range(len(CONVERSATIONS)):
+            assert len(results[f"r{i}"].outputs) == n
             _same(family, results[f"r{i}"], i)
     finally:
         engine.close()

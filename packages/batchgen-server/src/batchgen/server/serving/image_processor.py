@@ -6,6 +6,7 @@ and the ``MultimodalPrompt`` an engine request carries."""
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import numpy as np
@@ -17,9 +18,14 @@ from transformers.models.auto.processing_auto import (
 
 from ..engine.features.multimodal.families import driven_family, runs
 from ..engine.features.multimodal.prompt import ImageInput, MultimodalPrompt
+from .kimi_k25 import KimiK25ImageProcessorPil
 from .pixtral import PixtralPrompts
 
 IMAGE_ONLY_ATTRIBUTES = ("image_processor", "tokenizer")
+
+PILLOW_TWINS: dict[str, Any] = {"kimi_k25": KimiK25ImageProcessorPil}
+"""Image processors transformers writes for torchvision alone, by model type: their Pillow twins, used where
+torchvision is not installed."""
 
 
 def _size_field(size: Any, name: str) -> Any:
@@ -40,6 +46,18 @@ def _image_only(cls: type) -> type:
     return ImageOnly
 
 
+def _image_processor(path: str, model_type: str) -> Any:
+    """The model's image processor: its Pillow backend, else its Pillow twin where torchvision is missing, else
+    the one transformers has."""
+    try:
+        return AutoImageProcessor.from_pretrained(path, backend="pil")  # type: ignore[no-untyped-call, unused-ignore]  # typed from transformers 5.25
+    except (ImportError, ValueError):
+        pass
+    if model_type in PILLOW_TWINS and importlib.util.find_spec("torchvision") is None:
+        return PILLOW_TWINS[model_type].from_pretrained(path)
+    return AutoImageProcessor.from_pretrained(path)  # type: ignore[no-untyped-call, unused-ignore]  # typed from transformers 5.25
+
+
 class ImageProcessor:
     """What a served vision-language model makes prompts with: its processor (images only) and its family."""
 
@@ -47,10 +65,7 @@ class ImageProcessor:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         self.family = driven_family(config, config.model_type)
         name = PROCESSOR_MAPPING_NAMES[config.model_type]
-        try:
-            image_processor = AutoImageProcessor.from_pretrained(path, backend="pil")  # type: ignore[no-untyped-call, unused-ignore]  # typed from transformers 5.25
-        except (ImportError, ValueError):
-            image_processor = AutoImageProcessor.from_pretrained(path)  # type: ignore[no-untyped-call, unused-ignore]  # typed from transformers 5.25
+        image_processor = _image_processor(path, config.model_type)
         tokenizer = tokenizer or AutoTokenizer.from_pretrained(path)
         self.processor: Any
         if name == "PixtralProcessor":  # transformers' needs torchvision: the same expansion without it

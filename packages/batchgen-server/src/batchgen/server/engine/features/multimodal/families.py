@@ -5,7 +5,6 @@ prompt's processor output split into each image's pixels and placeholder positio
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -67,8 +66,7 @@ class Qwen2_5VL(Family):
     mrope = True
 
     def counts(self, out: Mapping[str, Any], num_images: int, positions: np.ndarray, processor: Any) -> list[int]:
-        merge = self._merge_size
-        return [int(t * h * w) // merge**2 for t, h, w in out["image_grid_thw"].tolist()]
+        return [int(t * h * w) // self._merged for t, h, w in out["image_grid_thw"].tolist()]
 
     def split(self, out: Mapping[str, Any], counts: list[int], processor: Any) -> list[dict[str, Any]]:
         grids = out["image_grid_thw"]
@@ -95,7 +93,19 @@ class Qwen2_5VL(Family):
         )
         return positions[:, 0].cpu().numpy(), int(delta.reshape(-1)[0])
 
-    _merge_size = 2
+    _merged = 4
+    """Patches merged into one placeholder (the tower's merge window)."""
+
+
+class KimiK25(Qwen2_5VL):
+    """Kimi K2.5 (MoonViT, DeepSeek-V3's text model: MLA and experts): Qwen2.5-VL's grids of patches, each
+    picture's merged in windows (``merge_kernel_size``), at the text model's plain positions."""
+
+    name = "Kimi K2.5"
+    mrope = False
+
+    def extras(self, out: Mapping[str, Any]) -> dict[str, Any]:
+        return {}
 
 
 class Idefics3(Family):
@@ -295,8 +305,8 @@ class Gemma4(Family):
 
 
 FAMILIES: dict[str, type[Family]] = {
-    "gemma3": Gemma3, "gemma4": Gemma4, "idefics3": Idefics3, "llava": Family, "llava_next": LlavaNext,
-    "llava_onevision": LlavaOnevision, "mistral3": Mistral3,
+    "gemma3": Gemma3, "gemma4": Gemma4, "idefics3": Idefics3, "kimi_k25": KimiK25, "llava": Family,
+    "llava_next": LlavaNext, "llava_onevision": LlavaOnevision, "mistral3": Mistral3,
     "qwen2_5_vl": Qwen2_5VL, "qwen3_5": Qwen2_5VL, "qwen3_vl": Qwen3VL, "smolvlm": Idefics3,
 }  # fmt: skip
 """The families the engine drives exactly (tests/engine/test_vision_language.py checks each against ``generate``)."""
@@ -314,15 +324,13 @@ def family_of(config: Any) -> Family | None:
         return None
     family = cls()
     vision: Any = config.vision_config
-    if isinstance(family, Qwen2_5VL):
-        family._merge_size = vision.spatial_merge_size
+    if isinstance(family, KimiK25):
+        family._merged = int(np.prod(vision.merge_kernel_size))
+    elif isinstance(family, Qwen2_5VL):
+        family._merged = vision.spatial_merge_size**2
     if isinstance(family, Gemma4):  # both ways only where the config asks for it, and only on sliding layers
         family.bidirectional = family.sliding_only = config.get_text_config().use_bidirectional_attention == "vision"
     return family
-
-
-TORCHVISION_ONLY = {"kimi_k25": "Kimi_K25ImageProcessor"}
-"""Families whose image processor transformers writes for torchvision alone (no Pillow backend)."""
 
 
 def check_driven(config: EngineConfig) -> None:
@@ -339,11 +347,6 @@ def driven_family(config: PretrainedConfig, architecture: str) -> Family:
     """The family of a vision-language model the engine drives exactly; ``ModelNotSupported`` (one line) for
     another."""
     family = family_of(config)
-    if config.model_type in TORCHVISION_ONLY and importlib.util.find_spec("torchvision") is None:
-        raise ModelNotSupported(
-            architecture,
-            f"its image processor ({TORCHVISION_ONLY[config.model_type]}) needs torchvision, not installed",
-        )
     if family is None:
         raise ModelNotSupported(
             architecture,
