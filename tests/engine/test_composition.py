@@ -28,6 +28,9 @@ from batchgen.server.engine.loading.demo_model import build_tokenizer
 MATRIX: dict[tuple[str, str], str] = {
     ("tensor parallel", "images"): "test_tensor_parallel_families.py::test_images_on_two_ranks",
     ("pipeline parallel", "images"): "test_composition.py::test_stages_of_a_vision_language_model_are_refused",
+    ("tensor parallel", "images attending both ways"): "test_tensor_parallel_families.py::test_images_on_two_ranks",
+    ("tensor parallel", "Gemma 4 images"): "test_composition.py::test_gemma_4_images_split_are_refused",
+    ("tensor parallel x expert parallel", "images x MLA"): "test_tensor_parallel_families.py::test_images_on_two_ranks",
     ("tensor parallel", "hybrid"): "test_tensor_parallel_families.py::test_a_hybrid_model_on_two_ranks",
     ("pipeline parallel", "hybrid"): (
         "test_tensor_parallel_families.py::test_stages_of_a_hybrid_model_are_refused_by_every_stage"
@@ -86,6 +89,24 @@ def test_stages_of_a_vision_language_model_are_refused(tmp_path: Path) -> None:
         build_engine(EngineConfig(model=str(path), device="cpu", dtype="float32", pipeline_parallel_size=2))
     said = str(refused.value)
     assert "pipeline stages" in said and "\n" not in said
+    assert not torch.distributed.is_initialized()
+
+
+def test_gemma_4_images_split_are_refused(tmp_path: Path) -> None:
+    """transformers' Gemma 4 forward cannot run split (it mixes distributed tensors with plain ones): refused in one
+    line, from the config, before any rank starts (a rank once died at its layer probe with aten's words)."""
+    from transformers import AutoConfig
+
+    from batchgen.server.engine.errors import ModelNotSupported
+
+    config = AutoConfig.for_model("gemma4")
+    config.architectures = ["Gemma4ForConditionalGeneration"]
+    config.save_pretrained(tmp_path)
+    with pytest.raises(ModelNotSupported) as refused:
+        build_engine(EngineConfig(model=str(tmp_path), device="cpu", tensor_parallel_size=2))
+    said = str(refused.value)
+    assert said.startswith("batchgen cannot serve Gemma4ForConditionalGeneration models: transformers' Gemma 4")
+    assert said.endswith("serve it on one device") and "\n" not in said
     assert not torch.distributed.is_initialized()
 
 

@@ -89,13 +89,14 @@ def test_an_moe_model_in_two_stages(tmp_path: Path) -> None:
         engine.close()
 
 
-@pytest.mark.parametrize("name", ["qwen2_5_vl", "kimi_k25"])
+@pytest.mark.parametrize("name", ["qwen2_5_vl", "kimi_k25", "gemma3"])
 def test_images_on_two_ranks(tmp_path: Path, name: str) -> None:
     """Split two ways, the driver encodes the pictures, every rank takes their rows (and M-RoPE's positions) into the
     embeddings it looks up with the others (the vocabulary is split): transformers' tokens and logprobs. Qwen2.5-VL;
-    and the seed's Kimi K2.5 (MoonViT beside DeepSeek-V3's MLA and routed experts, the experts spread over the ranks)
-    with n = 2. The driver once looked them up alone, a collective the ranks never joined (every image chat answered
-    500 after 30 s)."""
+    the seed's Kimi K2.5 (MoonViT beside DeepSeek-V3's MLA and routed experts, the experts spread over the ranks)
+    with n = 2; Gemma 3, whose image tokens attend both ways (each rank masks them so: the step carries the spans;
+    it was refused). The driver once looked them up alone, a collective the ranks never joined (every image chat
+    answered 500 after 30 s)."""
     family = Family(name, BUILDERS[name](tmp_path / name))
     experts = name == "kimi_k25"
     config = config_of(family.path, max_num_batched_tokens=2048, num_kv_blocks=64, enable_expert_parallel=experts)

@@ -85,6 +85,8 @@ class Channel:
         rows = [seq.table_row for seq in seqs]
         tables = packed.block_tables[rows, :bs_cols] if seqs else np.zeros((0, 0), dtype=np.int64)
         slices = np.array([(seq.row, seq.num_tokens, seq.start) for seq in seqs], dtype=np.int64).reshape(-1)
+        spans = [len(seq.spans) for seq in seqs] if any(seq.spans for seq in seqs) else []  # each's, then their ends
+        spans += [end for seq in seqs for span in seq.spans for end in span]
         payload = torch.cat(
             [
                 packed.input_ids.reshape(-1).to("cpu", torch.int64),
@@ -96,6 +98,7 @@ class Channel:
                 torch.tensor(adapter_slots or [], dtype=torch.int64),
                 *_image_parts(images),
                 torch.tensor(layout, dtype=torch.int64),
+                torch.tensor(spans, dtype=torch.int64),
             ]
         )
         header = [Command.STEP, packed.input_ids.numel(), len(seqs), len(sample_rows), int(want_hidden), bs_cols]
@@ -107,7 +110,8 @@ class Channel:
             0 if features is None else features.shape[1],
             images is not None and images.positions is not None,
         ]
-        self._send([*header, adapter_slots is not None, *image_fields, packed.states is not None, len(layout)], payload)
+        fields = [*header, adapter_slots is not None, *image_fields, packed.states is not None, len(layout), len(spans)]
+        self._send(fields, payload)
         if features is not None:  # float32 whatever the model's dtype (bf16 and fp16 are exact in it)
             dist.broadcast(features.to("cpu", torch.float32).contiguous(), 0, group=self.group)
 
@@ -154,13 +158,17 @@ class Channel:
         if command is not Command.STEP:
             return Received(command)
         tokens, num_seqs, num_sample, want_hidden, cols, with_slots = fields[1:7]
-        with_images, image_rows, width, mrope, with_states, layout = fields[7:13]
+        with_images, image_rows, width, mrope, with_states, layout, spans = fields[7:14]
         sizes = [tokens, tokens, tokens, 3 * num_seqs, num_sample, num_seqs * cols, tokens * with_slots]
-        sizes += [image_rows, 3 * tokens * mrope, layout]
+        sizes += [image_rows, 3 * tokens * mrope, layout, spans]
         parts = torch.split(payload, sizes)
         ids, positions, slots = (part.to(self.device) for part in parts[:3])
         slices = parts[3].view(num_seqs, 3).tolist()
         seqs = [SeqSlice(row, count, start, index) for index, (row, count, start) in enumerate(slices)]
+        if spans:  # image tokens that attend both ways: each sequence's runs
+            counts, ends = parts[10][:num_seqs].tolist(), iter(parts[10][num_seqs:].tolist())
+            for seq, count in zip(seqs, counts, strict=True):
+                seq.spans = tuple((next(ends), next(ends)) for _ in range(count))
         tables = parts[5].view(num_seqs, cols).numpy()
         packed = PackedInputs(ids, positions, slots, seqs, tables)
         adapter_slots = parts[6].tolist() if with_slots else None

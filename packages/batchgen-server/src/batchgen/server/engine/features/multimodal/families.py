@@ -28,6 +28,8 @@ class Family:
     attention sees the whole run (``MultimodalPrompt.spans``)."""
     sliding_only = False
     """... on sliding-window layers only (Gemma 4)."""
+    split_problem: str | None = None
+    """Why its model cannot run split over ranks (``None``: it can)."""
 
     def counts(self, out: Mapping[str, Any], num_images: int, positions: np.ndarray, processor: Any) -> list[int]:
         """How many placeholder tokens (encoder output rows) each image takes (``positions``: the prompt's
@@ -277,6 +279,10 @@ class Gemma4(Family):
     read as padding), image tokens attending both ways on sliding layers where the config says ``vision``."""
 
     name = "Gemma 4"
+    split_problem = (
+        "transformers' Gemma 4 forward mixes a split model's distributed tensors with plain ones (its per-layer "
+        "inputs' padding row: aten.where)"
+    )
 
     def counts(self, out: Mapping[str, Any], num_images: int, positions: np.ndarray, processor: Any) -> list[int]:
         return [len(run) for run in runs(positions)]  # each image between boi and eoi
@@ -339,8 +345,12 @@ def check_driven(config: EngineConfig) -> None:
     model_config = AutoConfig.from_pretrained(
         resolve_model_path(config.model), revision=config.revision, trust_remote_code=config.trust_remote_code
     )
-    if is_vision_language(model_config):
-        driven_family(model_config, model_config.model_type)
+    if not is_vision_language(model_config):
+        return
+    family = driven_family(model_config, model_config.model_type)
+    if config.world_size > 1 and family.split_problem:
+        architecture = next(iter(model_config.architectures or []), model_config.model_type)
+        raise ModelNotSupported(architecture, f"{family.split_problem}; serve it on one device")
 
 
 def driven_family(config: PretrainedConfig, architecture: str) -> Family:

@@ -182,13 +182,12 @@ class VisionStep:
 
 
 def both_ways_refused(architecture: str, config: Any) -> None:
-    """Image tokens attending both ways (``MultimodalPrompt.spans``) are masked by the gather backend on one rank;
-    ``ModelNotSupported`` where the engine would run them otherwise."""
-    if config.attention_backend == "flex" or config.tensor_parallel_size > 1:
+    """Image tokens attending both ways (``MultimodalPrompt.spans``) are masked by the gather backend (on every rank
+    of a group: the step carries each sequence's spans); ``ModelNotSupported`` where the engine would run flex."""
+    if config.attention_backend == "flex":
         raise ModelNotSupported(
             architecture,
-            "its image tokens attend to each other both ways, which only --attention-backend gather on one rank "
-            "masks (no flex, no --tensor-parallel-size)",
+            "its image tokens attend to each other both ways, which only --attention-backend gather masks",
         )
 
 
