@@ -1,15 +1,18 @@
-"""The engine keeps nothing of a finished request: the fix for RSS growing with every request served."""
+"""The engine keeps nothing of a finished request (the fix for RSS growing with every request served), and sizes its
+caches from what the largest step leaves."""
 
 from __future__ import annotations
 
 import gc
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
-from batchgen.server.engine import EngineRequest, EngineResult, EngineWorker, LLMEngine, SamplingParams
+from batchgen.server.engine import EngineConfig, EngineRequest, EngineResult, EngineWorker, LLMEngine, SamplingParams
 
 
 def _live_tensors() -> int:
@@ -72,3 +75,40 @@ def test_finished_requests_leave_no_state_and_no_tensors(
     for cache in (*engine.runner.cache.k, *engine.runner.cache.v):
         assert cache.grad_fn is None and not cache.requires_grad
     assert not any(p.requires_grad for p in engine.runner.model.parameters())
+
+
+def test_the_caches_get_what_is_left_beside_the_largest_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where a budget sizes the caches, the largest step the scheduler may send runs once before they exist and its
+    peak is measured (on CPU the process's peak resident set): it grows with the step's tokens (4,096 of them hold
+    at least the MLP's 4,096 x 1,024 float32 activations, 16 MiB). On a machine with less left than
+    ``--cpu-kv-cache-gib`` asks, the caches take what the step leaves, and a warning says so."""
+    from test_architectures import _build
+
+    from batchgen.server.engine import build_engine
+    from batchgen.server.engine.loading.demo_model import build_tokenizer
+    from batchgen.server.engine.runner import profile
+    from batchgen.server.media.budget import give_back_memory
+
+    path = _build("llama", {"hidden_size": 256, "intermediate_size": 1024}, build_tokenizer(), tmp_path)
+
+    def runner(tokens: int) -> Any:
+        give_back_memory()  # what earlier tests freed is not held resident, where the step would reuse it unseen
+        config = EngineConfig(
+            model=str(path), device="cpu", dtype="float32", max_num_batched_tokens=tokens, torch_threads=1
+        )
+        engine = build_engine(config)
+        engine.close()
+        return engine.runner
+
+    small, large = runner(128), runner(4096)
+    assert large.step_bytes >= 16 * 2**20 and large.step_bytes > 2 * small.step_bytes
+    assert large.num_blocks == 2**30 // large.block_bytes  # 1 GiB asked: the machine has it
+
+    left = 2 * large.step_bytes  # under the 1 GiB asked
+    monkeypatch.setattr(profile, "_available_bytes", lambda: left)
+    with caplog.at_level("WARNING", logger=profile.__name__):
+        cut = runner(4096)
+    assert cut.num_blocks == (left - cut.step_bytes) // cut.block_bytes > 0
+    assert "--cpu-kv-cache-gib 1.00: this machine has" in caplog.text

@@ -55,9 +55,10 @@ from ..sampling.sampler import Sampler
 from ..scheduler_output import ScheduledSeq, SchedulerOutput
 from .capacity import CacheSizes, cache_sizes
 from .collectives import smallest_across_ranks
-from .cuda_graphs import CudaGraph, DecodeGraphs
+from .cuda_graphs import CudaGraph, DecodeGraphs, batch_buckets
 from .inputs import InputBuffers, PackedInputs
 from .launched import Launched
+from .profile import cache_budget, peak_bytes
 from .stages import stages_of
 
 EAGER_BELOW_PARAMETERS = 10_000_000
@@ -127,6 +128,9 @@ class ModelRunner:
     """A pipeline stage's forward (``runner/stages.py``): the model's calls run its layers alone."""
     windows: set[int | None]
     """The layers' sliding windows (``None``: full attention), which the self-check reaches past."""
+    step_bytes = 0
+    """The largest step's peak, measured where the caches are sized from a budget (``profile.py``; 0 where
+    ``--num-kv-blocks`` names them)."""
 
     def __init__(
         self,
@@ -151,22 +155,22 @@ class ModelRunner:
         probe = self._probe_layers()
         self.windows = probe.windows
         state_layers = self._state_layers(probe, config)
+        self.vision = self._build_vision(config)
+        self.compiled, graphs = self._compiled(config, bool(state_layers))
+        layers = [*probe.modules, *(layer.module for layer in state_layers)]  # mixer-only layers compile too
+        self.lora = self._build_lora(config, layers, graphs)  # before the caches: its slots take from their budget
         shapes = self._cache_shapes(probe.shapes, config)
         sizes = self._cache_sizes(shapes, probe.indexers, state_layers, config)
         self.num_blocks = sizes.blocks
         self.states = self._build_states(state_layers, sizes, config)
-        self.vision = self._build_vision(config)
-        self.compiled, graphs = self._compiled(config)
         # With graphs, one more block than the block manager hands out: the scratch block of padding rows.
         self.cache = KVCache(shapes, self.num_blocks + graphs, self.block_size, probe.indexers)
         self.inputs = InputBuffers(config.max_num_batched_tokens, self.block_size, self.device)
-        layers = [*probe.modules, *(layer.module for layer in state_layers)]  # mixer-only layers compile too
         self.graphs = self._build_fast_paths(config, layers, probe.windows, graphs)
         self.vocab_size: int = model.config.get_text_config().vocab_size
         live = self.states.slots.live if self.states is not None else config.max_num_seqs  # a running sequence's slot
         self.max_num_seqs = min(config.max_num_seqs, live)
         self.batch, self.sampler = BatchState(self.vocab_size, self.device, capacity=self.max_num_seqs), Sampler()
-        self.lora = self._build_lora(config, layers)
 
     def _sparse_layers(self, config: EngineConfig) -> bool:
         """DSA layers (``attention/dsa.py``) installed: their indexers run per sequence, so the model runs eagerly
@@ -204,6 +208,8 @@ class ModelRunner:
         )
         if self.group is not None:  # every rank holds the whole state: a slot copied here is copied there
             states.slots.copy = self._copy_state
+        if self.lora is not None:  # a state layer's own forward runs on some of the rows: their slots
+            states.mixers.token_rows = self.lora
         return states
 
     def _build_vision(self, config: EngineConfig) -> VisionStep | None:
@@ -213,15 +219,16 @@ class ModelRunner:
             both_ways_refused(self.architecture, config)
         return vision
 
-    def _compiled(self, config: EngineConfig) -> tuple[bool, bool]:
-        """Whether the layers are compiled, and decode steps run as CUDA graphs."""
+    def _compiled(self, config: EngineConfig, stateful: bool) -> tuple[bool, bool]:
+        """Whether the layers are compiled, and decode steps run as CUDA graphs (``stateful``: it has state
+        layers)."""
         # A split model runs eagerly: its collectives sit between the layers' ops, and every rank must run alike.
         big = self.model.num_parameters() >= EAGER_BELOW_PARAMETERS
         compiled = not config.enforce_eager and big and not self.sparse and config.world_size == 1
         # No decode graphs with state layers yet: their mixers run per call from Python lists of rows and slots. Nor
         # for vision-language models: graphs replay a decode's token ids and plain positions, M-RoPE's are not those.
         # Nor for pooling models, which never decode.
-        special = self.states is not None or self.vision is not None or self.pooling_only
+        special = stateful or self.vision is not None or self.pooling_only
         return compiled, uses_graphs(compiled, self.device, config) and not special
 
     def _build_fast_paths(
@@ -250,18 +257,15 @@ class ModelRunner:
         ]
         return decode_graphs
 
-    def _build_lora(self, config: EngineConfig, layers: list[torch.nn.Module]) -> LoRASlots | None:
+    def _build_lora(self, config: EngineConfig, layers: list[torch.nn.Module], graphs: bool) -> LoRASlots | None:
         """The LoRA adapters' slots over the layers' linears (``features/lora.py``), with LoRA on."""
         if not config.enable_lora:
             detach(self.model)  # an earlier engine's slots, on a model shared with it
             return None
-        graph_rows = self.graphs.buckets[-1] if self.graphs is not None else 0
-        lora = build_slots(self.model, layers, graph_rows, config)
+        lora = build_slots(self.model, layers, batch_buckets(config.max_num_seqs)[-1] if graphs else 0, config)
         lora.find_unreached(lambda: self._probe_forward(LayerProbe()))
         if self.group is not None:  # the other ranks copy each adapter into the same slot, and run with the same mask
             lora.on_load = self.group.send_adapter
-        if self.states is not None:  # a state layer's own forward runs on some of the rows: their slots
-            self.states.mixers.token_rows = lora
         return lora
 
     @property
@@ -277,15 +281,27 @@ class ModelRunner:
         return probe
 
     @torch.no_grad()
-    def _probe_forward(self, probe: LayerProbe) -> None:
-        ids = torch.arange(8, device=self.device).unsqueeze(0)
+    def _probe_forward(self, probe: LayerProbe, tokens: int = 8, keep: int = 1) -> None:
+        """The model's forward over ``tokens`` tokens of one sequence with ``probe`` as attention, logits for the last
+        ``keep`` (and those made float32 and normalized twice, as the sampler does: the largest step's peak)."""
+        text = self.model.config.get_text_config()
+        ids = (torch.arange(tokens, device=self.device) % text.vocab_size).unsqueeze(0)
+        positions = ids % (getattr(text, "max_position_embeddings", None) or tokens)
         self.model.set_attn_implementation(attention_for(self.model, PROBE_NAME))
         try:
             with active(probe), torch.compiler.set_stance("force_eager"):  # layers another engine compiled
                 if self.pooling_only:
-                    self.model.base_model(input_ids=ids, position_ids=ids, use_cache=False, **self._masks)
+                    self.model.base_model(input_ids=ids, position_ids=positions, use_cache=False, **self._masks)
                 else:
-                    self.model(input_ids=ids, position_ids=ids, use_cache=False, logits_to_keep=1, **self._masks)
+                    out = self.model(
+                        input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=keep, **self._masks
+                    )
+                    torch.softmax(torch.log_softmax(out.logits.float(), dim=-1), dim=-1)
+        except torch.OutOfMemoryError:
+            raise ModelLoadError(
+                f"a step of {tokens} tokens ({keep} sampled) does not fit in memory beside the model; lower "
+                "--max-num-batched-tokens or --max-num-seqs"
+            ) from None
         except AttentionRefused as exc:
             compressed = compression(self.model.config.get_text_config())  # the mechanism, where it declares one
             reason = str(exc) if compressed is None else f"{compressed} is not served: {exc}"
@@ -328,18 +344,14 @@ class ModelRunner:
         return [dataclasses.replace(shape, dtype=dtype) for shape in shapes]
 
     def _cache_budget(self, config: EngineConfig) -> float:
-        """The bytes the caches may take: the KV blocks and, with state layers, the state slots."""
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            text_config = self.model.config.get_text_config()
-            dtype_bytes = model_weight(self.model).dtype.itemsize
-            # Room for the activations of the largest step and the logits of every running sequence.
-            activations = config.max_num_batched_tokens * text_config.hidden_size * dtype_bytes * 16
-            logits = config.max_num_seqs * text_config.vocab_size * 4 * 4
-            budget = free - (1 - config.gpu_memory_utilization) * total - activations - logits
-        else:
-            budget = config.cpu_kv_cache_gib * 2**30
-        return float(budget)
+        """The bytes the caches may take (the KV blocks and, with state layers, the state slots): what is left once
+        the largest step has run, measured (``profile.py``), beside the LoRA slots (allocated already) and the
+        encoder cache's reservation."""
+        tokens = config.max_num_batched_tokens
+        largest = lambda: self._probe_forward(LayerProbe(), tokens, min(config.max_num_seqs, tokens))  # noqa: E731
+        self.step_bytes = peak_bytes(largest, self.device)
+        reserved = config.encoder_cache_mib * 2**20 if self.vision is not None else 0
+        return cache_budget(config, self.device, self.step_bytes, reserved)
 
     @property
     def cache_dtype(self) -> torch.dtype:
