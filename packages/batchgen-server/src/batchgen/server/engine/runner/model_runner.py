@@ -129,8 +129,7 @@ class ModelRunner:
     windows: set[int | None]
     """The layers' sliding windows (``None``: full attention), which the self-check reaches past."""
     step_bytes = 0
-    """The largest step's peak, measured where the caches are sized from a budget (``profile.py``; 0 where
-    ``--num-kv-blocks`` names them)."""
+    """The largest step's peak, measured where a budget sizes the caches (``profile.py``)."""
 
     def __init__(
         self,
@@ -298,10 +297,8 @@ class ModelRunner:
                     )
                     torch.softmax(torch.log_softmax(out.logits.float(), dim=-1), dim=-1)
         except torch.OutOfMemoryError:
-            raise ModelLoadError(
-                f"a step of {tokens} tokens ({keep} sampled) does not fit in memory beside the model; lower "
-                "--max-num-batched-tokens or --max-num-seqs"
-            ) from None
+            why = f"a step of {tokens} tokens ({keep} sampled) does not fit in memory beside the model"
+            raise ModelLoadError(f"{why}; lower --max-num-batched-tokens or --max-num-seqs") from None
         except AttentionRefused as exc:
             compressed = compression(self.model.config.get_text_config())  # the mechanism, where it declares one
             reason = str(exc) if compressed is None else f"{compressed} is not served: {exc}"
