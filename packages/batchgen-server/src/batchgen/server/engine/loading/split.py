@@ -151,11 +151,9 @@ DeltaNet's projections in transformers' plans) runs its whole recurrence on ever
 
 
 def split_state_problem(model: Any, layers: Any, config: EngineConfig) -> str | None:
-    """Why a split model's state layers cannot run (one line), or ``None``: every rank runs each state layer whole,
-    over its own copy of the whole state, so a state layer may be split only where its projections' outputs are
-    gathered back; and the state lives with the driver's stage, so no pipeline stages."""
-    if config.pipeline_parallel_size > 1:
-        return staged_state_problem(config.pipeline_parallel_size)
+    """Why a split model's state layers cannot run (one line), or ``None``: every rank runs each state layer of its
+    stage whole, over its own copy of the whole state, so a state layer may be split only where its projections'
+    outputs are gathered back."""
     plan: dict[str, str] = getattr(model, "_tp_plan", None) or {}
     patterns = [(re.compile(_regex(key)), key, style) for key, style in plan.items()]
     names = {module: name for name, module in model.named_modules()}
@@ -168,13 +166,6 @@ def split_state_problem(model: Any, layers: Any, config: EngineConfig) -> str | 
                         "the engine's state cache cannot follow; serve it with --tensor-parallel-size 1"
                     )
     return None
-
-
-def staged_state_problem(stages: int) -> str:
-    return (
-        f"its state layers (recurrent mixers, convolutions) with --pipeline-parallel-size {stages}: the stages "
-        "cannot share their state yet; use --tensor-parallel-size"
-    )
 
 
 def _regex(key: str) -> str:

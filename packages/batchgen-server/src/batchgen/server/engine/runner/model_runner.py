@@ -15,10 +15,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ..attention import (
-    ATTENTION_NAME,
-    PROBE_NAME,
     AttentionBackend,
-    AttentionRefused,
     LayerProbe,
     PagedStep,
     Selections,
@@ -27,24 +24,22 @@ from ..attention import (
     make_backend,
 )
 from ..attention.kv_cache import KVCache, LayerShape
-from ..attention.reach import compression
 from ..config import EngineConfig
-from ..errors import ModelLoadError, ModelNotSupported, refused
+from ..errors import ModelLoadError, ModelNotSupported
 from ..features.adapters import LoRARequest
 from ..features.lora import LoRASlots, build_slots, detach
 from ..features.multimodal.vision_step import (
     NO_EXTRA,
     StepImages,
     VisionStep,
-    attention_for,
     both_ways_refused,
     vision_step_for,
 )
-from ..features.state.discovery import StateLayer, StateRefused, discover, state_candidates
+from ..features.state.discovery import StateLayer
 from ..features.state.runtime import States
 from ..loading.loader import model_weight
 from ..loading.quantization import kv_cache_dtype
-from ..loading.split import split_state_problem, staged_state_problem
+from ..loading.split import split_state_problem
 from ..ops.fast_forward import FastForward
 from ..ops.fast_paths import FastPath
 from ..ops.transfer import indices
@@ -58,6 +53,7 @@ from .collectives import smallest_across_ranks
 from .cuda_graphs import CudaGraph, DecodeGraphs, batch_buckets
 from .inputs import InputBuffers, PackedInputs
 from .launched import Launched
+from .probing import ModelProbe
 from .profile import cache_budget, peak_bytes
 from .stages import stages_of
 
@@ -126,8 +122,8 @@ class ModelRunner:
     """Fills the constrained rows' token masks while the forward runs."""
     stages: Any
     """A pipeline stage's forward (``runner/stages.py``): the model's calls run its layers alone."""
-    windows: set[int | None]
-    """The layers' sliding windows (``None``: full attention), which the self-check reaches past."""
+    probed: LayerProbe
+    """Its attention layers as the probe found them."""
     step_bytes = 0
     """The largest step's peak, measured where a budget sizes the caches (``profile.py``)."""
 
@@ -151,17 +147,17 @@ class ModelRunner:
         self.device: torch.device = model_weight(model).device
         self.stages, self.block_size = stages_of(model), config.block_size
         self.sparse = self._sparse_layers(config)
-        probe = self._probe_layers()
-        self.windows = probe.windows
-        state_layers = self._state_layers(probe, config)
+        self.probing = ModelProbe(model, self.device, pooling_only, self._masks)
+        self.probed = probe = self.probing.layers()
+        state_layers, stateful = self.probing.state_layers(probe, config)
         self.vision = self._build_vision(config)
-        self.compiled, graphs = self._compiled(config, bool(state_layers))
+        self.compiled, graphs = self._compiled(config, stateful)
         layers = [*probe.modules, *(layer.module for layer in state_layers)]  # mixer-only layers compile too
         self.lora = self._build_lora(config, layers, graphs)  # before the caches: its slots take from their budget
         shapes = self._cache_shapes(probe.shapes, config)
-        sizes = self._cache_sizes(shapes, probe.indexers, state_layers, config)
+        sizes = self._cache_sizes(shapes, probe.indexers, state_layers, stateful, config)
         self.num_blocks = sizes.blocks
-        self.states = self._build_states(state_layers, sizes, config)
+        self.states = self._build_states(state_layers, sizes, config) if stateful else None
         # With graphs, one more block than the block manager hands out: the scratch block of padding rows.
         self.cache = KVCache(shapes, self.num_blocks + graphs, self.block_size, probe.indexers)
         self.inputs = InputBuffers(config.max_num_batched_tokens, self.block_size, self.device)
@@ -182,22 +178,29 @@ class ModelRunner:
         return sparse
 
     def _cache_sizes(
-        self, shapes: list[LayerShape], indexers: Any, state_layers: list[StateLayer], config: EngineConfig
+        self,
+        shapes: list[LayerShape],
+        indexers: Any,
+        state_layers: list[StateLayer],
+        stateful: bool,
+        config: EngineConfig,
     ) -> CacheSizes:
         """The KV blocks and state slots the budget holds; on a split model as many as the fullest rank has room
-        for (each rank holds its share of the same blocks, its heads' or its stage's layers', and the same slots)."""
+        for (each rank holds its share of the same blocks, its heads' or its stage's layers', and the same slots:
+        a stage without state layers leaves their number to the stages with them)."""
         self.block_bytes = KVCache.block_bytes(shapes, self.block_size, indexers)
         budget = None if config.num_kv_blocks else self._cache_budget(config)
         context = config.max_model_len or getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
         sizes = cache_sizes(budget, self.block_bytes, States.slot_bytes_of(state_layers), config, context)
+        if stateful and not state_layers:
+            sizes = dataclasses.replace(sizes, live_slots=config.max_num_seqs, checkpoint_slots=sizes.blocks)
         if config.world_size > 1:
             sizes = CacheSizes(*smallest_across_ranks(list(dataclasses.astuple(sizes)), self.device))
         return sizes
 
-    def _build_states(self, layers: list[StateLayer], sizes: CacheSizes, config: EngineConfig) -> States | None:
-        """The state layers' cache and slots (models with recurrent mixers or short convolutions)."""
-        if not layers:
-            return None
+    def _build_states(self, layers: list[StateLayer], sizes: CacheSizes, config: EngineConfig) -> States:
+        """The state layers' cache and slots (models with recurrent mixers or short convolutions; a pipeline stage
+        without state layers of its own keeps the slots' books, which the stages with them follow)."""
         if config.state_checkpoint_interval % self.block_size:
             raise ModelLoadError("--state-checkpoint-interval must be a multiple of --block-size")
         if config.world_size > 1 and (problem := split_state_problem(self.model, layers, config)):
@@ -205,7 +208,7 @@ class ModelRunner:
         states = States(
             layers, sizes.live_slots, sizes.checkpoint_slots, self.block_size, config.state_checkpoint_interval
         )
-        if self.group is not None:  # every rank holds the whole state: a slot copied here is copied there
+        if self.group is not None:  # every rank holds the whole state (its stage's): a slot copied here is copied there
             states.slots.copy = self._copy_state
         if self.lora is not None:  # a state layer's own forward runs on some of the rows: their slots
             states.mixers.token_rows = self.lora
@@ -262,73 +265,20 @@ class ModelRunner:
             detach(self.model)  # an earlier engine's slots, on a model shared with it
             return None
         lora = build_slots(self.model, layers, batch_buckets(config.max_num_seqs)[-1] if graphs else 0, config)
-        lora.find_unreached(lambda: self._probe_forward(LayerProbe()))
+        lora.find_unreached(self.probing.forward)
         if self.group is not None:  # the other ranks copy each adapter into the same slot, and run with the same mask
             lora.on_load = self.group.send_adapter
         return lora
 
     @property
+    def windows(self) -> set[int | None]:
+        """The layers' sliding windows (``None``: full attention), which the self-check reaches past."""
+        return self.probed.windows
+
+    @property
     def seats(self) -> list[LoRASlots]:
         """What a running sequence of this runner holds besides its blocks (the scheduler's ``Seats``)."""
         return [self.lora] if self.lora is not None else []
-
-    @torch.no_grad()
-    def _probe_layers(self) -> LayerProbe:
-        """Run a few tokens through the model with the probe as attention (see ``attention/probe.py``)."""
-        probe = LayerProbe()
-        self._probe_forward(probe)
-        return probe
-
-    @torch.no_grad()
-    def _probe_forward(self, probe: LayerProbe, tokens: int = 8, keep: int = 1) -> None:
-        """The model's forward over ``tokens`` tokens of one sequence with ``probe`` as attention, logits for the last
-        ``keep`` (and those made float32 and normalized twice, as the sampler does: the largest step's peak)."""
-        text = self.model.config.get_text_config()
-        ids = (torch.arange(tokens, device=self.device) % text.vocab_size).unsqueeze(0)
-        positions = ids % (getattr(text, "max_position_embeddings", None) or tokens)
-        self.model.set_attn_implementation(attention_for(self.model, PROBE_NAME))
-        try:
-            with active(probe), torch.compiler.set_stance("force_eager"):  # layers another engine compiled
-                if self.pooling_only:
-                    self.model.base_model(input_ids=ids, position_ids=positions, use_cache=False, **self._masks)
-                else:
-                    out = self.model(
-                        input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=keep, **self._masks
-                    )
-                    torch.softmax(torch.log_softmax(out.logits.float(), dim=-1), dim=-1)
-        except torch.OutOfMemoryError:
-            why = f"a step of {tokens} tokens ({keep} sampled) does not fit in memory beside the model"
-            raise ModelLoadError(f"{why}; lower --max-num-batched-tokens or --max-num-seqs") from None
-        except AttentionRefused as exc:
-            compressed = compression(self.model.config.get_text_config())  # the mechanism, where it declares one
-            reason = str(exc) if compressed is None else f"{compressed} is not served: {exc}"
-            raise ModelNotSupported(self.architecture, reason) from None
-        except Exception as exc:  # a layer that cannot run this way (e.g. one that needs a mask): one line
-            raise refused(self.architecture, "its forward failed in the engine's layer probe", exc) from None
-        finally:  # never left on the model (other engines may share it)
-            self.model.set_attn_implementation(attention_for(self.model, ATTENTION_NAME))
-
-    def _state_layers(self, probe: LayerProbe, config: EngineConfig) -> list[StateLayer]:
-        """The layers that keep state across a sequence's tokens (``state/discovery.py``), found by a second probe
-        forward; a model with neither attention nor state layers is refused."""
-        no_attention = (
-            "its attention does not run through transformers' AttentionInterface, so the engine cannot give it a "
-            "paged KV cache"
-        )
-        candidates = state_candidates(self.model, probe.modules)
-        if config.pipeline_parallel_size > 1 and not smallest_across_ranks([not candidates], self.device)[0]:
-            # Refused on every stage, also one that holds none (its probe forward would wait for the others' alone).
-            raise ModelNotSupported(self.architecture, staged_state_problem(config.pipeline_parallel_size))
-        try:
-            layers = discover(candidates, lambda: self._probe_forward(LayerProbe()))
-        except StateRefused as exc:
-            raise ModelNotSupported(self.architecture, str(exc)) from None
-        except Exception as exc:  # a layer outside attention used the recording cache as no state layer does
-            why = f"a layer outside its attention uses its cache as the engine cannot drive ({type(exc).__name__})"
-            raise ModelNotSupported(self.architecture, why if probe.modules else no_attention) from None
-        if not probe.modules and not layers:
-            raise ModelNotSupported(self.architecture, no_attention)
-        return layers
 
     def _cache_shapes(self, shapes: list[LayerShape], config: EngineConfig) -> list[LayerShape]:
         """The probed layers' K/V shapes, in ``--kv-cache-dtype``'s dtype where it names one (the attention reads a
@@ -344,9 +294,7 @@ class ModelRunner:
         """The bytes the caches may take (the KV blocks and, with state layers, the state slots): what is left once
         the largest step has run, measured (``profile.py``), beside the LoRA slots (allocated already) and the
         encoder cache's reservation."""
-        tokens = config.max_num_batched_tokens
-        largest = lambda: self._probe_forward(LayerProbe(), tokens, min(config.max_num_seqs, tokens))  # noqa: E731
-        self.step_bytes = peak_bytes(largest, self.device)
+        self.step_bytes = peak_bytes(lambda: self.probing.largest_step(config), self.device)
         reserved = config.encoder_cache_mib * 2**20 if self.vision is not None else 0
         return cache_budget(config, self.device, self.step_bytes, reserved)
 
