@@ -199,8 +199,8 @@ def _constrained_greedy(model: Any, family: Family, grammar: str) -> str:
     while not matcher.is_stopped() and len(chosen) < 40:
         logits = model(**{**inputs, "input_ids": ids, "attention_mask": torch.ones_like(ids)}).logits[0, -1]
         llguidance.torch.fill_next_token_bitmask(matcher, masks, 0)
-        allowed = torch.tensor([(int(masks[0, t // 32]) >> (t % 32)) & 1 for t in range(vocab)], dtype=torch.bool)
-        token = int(logits.masked_fill(~allowed, float("-inf")).argmax())
+        llguidance.torch.apply_token_bitmask_inplace(logits, masks)
+        token = int(logits.argmax())
         if token == tokenizer.eos_token_id:
             break
         matcher.consume_token(token)

@@ -180,7 +180,7 @@ def test_an_idle_engine_asked_about_its_group_never_holds_up_a_submission(
         asking.set()
         time.sleep(1.0)  # as RankGroup.failed waits to name the rank that exited
 
-    monkeypatch.setattr(engine, "idle_fault", slow_idle_fault, raising=False)
+    monkeypatch.setattr(engine, "idle_fault", slow_idle_fault)
     worker = EngineWorker(engine)
     worker.start()
     try:

@@ -136,9 +136,14 @@ def test_an_adapters_name_is_printable_and_short(
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert (error["code"], error["param"]) == ("invalid_value", "lora_name") and said in error["message"]
-    assert LoRAModule.parse("org/adapter-1=/a").name == "org/adapter-1"
     with pytest.raises(ValueError, match="--lora-modules"):
         LoRAModule.parse(f"{name}=/adapters/a")
+
+
+def test_an_adapters_name_may_name_its_owner() -> None:
+    """A hub's ``org/adapter`` is a name: ``a/../b`` and ``/abs`` are refused for their empty or '..' part, not for
+    their slashes."""
+    assert LoRAModule.parse("org/adapter-1=/a").name == "org/adapter-1"
 
 
 def test_model_not_found_lists_a_few_names_and_echoes_a_bounded_model(lora_server: LiveServer) -> None:
