@@ -23,6 +23,10 @@ NO_ATTENTION = (
 )
 
 
+PROBE_TOKENS = 8
+"""The probe's tokens: ids 0-7, in every vocabulary."""
+
+
 class ModelProbe:
     """``masks``: what every forward of the model takes besides its tokens (DSA's selections)."""
 
@@ -38,12 +42,13 @@ class ModelProbe:
         return probe
 
     @torch.no_grad()
-    def forward(self, probe: LayerProbe | None = None, tokens: int = 8, keep: int = 1) -> None:
+    def forward(self, probe: LayerProbe | None = None, tokens: int = PROBE_TOKENS, keep: int = 1) -> None:
         """The model's forward over ``tokens`` tokens of one sequence with ``probe`` as attention, logits for the last
         ``keep`` (and those made float32 and normalized twice, as the sampler does: the largest step's peak)."""
         text = self.model.config.get_text_config()
-        ids = (torch.arange(tokens, device=self.device) % text.vocab_size).unsqueeze(0)
-        positions = ids % (getattr(text, "max_position_embeddings", None) or tokens)
+        positions = torch.arange(tokens, device=self.device).unsqueeze(0)
+        ids = positions % PROBE_TOKENS  # the same few tokens, repeated (the memory of a step is not its tokens')
+        positions %= getattr(text, "max_position_embeddings", None) or tokens
         self.model.set_attn_implementation(attention_for(self.model, PROBE_NAME))
         try:
             # Eager: layers another engine compiled.
