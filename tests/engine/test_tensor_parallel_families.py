@@ -115,17 +115,23 @@ def test_images_on_two_ranks(tmp_path: Path, name: str) -> None:
 
 
 def test_a_hybrid_model_on_two_ranks(tmp_path: Path) -> None:
-    """Qwen3.5's Gated DeltaNet layers beside attention, split two ways: transformers' plan gathers the linear
-    attention's projections, so every rank runs the whole recurrence over a whole copy of the state, laid out by the
-    driver (the channel sends each step's state layout, and each slot copy: a fork's, a checkpoint's restored).
-    Transformers' tokens and logprobs with n = 2 and prefix hits; a rank once died at start (its mixers had no
-    layout)."""
-    path = _build("qwen3_5_text", HYBRID_FAMILIES["qwen3_5_text"], build_tokenizer(), tmp_path)
+    """Qwen3.5's Gated DeltaNet layers beside attention, split two ways by heads (vLLM's split): each rank its key
+    heads' query and key, its value heads' value, gate and decay, their convolution channels and its share of the
+    state, the partial outputs summed; the state laid out by the driver (the channel sends each step's state layout,
+    and each slot copy: a fork's, a checkpoint's restored). Transformers' tokens and logprobs with n = 2 and prefix
+    hits, on the CPU kernels. A rank once died at start (its mixers had no layout); then every rank ran the whole
+    recurrence over a whole copy of the state."""
+    spec = HYBRID_FAMILIES["qwen3_5_text"]
+    path = _build("qwen3_5_text", spec, build_tokenizer(), tmp_path)
     engine = build_engine(config_of(path))
-    assert isinstance(engine, LLMEngine) and engine.runner.group is not None and engine.runner.states is not None
+    assert isinstance(engine, LLMEngine) and engine.runner.group is not None
+    states = engine.runner.states
+    assert states is not None and all(states.mixers.fast)
+    half = spec["linear_num_value_heads"] // 2, spec["linear_key_head_dim"], spec["linear_value_head_dim"]
+    assert all(state.shape == half for layer in states.layers for state in layer.states if state.key[1] == "recurrent")
     try:
         _check(engine, Reference(path), n=2)
-        assert engine.runner.states.slots.published > 0  # the second wave's prompts hit a checkpoint
+        assert states.slots.published > 0  # the second wave's prompts hit a checkpoint
     finally:
         engine.close()
 
