@@ -32,6 +32,9 @@ MATRIX: dict[tuple[str, str], str] = {
     ("tensor parallel", "Gemma 4 images"): "test_composition.py::test_gemma_4_images_split_are_refused",
     ("tensor parallel x expert parallel", "images x MLA"): "test_tensor_parallel_families.py::test_images_on_two_ranks",
     ("tensor parallel", "hybrid"): "test_tensor_parallel_families.py::test_a_hybrid_model_on_two_ranks",
+    ("tensor parallel", "hybrid split by heads x LoRA"): (
+        "test_tensor_parallel_families.py::test_a_hybrid_model_on_two_ranks"
+    ),
     ("pipeline parallel", "hybrid"): "test_tensor_parallel_families.py::test_a_hybrid_model_in_two_stages",
     ("tensor parallel", "DSA"): "test_tensor_parallel_families.py::test_a_sparse_attention_model_on_two_ranks",
     ("tensor parallel", "LoRA"): (

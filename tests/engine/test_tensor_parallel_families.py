@@ -9,14 +9,17 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from lora_helpers import make_adapters
 from test_architectures import ARCHITECTURES, Reference, _build, _check
 from test_hybrid import FAMILIES as HYBRID_FAMILIES
+from test_hybrid_lora import ADAPTERS, PROMPTS, peft_generate
 from test_tensor_parallel import config_of, llama
 from test_vision_language import CONVERSATIONS, Family, _run, _same
 from vlm_helpers import BUILDERS
 
-from batchgen.server.engine import EngineConfig, LLMEngine, build_engine
+from batchgen.server.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams, build_engine
 from batchgen.server.engine.errors import ModelLoadError
+from batchgen.server.engine.features.adapters import Adapters
 from batchgen.server.engine.loading.demo_model import build_tokenizer
 from batchgen.server.engine.loading.split import split_state_problem
 
@@ -119,11 +122,14 @@ def test_a_hybrid_model_on_two_ranks(tmp_path: Path) -> None:
     heads' query and key, its value heads' value, gate and decay, their convolution channels and its share of the
     state, the partial outputs summed; the state laid out by the driver (the channel sends each step's state layout,
     and each slot copy: a fork's, a checkpoint's restored). Transformers' tokens and logprobs with n = 2 and prefix
-    hits, on the CPU kernels. A rank once died at start (its mixers had no layout); then every rank ran the whole
-    recurrence over a whole copy of the state."""
+    hits, on the CPU kernels; and an adapter on every Gated DeltaNet linear, each rank its heads' rows or columns of
+    it, peft's. A rank once died at start (its mixers had no layout); then every rank ran the whole recurrence over a
+    whole copy of the state."""
     spec = HYBRID_FAMILIES["qwen3_5_text"]
-    path = _build("qwen3_5_text", spec, build_tokenizer(), tmp_path)
-    engine = build_engine(config_of(path))
+    path = _build("qwen3_5_text", spec, build_tokenizer(), tmp_path / "model")
+    adapters = make_adapters(path, tmp_path, {"gdn": ADAPTERS["qwen3_5_text"]["gdn"]})
+    lora = {"enable_lora": True, "lora_modules": (f"gdn={adapters['gdn']}",), "max_loras": 1, "max_lora_rank": 8}
+    engine = build_engine(config_of(path, **lora))
     assert isinstance(engine, LLMEngine) and engine.runner.group is not None
     states = engine.runner.states
     assert states is not None and all(states.mixers.fast)
@@ -132,6 +138,16 @@ def test_a_hybrid_model_on_two_ranks(tmp_path: Path) -> None:
     try:
         _check(engine, Reference(path), n=2)
         assert states.slots.published > 0  # the second wave's prompts hit a checkpoint
+        params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=True)
+        adapter = Adapters("qwen3_5_text", 8, lora["lora_modules"]).get("gdn")
+        results = _run(engine, [EngineRequest(str(i), list(p), params, lora=adapter) for i, p in enumerate(PROMPTS)])
+        reference = peft_generate(path, adapters)
+        assert any(reference(prompt, "gdn")[0] != reference(prompt, None)[0] for prompt in PROMPTS)  # it matters
+        for i, prompt in enumerate(PROMPTS):
+            tokens, logprobs = reference(prompt, "gdn")
+            output = results[str(i)].outputs[0]
+            assert output.token_ids == tokens and output.logprobs is not None
+            assert all(abs(lp.logprob - logprobs[t][lp.token_id].item()) < 1e-4 for t, lp in enumerate(output.logprobs))
     finally:
         engine.close()
 

@@ -100,7 +100,7 @@ def load_model(config: EngineConfig, model_class: Any = None) -> tuple[PreTraine
         if method is None:
             raise
         raise ModelLoadError(_why_not_quantized(method, exc)) from exc
-    if config.tensor_parallel_size > 1 and not config.enable_lora:  # (LoRA's slots split as transformers' plan does)
+    if config.tensor_parallel_size > 1:
         split_state_heads(model)
     tokenizer = load_tokenizer(config)
     if config.device_map is None and config.world_size == 1:  # a shard is loaded where it runs

@@ -209,13 +209,14 @@ def split_state_heads(model: torch.nn.Module) -> int:
         q = torch.arange(rank * keys * dk, (rank + 1) * keys * dk)
         v = torch.arange(rank * values * dv, (rank + 1) * values * dv)
         channels = torch.cat([q, q + layer.key_dim, v + 2 * layer.key_dim])  # the convolution's: query, key, value
+        heads = torch.arange(rank * values, (rank + 1) * values)
         _keep(layer.in_proj_qkv, rows=channels)
-        for linear in (layer.in_proj_z, layer.in_proj_b, layer.in_proj_a):  # split by heads already: this rank's
-            _keep(linear)
+        _keep(layer.in_proj_z, rows=v)
+        _keep(layer.in_proj_b, rows=heads)
+        _keep(layer.in_proj_a, rows=heads)
         _keep(layer.out_proj, columns=v)
         layer.conv1d.weight = torch.nn.Parameter(layer.conv1d.weight[channels], requires_grad=False)
         layer.conv1d.in_channels = layer.conv1d.out_channels = layer.conv1d.groups = len(channels)
-        heads = torch.arange(rank * values, (rank + 1) * values)
         layer.A_log = torch.nn.Parameter(layer.A_log[heads], requires_grad=False)
         layer.dt_bias = torch.nn.Parameter(layer.dt_bias[heads], requires_grad=False)
         layer.num_k_heads, layer.num_v_heads = keys, values
@@ -226,18 +227,15 @@ def split_state_heads(model: torch.nn.Module) -> int:
 
 
 def _keep(linear: torch.nn.Linear, rows: torch.Tensor | None = None, columns: torch.Tensor | None = None) -> None:
-    """``linear`` made a plain layer of its ``rows`` and ``columns`` of the whole weight (or of this rank's shard,
-    given neither), without transformers' tensor-parallel forward."""
+    """``linear`` made a plain layer of its ``rows`` or ``columns`` of the whole weight, without transformers'
+    tensor-parallel forward; the weight remembers them (``heads_kept``), for its LoRA adapters' share
+    (``lora_split.shard_adapter``)."""
     from torch.distributed.tensor import DTensor
 
-    weight = linear.weight
-    if rows is None and columns is None:
-        kept = weight.to_local() if isinstance(weight, DTensor) else weight
-    else:
-        kept = weight.full_tensor() if isinstance(weight, DTensor) else weight
-        kept = kept[rows] if rows is not None else kept[:, columns]
-    linear.weight = torch.nn.Parameter(kept.contiguous(), requires_grad=False)
-    linear.out_features, linear.in_features = kept.shape
+    whole = linear.weight.full_tensor() if isinstance(linear.weight, DTensor) else linear.weight
+    kept = torch.nn.Parameter((whole[rows] if rows is not None else whole[:, columns]).contiguous(), False)
+    kept.heads_kept = (rows, columns)  # type: ignore[attr-defined]
+    linear.weight = kept  # its in_features and out_features still the whole layer's, as transformers' split keeps them
     vars(linear).pop("forward", None)  # the class's own: the input is whole, the output this rank's
 
 
