@@ -117,29 +117,37 @@ def test_images_on_two_ranks(tmp_path: Path, name: str) -> None:
         engine.close()
 
 
-def test_a_hybrid_model_on_two_ranks(tmp_path: Path) -> None:
-    """Qwen3.5's Gated DeltaNet layers beside attention, split two ways by heads (vLLM's split): each rank its key
-    heads' query and key, its value heads' value, gate and decay, their convolution channels and its share of the
-    state, the partial outputs summed; the state laid out by the driver (the channel sends each step's state layout,
-    and each slot copy: a fork's, a checkpoint's restored). Transformers' tokens and logprobs with n = 2 and prefix
-    hits, on the CPU kernels; and an adapter on every Gated DeltaNet linear, each rank its heads' rows or columns of
-    it, peft's. A rank once died at start (its mixers had no layout); then every rank ran the whole recurrence over a
-    whole copy of the state."""
-    spec = HYBRID_FAMILIES["qwen3_5_text"]
-    path = _build("qwen3_5_text", spec, build_tokenizer(), tmp_path / "model")
-    adapters = make_adapters(path, tmp_path, {"gdn": ADAPTERS["qwen3_5_text"]["gdn"]})
+GDN_ADAPTERS = {
+    "qwen3_5_text": ADAPTERS["qwen3_5_text"]["gdn"],
+    "qwen3_next": {"r": 8, "lora_alpha": 16, "target_modules": ["in_proj_qkvz", "in_proj_ba", "out_proj"]},
+}
+"""An adapter on every Gated DeltaNet linear: Qwen3.5's projections one by one, Qwen3-Next's fused by key head."""
+
+
+@pytest.mark.parametrize("name", sorted(GDN_ADAPTERS))
+def test_a_hybrid_model_on_two_ranks(tmp_path: Path, name: str) -> None:
+    """Qwen3.5's and Qwen3-Next's Gated DeltaNet layers beside attention, split two ways by heads (vLLM's split):
+    each rank its key heads' query and key, its value heads' value, gate and decay, their convolution channels and its
+    share of the state, the partial outputs summed; the state laid out by the driver (the channel sends each step's
+    state layout, and each slot copy: a fork's, a checkpoint's restored). Transformers' tokens and logprobs with
+    n = 2 and prefix hits, on the CPU kernels; and an adapter on every Gated DeltaNet linear, each rank its heads'
+    rows or columns of it, peft's. A rank once died at start (its mixers had no layout); then every rank ran the
+    whole recurrence over a whole copy of the state."""
+    spec = HYBRID_FAMILIES[name]
+    path = _build(name, spec, build_tokenizer(), tmp_path / "model")
+    adapters = make_adapters(path, tmp_path, {"gdn": GDN_ADAPTERS[name]})
     lora = {"enable_lora": True, "lora_modules": (f"gdn={adapters['gdn']}",), "max_loras": 1, "max_lora_rank": 8}
     engine = build_engine(config_of(path, **lora))
     assert isinstance(engine, LLMEngine) and engine.runner.group is not None
     states = engine.runner.states
-    assert states is not None and all(states.mixers.fast)
+    assert states is not None and all(states.mixers.fast) and engine.runner.split_heads == 2
     half = spec["linear_num_value_heads"] // 2, spec["linear_key_head_dim"], spec["linear_value_head_dim"]
     assert all(state.shape == half for layer in states.layers for state in layer.states if state.key[1] == "recurrent")
     try:
         _check(engine, Reference(path), n=2)
         assert states.slots.published > 0  # the second wave's prompts hit a checkpoint
         params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=True)
-        adapter = Adapters("qwen3_5_text", 8, lora["lora_modules"]).get("gdn")
+        adapter = Adapters(name, 8, lora["lora_modules"]).get("gdn")
         results = _run(engine, [EngineRequest(str(i), list(p), params, lora=adapter) for i, p in enumerate(PROMPTS)])
         reference = peft_generate(path, adapters)
         assert any(reference(prompt, "gdn")[0] != reference(prompt, None)[0] for prompt in PROMPTS)  # it matters

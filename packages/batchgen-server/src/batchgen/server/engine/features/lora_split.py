@@ -6,7 +6,7 @@ to the layer's partial output before the layer's own all-reduce, which sums both
 inside transformers' tensor-parallel forward, to the local output (``add_inside``). A packed projection (gate and up
 in one weight: transformers' ``_StridedShard``) splits B per its parts, as the weight. The split is the weight's own
 placement applied to the matrix (``distribute_tensor`` without communication), so no rule is copied here; a state
-layer's linear split by heads (``split_state_heads``) takes the rows or columns its weight kept.
+layer's linear split by heads (``state/heads.py``) takes the rows or columns its weight kept.
 
 In pipeline stages each stage holds its own layers' adapters; every stage checks an adapter's matrices for every
 stage's layers (``other_stages_linears``), so that all reach the same verdict."""
@@ -41,7 +41,7 @@ def shard_adapter(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tup
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     kept = getattr(weight, "heads_kept", None)
-    if kept is not None:  # a state layer's linear split by heads (``split.split_state_heads``): its rows or columns
+    if kept is not None:  # a state layer's linear split by heads (``state/heads.py``): its rows or columns
         rows, columns = kept
         return (a if columns is None else a[:, columns].contiguous()), (b if rows is None else b[rows].contiguous())
     dims = split_dims(weight)

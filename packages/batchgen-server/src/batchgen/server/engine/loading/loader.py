@@ -27,7 +27,7 @@ from ..config import EngineConfig
 from ..errors import ModelLoadError
 from .demo_model import demo_model_dir
 from .quantization import check, in_flight, kv_cache_dtype, method_of
-from .split import loading, shard_kwargs, split_state_heads
+from .split import loading, shard_kwargs
 
 GENERATION_DEFAULTS = {
     "temperature": "temperature",
@@ -100,8 +100,6 @@ def load_model(config: EngineConfig, model_class: Any = None) -> tuple[PreTraine
         if method is None:
             raise
         raise ModelLoadError(_why_not_quantized(method, exc)) from exc
-    if config.tensor_parallel_size > 1:
-        split_state_heads(model)
     tokenizer = load_tokenizer(config)
     if config.device_map is None and config.world_size == 1:  # a shard is loaded where it runs
         model = model.to(config.resolved_device())

@@ -1,9 +1,8 @@
 """What a tensor-parallel group can split, and the flags it goes with. The weights are split by the model's own
 tensor-parallel plan (transformers' ``base_model_tp_plan``: column-wise projections into the heads and the MLP's
 inner width, row-wise out of them with an all-reduce, the vocabulary split across the embedding and the head), so each
-rank holds its share of every layer's attention heads, and of the KV cache with them; Qwen3.5's Gated DeltaNet
-layers, which transformers' plan gathers back whole, are split by heads here (``split_state_heads``), so each rank
-holds its heads' share of their state too."""
+rank holds its share of every layer's attention heads, and of the KV cache with them (Gated DeltaNet layers, which
+transformers' plans gather back whole, are split by heads by ``features/state/heads.py``)."""
 
 from __future__ import annotations
 
@@ -11,9 +10,6 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
-
-import torch
-import torch.distributed as dist
 
 from .quantization import method_of
 
@@ -171,72 +167,6 @@ def split_state_problem(model: Any, layers: Any, config: EngineConfig) -> str | 
                         "the engine's state cache cannot follow; serve it with --tensor-parallel-size 1"
                     )
     return None
-
-
-HEAD_SPLIT_MIXERS = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet")
-"""Gated DeltaNet layers whose projections are laid out per head (query, key and value each a run of heads in
-``in_proj_qkv``; ``z``, ``b`` and ``a`` one head after another): each rank can take its heads' share of them."""
-
-
-@torch.no_grad()
-def split_state_heads(model: torch.nn.Module) -> int:
-    """Each rank of a tensor-parallel group takes its share of every Qwen3.5 Gated DeltaNet layer's heads, as
-    vLLM splits them: its key heads' query and key, its value heads' value, gate, beta and decay, their convolution
-    channels, the columns of ``out_proj`` that read them, whose partial outputs the ranks then sum. So each rank
-    keeps its heads' share of the state, and runs its share of the recurrence, where transformers' plan gathers the
-    projections back and leaves every rank the whole of both. Returns the layers split (0: none, or their heads
-    do not divide among the ranks: they stay whole on every rank)."""
-    from torch.distributed.tensor import DTensor
-
-    layers: list[Any] = [module for module in model.modules() if type(module).__name__ in HEAD_SPLIT_MIXERS]
-    weight = layers[0].in_proj_z.weight if layers else None
-    if not isinstance(weight, DTensor):
-        return 0
-    mesh = weight.device_mesh
-    if mesh.ndim != 1:
-        return 0
-    rank, size = mesh.get_local_rank(), mesh.size()
-    linears = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
-    if any(
-        layer.num_k_heads % size or layer.num_v_heads % size or any(getattr(layer, n).bias is not None for n in linears)
-        for layer in layers
-    ):
-        return 0
-    group = mesh.get_group()
-    for layer in layers:
-        dk, dv = layer.head_k_dim, layer.head_v_dim
-        keys, values = layer.num_k_heads // size, layer.num_v_heads // size
-        q = torch.arange(rank * keys * dk, (rank + 1) * keys * dk)
-        v = torch.arange(rank * values * dv, (rank + 1) * values * dv)
-        channels = torch.cat([q, q + layer.key_dim, v + 2 * layer.key_dim])  # the convolution's: query, key, value
-        heads = torch.arange(rank * values, (rank + 1) * values)
-        _keep(layer.in_proj_qkv, rows=channels)
-        _keep(layer.in_proj_z, rows=v)
-        _keep(layer.in_proj_b, rows=heads)
-        _keep(layer.in_proj_a, rows=heads)
-        _keep(layer.out_proj, columns=v)
-        layer.conv1d.weight = torch.nn.Parameter(layer.conv1d.weight[channels], requires_grad=False)
-        layer.conv1d.in_channels = layer.conv1d.out_channels = layer.conv1d.groups = len(channels)
-        layer.A_log = torch.nn.Parameter(layer.A_log[heads], requires_grad=False)
-        layer.dt_bias = torch.nn.Parameter(layer.dt_bias[heads], requires_grad=False)
-        layer.num_k_heads, layer.num_v_heads = keys, values
-        layer.key_dim, layer.value_dim = keys * dk, values * dv
-        layer.conv_dim = 2 * layer.key_dim + layer.value_dim
-        layer.register_forward_hook(lambda module, args, output: dist.all_reduce(output, group=group))
-    return len(layers)
-
-
-def _keep(linear: torch.nn.Linear, rows: torch.Tensor | None = None, columns: torch.Tensor | None = None) -> None:
-    """``linear`` made a plain layer of its ``rows`` or ``columns`` of the whole weight, without transformers'
-    tensor-parallel forward; the weight remembers them (``heads_kept``), for its LoRA adapters' share
-    (``lora_split.shard_adapter``)."""
-    from torch.distributed.tensor import DTensor
-
-    whole = linear.weight.full_tensor() if isinstance(linear.weight, DTensor) else linear.weight
-    kept = torch.nn.Parameter((whole[rows] if rows is not None else whole[:, columns]).contiguous(), False)
-    kept.heads_kept = (rows, columns)  # type: ignore[attr-defined]
-    linear.weight = kept  # its in_features and out_features still the whole layer's, as transformers' split keeps them
-    vars(linear).pop("forward", None)  # the class's own: the input is whole, the output this rank's
 
 
 def _regex(key: str) -> str:

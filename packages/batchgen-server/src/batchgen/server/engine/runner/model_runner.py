@@ -36,6 +36,7 @@ from ..features.multimodal.vision_step import (
     vision_step_for,
 )
 from ..features.state.discovery import StateLayer
+from ..features.state.heads import split_state_heads
 from ..features.state.runtime import States
 from ..loading.loader import model_weight
 from ..loading.quantization import kv_cache_dtype
@@ -144,8 +145,8 @@ class ModelRunner:
         self.architecture = type(model).__name__
         if not pooling_only and "logits_to_keep" not in inspect.signature(model.forward).parameters:
             raise ModelNotSupported(self.architecture, "its forward takes no `logits_to_keep`")
-        self.device: torch.device = model_weight(model).device
-        self.stages, self.block_size = stages_of(model), config.block_size
+        self.device, self.stages, self.block_size = model_weight(model).device, stages_of(model), config.block_size
+        self.split_heads = split_state_heads(model) if config.tensor_parallel_size > 1 else 0  # (each rank's state)
         self.sparse = self._sparse_layers(config)
         self.probing = ModelProbe(model, self.device, pooling_only, self._masks)
         self.probed = probe = self.probing.layers()
