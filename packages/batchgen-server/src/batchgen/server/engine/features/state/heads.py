@@ -1,9 +1,10 @@
 """Gated DeltaNet layers split by heads over a tensor-parallel group, as vLLM splits them: each rank takes its key
-heads' query and key, its value heads' value, gate, beta and decay, their convolution channels and the columns of
-``out_proj`` that read them, and the ranks sum their partial outputs. So each rank keeps its heads' share of the
-state and runs its share of the recurrence, where transformers' plans gather the projections back and leave every
-rank the whole of both. The layers' forwards (theirs, and ``gdn.py``'s kernels) read the head counts from the layer,
-which says this rank's."""
+heads' query and key, its value heads' value, gate, beta and decay, their convolution channels and the columns of the
+output projection that read them, and the ranks sum their partial outputs. So each rank keeps its heads' share of the
+state and runs its share of the recurrence, where transformers' plans gather the projections back (or never split
+them) and leave every rank the whole of both. The layers' forwards (theirs, and ``gdn.py``'s kernels) read the head
+counts from the layer, which says this rank's. Qwen3.5's and Qwen3-Next's layers (``gdn.CLASSES``), and OLMo
+hybrid's."""
 
 from __future__ import annotations
 
@@ -14,11 +15,15 @@ import torch.distributed as dist
 
 from .gdn import CLASSES
 
+LAYOUTS = {**CLASSES, "OlmoHybridGatedDeltaNet": "separate"}
+"""The layers split, by how they project: ``gdn.CLASSES``' two layouts, and OLMo hybrid's query, key, value, gate,
+beta and decay each a projection of its own."""
 LINEARS = {
     "split": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"),
     "fused": ("in_proj_qkvz", "in_proj_ba", "out_proj"),
+    "separate": ("q_proj", "k_proj", "v_proj", "g_proj", "a_proj", "b_proj", "o_proj"),
 }
-"""Each projection layout's linears (``gdn.CLASSES``)."""
+"""Each layout's linears, the output projection last."""
 
 
 @torch.no_grad()
@@ -27,14 +32,14 @@ def split_state_heads(model: torch.nn.Module) -> int:
     returns the layers split (0: none, or their heads do not divide among the ranks: they stay whole)."""
     from torch.distributed.tensor import DTensor
 
-    layers: list[Any] = [module for module in model.modules() if type(module).__name__ in CLASSES]
-    weight = layers[0].out_proj.weight if layers else None
-    if not isinstance(weight, DTensor) or weight.device_mesh.ndim != 1:
+    layers: list[Any] = [module for module in model.modules() if type(module).__name__ in LAYOUTS]
+    split = next((p for p in model.parameters() if isinstance(p, DTensor)), None)  # the group's mesh
+    if not layers or split is None or split.device_mesh.ndim != 1:
         return 0
-    mesh = weight.device_mesh
+    mesh = split.device_mesh
     rank, size = mesh.get_local_rank(), mesh.size()
     for layer in layers:
-        linears = LINEARS[CLASSES[type(layer).__name__]]
+        linears = LINEARS[LAYOUTS[type(layer).__name__]]
         if layer.num_k_heads % size or any(getattr(layer, name).bias is not None for name in linears):
             return 0
     group = mesh.get_group()
@@ -53,15 +58,20 @@ def _split(layer: Any, rank: int, size: int) -> None:
     v = torch.arange(rank * values * dv, (rank + 1) * values * dv)
     heads = torch.arange(rank * values, (rank + 1) * values)
     channels = torch.cat([q, q + layer.key_dim, v + 2 * layer.key_dim])  # the convolution's: query, key, value
-    if CLASSES[type(layer).__name__] == "fused":  # each key head's query, key, values and gates in a run of rows
+    layout = LAYOUTS[type(layer).__name__]
+    if layout == "fused":  # each key head's query, key, values and gates in a run of rows
         _keep(layer.in_proj_qkvz, rows=_share(layer.in_proj_qkvz, rank, size))
         _keep(layer.in_proj_ba, rows=_share(layer.in_proj_ba, rank, size))
-    else:
+    elif layout == "split":
         _keep(layer.in_proj_qkv, rows=channels)
         _keep(layer.in_proj_z, rows=v)
         _keep(layer.in_proj_b, rows=heads)
         _keep(layer.in_proj_a, rows=heads)
-    _keep(layer.out_proj, columns=v)
+    else:
+        kept = {"q_proj": q, "k_proj": q, "v_proj": v, "g_proj": v, "a_proj": heads, "b_proj": heads}
+        for name, rows in kept.items():
+            _keep(getattr(layer, name), rows=rows)
+    _keep(getattr(layer, LINEARS[layout][-1]), columns=v)
     layer.conv1d.weight = torch.nn.Parameter(layer.conv1d.weight[channels], requires_grad=False)
     layer.conv1d.in_channels = layer.conv1d.out_channels = layer.conv1d.groups = len(channels)
     layer.A_log = torch.nn.Parameter(layer.A_log[heads], requires_grad=False)
@@ -71,7 +81,7 @@ def _split(layer: Any, rank: int, size: int) -> None:
     layer.conv_dim = 2 * layer.key_dim + layer.value_dim
 
 
-def _share(linear: torch.nn.Linear, rank: int, size: int) -> torch.Tensor:
+def _share(linear: Any, rank: int, size: int) -> torch.Tensor:
     """Rank ``rank``'s run of ``size`` equal runs of ``linear``'s output rows."""
     rows = linear.out_features // size
     return torch.arange(rank * rows, (rank + 1) * rows)
