@@ -5,8 +5,9 @@ and runs its share of the recurrence, where transformers' plans gather the proje
 and leave every rank the whole of both. The layers' forwards (theirs, and ``gdn.py``'s kernels) read the head
 counts from the layer, which says this rank's.
 
-Gated DeltaNet (Qwen3.5's and Qwen3-Next's: ``gdn.CLASSES``; OLMo hybrid's) and Kimi Delta Attention; Mamba's mixers
-and short convolutions stay whole on every rank."""
+Gated DeltaNet (Qwen3.5's and Qwen3-Next's: ``gdn.CLASSES``; OLMo hybrid's), Kimi Delta Attention and Mamba 2
+(Nemotron-H's, Granite 4's, Bamba's, Falcon-H1's, where its groups divide too); Mamba 1 and short convolutions stay
+whole on every rank."""
 
 from __future__ import annotations
 
@@ -34,7 +35,9 @@ def split_state_heads(model: torch.nn.Module) -> int:
     rank, size = mesh.get_local_rank(), mesh.size()
     for layer in layers:
         heads = getattr(layer, "num_k_heads", None) or layer.num_heads
-        if heads % size or any(m.bias is not None for m in layer.modules() if isinstance(m, torch.nn.Linear)):
+        if heads % size or getattr(layer, "n_groups", size) % size:  # (Mamba's groups too)
+            return 0
+        if any(m.bias is not None for m in layer.modules() if isinstance(m, torch.nn.Linear)):
             return 0
     group = mesh.get_group()
     for layer in layers:
@@ -94,9 +97,33 @@ def _kimi_delta_attention(layer: Any, rank: int, size: int) -> None:
     layer.conv_dim = 3 * len(c)
 
 
+def _mamba2(layer: Any, rank: int, size: int) -> None:
+    """A Mamba 2 mixer cut to rank ``rank``'s heads and their groups (each group's B and C serve its heads): its
+    gate, input, B, C and step rows of ``in_proj``, their convolution channels, its heads' decay, skip and step
+    bias, its channels of the grouped norm."""
+    heads, inner, groups = layer.num_heads // size, layer.intermediate_size // size, layer.n_groups // size
+    whole, state = layer.intermediate_size, layer.n_groups * layer.ssm_state_size
+    h = torch.arange(rank * heads, (rank + 1) * heads)
+    i = torch.arange(rank * inner, (rank + 1) * inner)
+    g = torch.arange(rank * groups * layer.ssm_state_size, (rank + 1) * groups * layer.ssm_state_size)
+    rows = torch.cat([i, whole + i, 2 * whole + g, 2 * whole + state + g, 2 * (whole + state) + h])
+    _keep(layer.in_proj, rows=rows)
+    if hasattr(layer, "mup_vector"):  # Falcon-H1's multipliers of those rows
+        layer.mup_vector = layer.mup_vector[..., rows]
+    _keep_channels(layer.conv1d, torch.cat([i, whole + g, whole + state + g]))
+    _keep(layer.out_proj, columns=i)
+    if hasattr(layer.norm, "weight"):  # (Falcon-H1's may be none)
+        layer.norm.weight = torch.nn.Parameter(layer.norm.weight[i], requires_grad=False)
+    for name in ("A_log", "D", "dt_bias"):
+        setattr(layer, name, torch.nn.Parameter(getattr(layer, name)[h], requires_grad=False))
+    layer.num_heads, layer.intermediate_size, layer.n_groups = heads, inner, groups
+    layer.conv_dim = inner + 2 * groups * layer.ssm_state_size
+
+
 SPLITS: dict[str, Callable[[Any, int, int], None]] = {
     **dict.fromkeys([*CLASSES, "OlmoHybridGatedDeltaNet"], _gated_deltanet),
     "KimiLinearDeltaAttention": _kimi_delta_attention,
+    **dict.fromkeys(["NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer", "BambaMixer", "FalconH1Mixer"], _mamba2),
 }
 """The layers split, by class name, and how."""
 
@@ -110,6 +137,8 @@ def _share(linear: Any, rank: int, size: int) -> torch.Tensor:
 def _keep_channels(conv: torch.nn.Conv1d, channels: torch.Tensor) -> None:
     """A depthwise convolution cut to ``channels``."""
     conv.weight = torch.nn.Parameter(conv.weight[channels], requires_grad=False)
+    if conv.bias is not None:
+        conv.bias = torch.nn.Parameter(conv.bias[channels], requires_grad=False)
     conv.in_channels = conv.out_channels = conv.groups = len(channels)
 
 
