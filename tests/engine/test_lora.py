@@ -242,6 +242,44 @@ def test_a_broken_adapter_fails_its_requests_alone(
     assert results["alpha"].outputs[0].token_ids == peft_greedy(prompt, TOKENS, "alpha")
 
 
+def test_a_caller_that_waited_on_a_failed_read_reads_the_adapter_itself(
+    demo_path: Path, tokenizer: Any, adapters: dict[str, Path], served: Adapters, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two threads ask for an adapter not in memory (a request's reader and the engine taking its slot): the second
+    waits for the first's read. The first's fails (its files unreadable for a moment): the second reads it itself and
+    gets it. It once failed with a ``KeyError``, the in-progress entry gone with the first, and its request with it
+    (as it would after the first's read was evicted by a third adapter's before the second looked)."""
+    import threading
+
+    from batchgen.server.engine.features import lora as lora_module
+
+    engine = lora_engine(demo_path, tokenizer, adapters, self_check=False)
+    assert engine.lora is not None
+    engine.lora._cache.clear()
+    read, first_reading, release = lora_module.read_adapter, threading.Event(), threading.Event()
+
+    def flaky(*args: Any) -> Any:
+        if not first_reading.is_set():
+            first_reading.set()
+            release.wait(5)
+            raise OSError("the adapter's files cannot be read now")
+        return read(*args)
+
+    monkeypatch.setattr(lora_module, "read_adapter", flaky)
+    alpha = served.get("alpha")
+    assert alpha is not None
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(engine.lora.weights, alpha)
+        assert first_reading.wait(5)
+        second = pool.submit(engine.lora.weights, alpha)
+        time.sleep(0.2)  # the second waits on the first's read
+        release.set()
+        with pytest.raises(OSError):
+            first.result(5)
+        assert second.result(5).request == alpha
+    assert not engine.lora._reading
+
+
 def test_what_one_adapter_makes_of_a_token_never_reaches_another_row(
     demo_path: Path, tokenizer: Any, adapters: dict[str, Path], tmp_path: Path, run_to_completion: Callable[..., Any]
 ) -> None:

@@ -333,7 +333,9 @@ class LoRASlots:
                                 self._cache[key] = found
                                 while len(self._cache) > self.max_cpu_loras:
                                     self._cache.popitem(last=False)
-                            del self._reading[key]
+                            # Gone already where a caller waiting on it read after it: a failed or evicted read.
+                            if self._reading.get(key) is reading:
+                                del self._reading[key]
         if isinstance(found, AdapterRefused):
             raise found
         return found
