@@ -39,7 +39,7 @@ class Command(enum.IntEnum):
     COPY_BLOCK = 5
     """Copy a KV block into another (a fork's partly filled block: each rank its own heads' and layers' share)."""
     COPY_STATE = 6
-    """Copy a state slot into another (a fork's, a prefix checkpoint's restored): every rank holds the whole state."""
+    """Copy a state slot into another (a fork's, a prefix checkpoint's restored): each rank its share of it."""
 
 
 @dataclass(slots=True)

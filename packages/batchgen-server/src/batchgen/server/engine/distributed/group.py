@@ -133,7 +133,7 @@ class RankGroup:
         self._mirrored(lambda channel: channel.send_copy_block(src, dst))
 
     def send_copy_state(self, src: int, dst: int) -> None:
-        """A state slot copied on the driver: on every rank too (each holds the whole state)."""
+        """A state slot copied on the driver: on every rank too (each its share of the slot)."""
         self._mirrored(lambda channel: channel.send_copy_state(src, dst))
 
     def _mirrored(self, send: Callable[[Channel], None]) -> None:

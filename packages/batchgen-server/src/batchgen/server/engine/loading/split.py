@@ -148,13 +148,14 @@ def loading(config: EngineConfig) -> Iterator[None]:
 
 WHOLE_OUTPUT_STYLES = ("colwise_gather_output", "replicated_with_grad_allreduce")
 """Tensor-parallel styles after which every rank holds a layer's whole output: a state layer split only so (Gated
-DeltaNet's projections in transformers' plans) runs its whole recurrence on every rank, over a whole state."""
+DeltaNet's projections in transformers' plans, where ``state/heads.py`` does not split it by heads) runs its whole
+recurrence on every rank, over a whole state."""
 
 
 def split_state_problem(model: Any, layers: Any, config: EngineConfig) -> str | None:
-    """Why a split model's state layers cannot run (one line), or ``None``: every rank runs each state layer of its
-    stage whole, over its own copy of the whole state, so a state layer may be split only where its projections'
-    outputs are gathered back."""
+    """Why a split model's state layers cannot run (one line), or ``None``: a state layer the engine does not split
+    by heads (``state/heads.py``) runs whole on every rank of its stage, over its own copy of the whole state, so the
+    plan may split it only where its projections' outputs are gathered back."""
     plan: dict[str, str] = getattr(model, "_tp_plan", None) or {}
     patterns = [(re.compile(_regex(key)), key, style) for key, style in plan.items()]
     names = {module: name for name, module in model.named_modules()}

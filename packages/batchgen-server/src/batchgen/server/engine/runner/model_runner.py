@@ -209,7 +209,7 @@ class ModelRunner:
         states = States(
             layers, sizes.live_slots, sizes.checkpoint_slots, self.block_size, config.state_checkpoint_interval
         )
-        if self.group is not None:  # every rank holds the whole state (its stage's): a slot copied here is copied there
+        if self.group is not None:  # every rank holds a slot's share of its stage's state: copied there when here
             states.slots.copy = self._copy_state
         if self.lora is not None:  # a state layer's own forward runs on some of the rows: their slots
             states.mixers.token_rows = self.lora

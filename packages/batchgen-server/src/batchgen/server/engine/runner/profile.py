@@ -1,10 +1,11 @@
 """Memory from a profiled step (vLLM's ``profile_run``): the largest step the scheduler may send is run once before
 the cache exists, its peak measured, and the caches get what is left.
 
-On CUDA the peak is the caching allocator's (exact); on CPU it is the process's peak resident set, reset through
-``/proc/self/clear_refs`` before the step (Linux; elsewhere nothing is measured and ``--cpu-kv-cache-gib`` stands).
-On CPU the flag names the cache's size; it is cut to what the machine has left beside the step, with a warning,
-rather than let the cache's pages be refused by the kernel's OOM killer hours into a job."""
+On CUDA the peak is the caching allocator's (what torch allocates: a communication library's own buffers aside); on
+CPU it is the process's peak resident set, reset through ``/proc/self/clear_refs`` before the step (Linux; elsewhere
+nothing is measured and ``--cpu-kv-cache-gib`` stands). On CPU the flag names the cache's size; it is cut to what the
+machine has left beside the step (a share of it for each rank of a group started here), with a warning, rather than
+let the kernel's OOM killer take the server when the cache's pages fill hours into a job."""
 
 from __future__ import annotations
 
@@ -56,7 +57,9 @@ def cache_budget(config: EngineConfig, device: torch.device, step_bytes: int, re
     available = _available_bytes()
     if available is None:
         return asked
-    room = available - step_bytes - reserved_bytes
+    # A group's ranks started here (``mp``) share the machine: each its part of what is left. Ray's may be elsewhere.
+    here = config.world_size if config.distributed_executor_backend == "mp" else 1
+    room = available // here - step_bytes - reserved_bytes
     if room < asked:
         logger.warning(
             "--cpu-kv-cache-gib %.2f: this machine has %.2f GiB left beside the largest step (%.0f MiB at its peak) "

@@ -6,7 +6,8 @@ and leave every rank the whole of both. The layers' forwards (theirs, and ``gdn.
 counts from the layer, which says this rank's.
 
 Gated DeltaNet (Qwen3.5's and Qwen3-Next's: ``gdn.CLASSES``; OLMo hybrid's), Kimi Delta Attention and Mamba 2
-(Nemotron-H's, Granite 4's, Bamba's, Falcon-H1's, where its groups divide too); Mamba 1 and short convolutions stay
+(Nemotron-H's, Granite 4's, Bamba's, Falcon-H1's, where its groups divide too: a checkpoint of one group stays whole,
+where vLLM gives every rank the group's B and C and all-reduces the gated norm); Mamba 1 and short convolutions stay
 whole on every rank."""
 
 from __future__ import annotations
@@ -27,7 +28,11 @@ def split_state_heads(model: torch.nn.Module) -> int:
     whole)."""
     from torch.distributed.tensor import DTensor
 
-    layers: list[Any] = [module for module in model.modules() if type(module).__name__ in SPLITS]
+    layers: list[Any] = [
+        module
+        for module in model.modules()
+        if type(module).__name__ in SPLITS and not getattr(module, "heads_split", False)  # (split once)
+    ]
     split = next((p for p in model.parameters() if isinstance(p, DTensor)), None)  # the group's mesh
     if not layers or split is None or split.device_mesh.ndim != 1:
         return 0
@@ -42,6 +47,7 @@ def split_state_heads(model: torch.nn.Module) -> int:
     group = mesh.get_group()
     for layer in layers:
         SPLITS[type(layer).__name__](layer, rank, size)
+        layer.heads_split = True
         layer.register_forward_hook(lambda module, args, output: dist.all_reduce(output, group=group))
     return len(layers)
 
@@ -114,6 +120,8 @@ def _mamba2(layer: Any, rank: int, size: int) -> None:
     _keep(layer.out_proj, columns=i)
     if hasattr(layer.norm, "weight"):  # (Falcon-H1's may be none)
         layer.norm.weight = torch.nn.Parameter(layer.norm.weight[i], requires_grad=False)
+    if hasattr(layer.norm, "n_groups"):  # Falcon-H1's norm counts its groups (the others: their width)
+        layer.norm.n_groups = groups
     for name in ("A_log", "D", "dt_bias"):
         setattr(layer, name, torch.nn.Parameter(getattr(layer, name)[h], requires_grad=False))
     layer.num_heads, layer.intermediate_size, layer.n_groups = heads, inner, groups
