@@ -123,24 +123,28 @@ GDN_ADAPTERS = {
     "qwen3_next": {"r": 8, "lora_alpha": 16, "target_modules": ["in_proj_qkvz", "in_proj_ba", "out_proj"]},
     "olmo_hybrid": {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj", "g_proj", "b_proj", "o_proj"]},
     "kimi_linear": {"r": 8, "lora_alpha": 16, "target_modules": ["v_proj", "b_proj", "f_b_proj", "g_b_proj"]},
-    "nemotron_h": {"r": 8, "lora_alpha": 4, "target_modules": ["in_proj"]},  # peft refuses its Mamba's out_proj
+    "granitemoehybrid": {"r": 8, "lora_alpha": 4, "target_modules": ["in_proj", "out_proj"]},
 }
 """An adapter on the linear attention's linears: Qwen3.5's projections one by one, Qwen3-Next's fused by key head,
 OLMo hybrid's each a projection of its own (and its attention's q, v and o beside them), Kimi Delta Attention's
-(its gates' second, split halves), Nemotron-H's Mamba 2 input projection."""
+(its gates' second, split halves), Granite 4's Mamba 2 projections."""
+ONE_GROUP = {"granitemoehybrid": {"mamba_n_groups": 1}}
+"""Granite 4 as its checkpoints are, one group of B and C for all its Mamba heads: each rank keeps it whole (the split
+of groups, Nemotron-H's eight, was checked by hand)."""
 
 
 @pytest.mark.parametrize("name", sorted(GDN_ADAPTERS))
 def test_a_hybrid_model_on_two_ranks(tmp_path: Path, name: str) -> None:
-    """Qwen3.5's, Qwen3-Next's and OLMo hybrid's Gated DeltaNet layers, Kimi Linear's Delta Attention and Nemotron-H's
+    """Qwen3.5's, Qwen3-Next's and OLMo hybrid's Gated DeltaNet layers, Kimi Linear's Delta Attention and Granite 4's
     Mamba 2 beside attention, split two ways by heads (vLLM's split): each rank its key heads' query and key, its
-    value heads' value, gate and decay (Mamba's groups' B and C), their convolution channels and its share of the
-    state, the partial outputs summed; the state laid out by the driver (the channel sends each step's state layout,
-    and each slot copy: a fork's, a checkpoint's restored). The base and an adapter on the linear attention's
-    linears (each rank its heads' rows or columns of it) mixed in one batch, peft's tokens and logprobs (on the CPU
-    kernels where the family has them); and for Qwen3.5 transformers' with n = 2 and prefix hits. A rank once died
-    at start (its mixers had no layout); then every rank ran the whole recurrence over a whole copy of the state."""
-    spec = HYBRID_FAMILIES[name]
+    value heads' value, gate and decay (Mamba's: its heads' one group of B and C, whole), their convolution channels
+    and its share of the state, the partial outputs summed; the state laid out by the driver (the channel sends each
+    step's state layout, and each slot copy: a fork's, a checkpoint's restored). The base and an adapter on the
+    linear attention's linears (each rank its heads' rows or columns of it) mixed in one batch, peft's tokens and
+    logprobs (on the CPU kernels where the family has them); and for Qwen3.5 transformers' with n = 2 and prefix
+    hits. A rank once died at start (its mixers had no layout); then every rank ran the whole recurrence over a
+    whole copy of the state."""
+    spec = {**HYBRID_FAMILIES[name], **ONE_GROUP.get(name, {})}
     path = _build(name, spec, build_tokenizer(), tmp_path / "model")
     adapters = make_adapters(path, tmp_path, {"gdn": GDN_ADAPTERS[name]})
     lora = {"enable_lora": True, "lora_modules": (f"gdn={adapters['gdn']}",), "max_loras": 1, "max_lora_rank": 8}
@@ -149,7 +153,7 @@ def test_a_hybrid_model_on_two_ranks(tmp_path: Path, name: str) -> None:
     states = engine.runner.states
     assert states is not None and engine.runner.split_heads == 2
     assert all(states.mixers.fast) == (name in GDN_KERNELS)  # the others through their own forwards
-    heads = spec.get("linear_num_value_heads") or spec.get("linear_num_heads") or spec["mamba_num_heads"]  # whole
+    heads = spec.get("linear_num_value_heads") or spec.get("linear_num_heads") or spec["mamba_n_heads"]  # whole
     recurrent = [state for layer in states.layers for state in layer.states if state.key[1] == "recurrent"]
     assert recurrent and all(state.shape[0] == heads // 2 for state in recurrent)
     try:

@@ -6,9 +6,8 @@ and leave every rank the whole of both. The layers' forwards (theirs, and ``gdn.
 counts from the layer, which says this rank's.
 
 Gated DeltaNet (Qwen3.5's and Qwen3-Next's: ``gdn.CLASSES``; OLMo hybrid's), Kimi Delta Attention and Mamba 2
-(Nemotron-H's, Granite 4's, Bamba's, Falcon-H1's, where its groups divide too: a checkpoint of one group stays whole,
-where vLLM gives every rank the group's B and C and all-reduces the gated norm); Mamba 1 and short convolutions stay
-whole on every rank."""
+(Nemotron-H's, Granite 4's, Bamba's, Falcon-H1's: the ranks split its groups, or each keeps its heads' one); Mamba 1
+and short convolutions stay whole on every rank."""
 
 from __future__ import annotations
 
@@ -40,19 +39,20 @@ def split_state_heads(model: torch.nn.Module) -> int:
     rank, size = mesh.get_local_rank(), mesh.size()
     for layer in layers:
         heads = getattr(layer, "num_k_heads", None) or layer.num_heads
-        if heads % size or getattr(layer, "n_groups", size) % size:  # (Mamba's groups too)
+        groups = getattr(layer, "n_groups", size)  # Mamba's: the ranks split them, or share one each
+        if heads % size or (groups % size and size % groups):
             return 0
         if any(m.bias is not None for m in layer.modules() if isinstance(m, torch.nn.Linear)):
             return 0
     group = mesh.get_group()
     for layer in layers:
-        SPLITS[type(layer).__name__](layer, rank, size)
+        SPLITS[type(layer).__name__](layer, rank, size, group)
         layer.heads_split = True
         layer.register_forward_hook(lambda module, args, output: dist.all_reduce(output, group=group))
     return len(layers)
 
 
-def _gated_deltanet(layer: Any, rank: int, size: int) -> None:
+def _gated_deltanet(layer: Any, rank: int, size: int, group: Any) -> None:
     """A Gated DeltaNet layer cut to rank ``rank``'s heads of ``size`` shares (its value heads follow its key heads:
     each key head serves the same number of consecutive value heads)."""
     dk, dv = layer.head_k_dim, layer.head_v_dim
@@ -83,7 +83,7 @@ def _gated_deltanet(layer: Any, rank: int, size: int) -> None:
     layer.conv_dim = 2 * layer.key_dim + layer.value_dim
 
 
-def _kimi_delta_attention(layer: Any, rank: int, size: int) -> None:
+def _kimi_delta_attention(layer: Any, rank: int, size: int, group: Any) -> None:
     """Kimi Delta Attention cut to rank ``rank``'s heads: its query, key and value heads, their convolution
     channels, their channels of the forget gate and the output gate (whose low-rank first halves stay whole), their
     beta and decay."""
@@ -103,32 +103,58 @@ def _kimi_delta_attention(layer: Any, rank: int, size: int) -> None:
     layer.conv_dim = 3 * len(c)
 
 
-def _mamba2(layer: Any, rank: int, size: int) -> None:
-    """A Mamba 2 mixer cut to rank ``rank``'s heads and their groups (each group's B and C serve its heads): its
-    gate, input, B, C and step rows of ``in_proj``, their convolution channels, its heads' decay, skip and step
-    bias, its channels of the grouped norm."""
-    heads, inner, groups = layer.num_heads // size, layer.intermediate_size // size, layer.n_groups // size
-    whole, state = layer.intermediate_size, layer.n_groups * layer.ssm_state_size
+def _mamba2(layer: Any, rank: int, size: int, group: Any) -> None:
+    """A Mamba 2 mixer cut to rank ``rank``'s heads: its gate, input and step rows of ``in_proj``, its heads' decay,
+    skip and step bias, and the B and C of their groups (each group's serve its heads), with their convolution
+    channels. Where the ranks outnumber the groups (one group, as most checkpoints have), a rank's heads lie in one
+    group, whose B and C it keeps whole, and the gated norm, which normalizes over a whole group, runs on the
+    gathered channels (vLLM all-reduces its sums instead)."""
+    heads, inner, n = layer.num_heads // size, layer.intermediate_size // size, layer.ssm_state_size
+    whole, state, shared = layer.intermediate_size, layer.n_groups * n, layer.n_groups % size != 0
+    groups = 1 if shared else layer.n_groups // size
+    first = rank * layer.n_groups // size if shared else rank * groups  # its first group
     h = torch.arange(rank * heads, (rank + 1) * heads)
     i = torch.arange(rank * inner, (rank + 1) * inner)
-    g = torch.arange(rank * groups * layer.ssm_state_size, (rank + 1) * groups * layer.ssm_state_size)
+    g = torch.arange(first * n, (first + groups) * n)
     rows = torch.cat([i, whole + i, 2 * whole + g, 2 * whole + state + g, 2 * (whole + state) + h])
     _keep(layer.in_proj, rows=rows)
     if hasattr(layer, "mup_vector"):  # Falcon-H1's multipliers of those rows
         layer.mup_vector = layer.mup_vector[..., rows]
     _keep_channels(layer.conv1d, torch.cat([i, whole + g, whole + state + g]))
     _keep(layer.out_proj, columns=i)
-    if hasattr(layer.norm, "weight"):  # (Falcon-H1's may be none)
-        layer.norm.weight = torch.nn.Parameter(layer.norm.weight[i], requires_grad=False)
-    if hasattr(layer.norm, "n_groups"):  # Falcon-H1's norm counts its groups (the others: their width)
-        layer.norm.n_groups = groups
+    if shared:
+        if not isinstance(layer.norm, torch.nn.Identity):  # (Falcon-H1's may be none)
+            layer.norm.forward = _gathered(layer.norm.forward, group)
+    else:
+        if hasattr(layer.norm, "weight"):  # (Falcon-H1's may be none)
+            layer.norm.weight = torch.nn.Parameter(layer.norm.weight[i], requires_grad=False)
+        if hasattr(layer.norm, "n_groups"):  # Falcon-H1's norm counts its groups (the others: their width)
+            layer.norm.n_groups = groups
     for name in ("A_log", "D", "dt_bias"):
         setattr(layer, name, torch.nn.Parameter(getattr(layer, name)[h], requires_grad=False))
     layer.num_heads, layer.intermediate_size, layer.n_groups = heads, inner, groups
-    layer.conv_dim = inner + 2 * groups * layer.ssm_state_size
+    layer.conv_dim = inner + 2 * groups * n
 
 
-SPLITS: dict[str, Callable[[Any, int, int], None]] = {
+def _gathered(forward: Callable[..., torch.Tensor], group: Any) -> Callable[..., torch.Tensor]:
+    """``forward`` (a norm over the last dimension's channels, and a gate's) on every rank's channels, gathered in
+    rank order; this rank's share of its output."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+
+    def whole(part: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(part) for _ in range(size)]
+        dist.all_gather(parts, part.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    def run(hidden_states: torch.Tensor, gate: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+        out = forward(whole(hidden_states), None if gate is None else whole(gate), **kwargs)
+        width = out.shape[-1] // size
+        return out[..., rank * width : (rank + 1) * width]
+
+    return run
+
+
+SPLITS: dict[str, Callable[[Any, int, int, Any], None]] = {
     **dict.fromkeys([*CLASSES, "OlmoHybridGatedDeltaNet"], _gated_deltanet),
     "KimiLinearDeltaAttention": _kimi_delta_attention,
     **dict.fromkeys(["NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer", "BambaMixer", "FalconH1Mixer"], _mamba2),
