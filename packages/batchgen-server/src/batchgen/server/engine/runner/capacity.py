@@ -34,11 +34,9 @@ def cache_sizes(
     """The sizes in ``budget`` bytes (``None``: ``--num-kv-blocks`` names the blocks); ``block_bytes`` and
     ``slot_bytes`` are what a block and a slot cost, ``context`` the longest sequence (if the model declares one)."""
     if not slot_bytes:
-        if not block_bytes:  # a pipeline stage of neither (an MLP's layers alone): the other stages size the cache
-            return CacheSizes(
-                config.num_kv_blocks or MAX_BOOKKEEPING_BLOCKS, config.max_num_seqs, MAX_BOOKKEEPING_BLOCKS
-            )
-        blocks = config.num_kv_blocks or int((budget or 0) // block_bytes)
+        # A pipeline stage of neither attention nor state layers (an MLP's alone) leaves the size to the others.
+        whole = int((budget or 0) // block_bytes) if block_bytes else MAX_BOOKKEEPING_BLOCKS
+        blocks = config.num_kv_blocks or whole
         if blocks < 2:
             mib = (budget or 0) / 2**20
             raise RuntimeError(f"no memory left for the KV cache ({mib:.0f} MiB); lower the load or dtype")

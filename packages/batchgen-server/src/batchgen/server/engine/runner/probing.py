@@ -34,7 +34,6 @@ class ModelProbe:
         self.model, self.device, self.pooling_only, self.masks = model, device, pooling_only, masks
         self.architecture = type(model).__name__
 
-    @torch.no_grad()
     def layers(self) -> LayerProbe:
         """Its attention layers: a few tokens through the model with the probe as attention."""
         probe = LayerProbe()

@@ -124,7 +124,7 @@ def _mamba2(layer: Any, rank: int, size: int, group: Any) -> None:
     _keep(layer.out_proj, columns=i)
     if shared:
         if not isinstance(layer.norm, torch.nn.Identity):  # (Falcon-H1's may be none)
-            layer.norm.forward = _gathered(layer.norm.forward, group)
+            layer.norm.forward = _gathered(layer.norm.forward, rank, size, group)
     else:
         if hasattr(layer.norm, "weight"):  # (Falcon-H1's may be none)
             layer.norm.weight = torch.nn.Parameter(layer.norm.weight[i], requires_grad=False)
@@ -136,10 +136,9 @@ def _mamba2(layer: Any, rank: int, size: int, group: Any) -> None:
     layer.conv_dim = inner + 2 * groups * n
 
 
-def _gathered(forward: Callable[..., torch.Tensor], group: Any) -> Callable[..., torch.Tensor]:
-    """``forward`` (a norm over the last dimension's channels, and a gate's) on every rank's channels, gathered in
-    rank order; this rank's share of its output."""
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
+def _gathered(forward: Callable[..., torch.Tensor], rank: int, size: int, group: Any) -> Callable[..., torch.Tensor]:
+    """``forward`` (a norm over the last dimension's channels, and a gate's) on the ``size`` ranks' channels, gathered
+    in rank order; rank ``rank``'s share of its output."""
 
     def whole(part: torch.Tensor) -> torch.Tensor:
         parts = [torch.empty_like(part) for _ in range(size)]
