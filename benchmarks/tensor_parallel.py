@@ -4,6 +4,11 @@ model split over 2 ranks (1 thread each: by heads, TP=2, or by layers, PP=2) aga
 
     python benchmarks/tensor_parallel.py                       # hidden 2048, 16 layers, 32/8 heads: ~0.97B params
     python benchmarks/tensor_parallel.py --layers 4 --tokens 8  # shorter
+    python benchmarks/tensor_parallel.py --family qwen3_5 --layers 8 --vllm ''  # hybrid: its state split by heads
+
+``--family qwen3_5`` saves a Qwen3.5-shaped hybrid instead (three Gated DeltaNet layers to one of attention, 16 key
+and 32 value heads of 128), and the table adds each rank's recurrent state per sequence: split by heads at TP=2
+(``engine/features/state/heads.py``), by layers at PP=2.
 
 The model (Llama 3.2 1B's layer shapes, the demo tokenizer's vocabulary, so the embedding is tiny) is saved once as
 float32. Each configuration runs in a process of its own through ``build_engine`` (the server's path, the self-check
@@ -37,29 +42,38 @@ CONFIGS = [
 """name, --tensor-parallel-size, --pipeline-parallel-size, threads per rank."""
 
 
-def save_model(path: Path, layers: int) -> None:
+def save_model(path: Path, layers: int, family: str) -> None:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from batchgen.server.engine.loading.demo_model import build_tokenizer
 
     tokenizer = build_tokenizer()
     vocab = tokenizer.get_vocab()
-    config = LlamaConfig(
+    shape: dict[str, object] = {"num_attention_heads": 32, "num_key_value_heads": 8}
+    if family == "qwen3_5":  # Qwen3.5's text model at this width
+        shape = {
+            "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 128, "linear_num_key_heads": 16,
+            "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+            "linear_conv_kernel_dim": 4,
+            "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * (layers // 4 + 1),
+        }  # fmt: skip
+        shape["layer_types"] = shape["layer_types"][:layers]  # type: ignore[index]
+    config = AutoConfig.for_model(
+        "qwen3_5_text" if family == "qwen3_5" else "llama",
         hidden_size=2048,
         intermediate_size=8192,
         num_hidden_layers=layers,
-        num_attention_heads=32,
-        num_key_value_heads=8,
         vocab_size=len(tokenizer),
         max_position_embeddings=2048,
         bos_token_id=vocab["<|bos|>"],
         eos_token_id=vocab["<|eos|>"],
         tie_word_embeddings=True,
+        **shape,
     )
     torch.manual_seed(0)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config)
     model = model.to_empty(device="cpu")
     with torch.no_grad():
         for parameter in model.parameters():
@@ -95,7 +109,7 @@ def child(model: str, tp: int, pp: int, threads: int, seqs: int, tokens: int, fa
     rss = {"driver": _rss("self")}
     if engine.runner.group is not None:
         for rank, process in enumerate(engine.runner.group.processes, start=1):  # type: ignore[attr-defined]
-            rss[f"rank {rank}"] = _rss(str(process.pid))
+            rss[f"rank {rank}"] = _rss(str(process.process.pid))  # (mp's ranks: their subprocess)
     reduce_s = [0.0]
     if tp > 1:
         all_reduce = dist.all_reduce
@@ -133,7 +147,9 @@ def child(model: str, tp: int, pp: int, threads: int, seqs: int, tokens: int, fa
     wall, decode_s, decode_reduce, outputs = run("timed")
     if engine.runner.group is not None:
         engine.runner.group.stop()  # type: ignore[attr-defined]
+    states = engine.runner.states
     return {
+        "state": states.slot_bytes if states is not None else 0,
         "weights": weights,
         "rss": rss,
         "rate": seqs * tokens / wall,
@@ -189,6 +205,7 @@ def _rss(pid: str) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--family", choices=["llama", "qwen3_5"], default="llama")
     parser.add_argument("--seqs", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--fast", action="store_true", help="a last row: 1 rank, 2 threads, its fast paths on")
@@ -206,9 +223,9 @@ def main() -> None:
     )
     load_before = " ".join(Path("/proc/loadavg").read_text().split()[:3])  # the machine may be shared
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "llama-1b-shaped"
+        path = Path(tmp) / f"{args.family}-shaped"
         began = time.perf_counter()
-        save_model(path, args.layers)
+        save_model(path, args.layers, args.family)
         print(f"model saved in {time.perf_counter() - began:.0f} s", file=sys.stderr)
         rows, reference = [], None
         for name, tp, pp, threads, fast in [] if args.vllm_only else configs:
@@ -229,22 +246,25 @@ def main() -> None:
             rows.append(("vLLM CPU, TP=2, 1 thread per rank (enforce_eager)", row))
     base = next((r["rate"] for _, r in rows if r), 1.0)
     print(f"load average before: {load_before}, after: {' '.join(Path('/proc/loadavg').read_text().split()[:3])}")
+    hybrid = args.family != "llama"
     print(
-        "| configuration | weight MiB per rank | RSS MiB per process | generated tok/wall-s | vs TP=1 x 1 "
-        "| all-reduce share of a decode step | tokens as TP=1 |"
+        "| configuration | weight MiB per rank | "
+        + ("state KiB per sequence per rank | " if hybrid else "")
+        + "RSS MiB per process | generated tok/wall-s | vs TP=1 x 1 | all-reduce share of a decode step | "
+        "tokens as TP=1 |"
     )
-    print("|---|---:|---|---:|---:|---:|---|")
+    print("|---|---:|" + ("---:|" if hybrid else "") + "---|---:|---:|---:|---|")
     for name, r in rows:
         if r is None:
-            print(f"| {name} | - | - | failed | - | - | - |")
+            print(f"| {name} | - | " + ("- | " if hybrid else "") + "- | failed | - | - | - |")
             continue
+        cells = [name, f"{r['weights'] / 2**20:.0f}" if r["weights"] else "-"]
+        if hybrid:
+            cells.append(f"{r['state'] / 2**10:.0f}")
         rss = ", ".join(f"{who} {value / 2**20:.0f}" for who, value in r["rss"].items()) or "-"
-        weights = f"{r['weights'] / 2**20:.0f}" if r["weights"] else "-"
         share = f"{100 * r['reduce_share']:.0f}%" if r["reduce_share"] else "-"
-        print(
-            f"| {name} | {weights} | {rss} | {r['rate']:.2f} | {r['rate'] / base:.2f}x | {share} | "
-            f"{'identical' if r['same'] else 'DIFFERENT'} |"
-        )
+        cells += [rss, f"{r['rate']:.2f}", f"{r['rate'] / base:.2f}x", share]
+        print("| " + " | ".join([*cells, "identical" if r["same"] else "DIFFERENT"]) + " |")
 
 
 if __name__ == "__main__":
